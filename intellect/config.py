@@ -1,0 +1,261 @@
+"""Strict run configs: one pydantic model per component, TOML + env + CLI.
+
+Every model forbids unknown keys and bounds every field, so a typo or an
+out-of-range value fails at load time with a one-line message that names the
+field and what it accepts::
+
+    >>> load_config(SmokeConfig, overrides=["train.lr=-1"])
+    Traceback (most recent call last):
+    ...
+    intellect.config.ConfigError: invalid config: train.lr: Input should be greater than 0 (got -1)
+
+Precedence, lowest first: model defaults, the TOML file, environment
+variables (``INTELLECT_TRAIN__LR=3e-4``; ``__`` separates levels), then CLI
+overrides (``train.lr=3e-4``). Values from env and CLI are read as TOML
+literals when they parse as one (``3e-4``, ``true``, ``["+", "-"]``) and as
+strings otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+ENV_PREFIX = "INTELLECT_"
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; the message is one line."""
+
+
+class StrictModel(BaseModel):
+    """Base of every config: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------- components
+
+
+class ModelConfig(StrictModel):
+    """The tiny Llama built from scratch, or any local HF checkpoint folder."""
+
+    pretrained: str | None = Field(
+        None,
+        description="Path of a local HF checkpoint folder to load instead of building a new model "
+        "(config.json + safetensors + tokenizer files). Nothing is downloaded.",
+    )
+    hidden_size: int = Field(128, ge=8, le=8192, description="Width of the residual stream.")
+    num_layers: int = Field(4, ge=1, le=128, description="Number of decoder blocks.")
+    num_heads: int = Field(4, ge=1, le=128, description="Attention heads (query).")
+    num_kv_heads: int = Field(4, ge=1, le=128, description="Key/value heads (GQA when < num_heads).")
+    intermediate_size: int = Field(384, ge=8, le=65536, description="Width of the SwiGLU MLP.")
+    max_position_embeddings: int = Field(
+        64, ge=8, le=131072, description="Longest sequence (prompt + completion) in tokens."
+    )
+    rope_theta: float = Field(10000.0, gt=0, le=1e8, description="RoPE base frequency.")
+    tie_word_embeddings: bool = Field(True, description="Share the input embedding and the LM head.")
+    init_seed: int = Field(0, ge=0, description="Seed of the random initialization.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+
+class DataConfig(StrictModel):
+    """Seeded synthetic arithmetic: pretraining text and RL prompts."""
+
+    seed: int = Field(0, ge=0, description="Seed of the training stream (the held-out split never depends on it).")
+    ops: list[Literal["+", "-", "*"]] = Field(
+        ["+", "-", "*"], min_length=1, description="Operators to draw from, uniformly."
+    )
+    min_digits: int = Field(1, ge=1, le=6, description="Fewest digits of an operand.")
+    max_digits: int = Field(
+        2, ge=1, le=6,
+        description="Most digits of an operand: the difficulty knob. 2 leaves the pretrained tiny model "
+        "a wide spread of pass rates for RL; 3 is far harder.",
+    )
+    heldout_percent: int = Field(
+        5, ge=1, le=50,
+        description="Share of all problems (by content hash) reserved for evaluation; training never sees them.",
+    )
+
+    @model_validator(mode="after")
+    def _digits_ordered(self) -> "DataConfig":
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
+        return self
+
+
+class StorageConfig(StrictModel):
+    """Where a run lives: a local folder or an S3 prefix."""
+
+    url: str = Field(
+        "file://./runs",
+        description="Root of all runs: file://PATH or s3://BUCKET/PREFIX. A run is stored under URL/<run_name>.",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint (MinIO, moto, R2...). Defaults to AWS_ENDPOINT_URL or AWS itself."
+    )
+    key: str | None = Field(None, description="S3 access key id. Defaults to AWS_ACCESS_KEY_ID.")
+    secret: SecretStr | None = Field(None, description="S3 secret key. Defaults to AWS_SECRET_ACCESS_KEY.")
+    region: str | None = Field(None, description="S3 region. Defaults to AWS_DEFAULT_REGION.")
+    keep_last: int = Field(5, ge=1, le=100000, description="Complete steps kept by retention (newest first).")
+
+    @model_validator(mode="after")
+    def _scheme_known(self) -> "StorageConfig":
+        if not (self.url.startswith("file://") or self.url.startswith("s3://") or "://" not in self.url):
+            raise ValueError(f"url must start with file:// or s3:// (got {self.url!r})")
+        return self
+
+
+class TrainConfig(StrictModel):
+    """The plain single-process training loop (also DiLoCo's inner loop)."""
+
+    steps: int = Field(1000, ge=1, le=10_000_000, description="Optimizer steps.")
+    batch_size: int = Field(128, ge=1, le=65536, description="Sequences per optimizer step.")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="Peak learning rate of AdamW.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine floor).")
+    warmup_steps: int = Field(50, ge=0, le=1_000_000, description="Linear warmup steps.")
+    weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global gradient norm.")
+    eval_every: int = Field(0, ge=0, le=10_000_000, description="Evaluate every N steps (0: only at the end).")
+    eval_size: int = Field(256, ge=1, le=100000, description="Held-out problems per evaluation.")
+    seed: int = Field(0, ge=0, description="Seed of dropout-free training noise (batch order).")
+    threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads (0: leave torch's default).")
+
+
+# --------------------------------------------------------------------- runs
+
+
+class SmokeConfig(StrictModel):
+    """The smoke run: build the tiny model, pretrain it briefly, report accuracy."""
+
+    run_name: str = Field("smoke", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    pass_at_k_samples: int = Field(
+        8, ge=0, le=64, description="Samples per held-out prompt for the pass-rate report (0: skip)."
+    )
+    pass_at_k_prompts: int = Field(128, ge=1, le=100000, description="Held-out prompts in the pass-rate report.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the pass-rate report.")
+
+
+# --------------------------------------------------------------------- loading
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def parse_value(text: str) -> Any:
+    """Read a CLI/env value as a TOML literal, falling back to the raw string.
+
+    >>> parse_value("3e-4"), parse_value("true"), parse_value('["+", "-"]'), parse_value("a/b")
+    (0.0003, True, ['+', '-'], 'a/b')
+    """
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(data: dict[str, Any], dotted: Sequence[str], value: Any) -> None:
+    node = data
+    for part in dotted[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[dotted[-1]] = value
+
+
+def _allowed_fields(cls: type[BaseModel], loc: Sequence[Any]) -> list[str] | None:
+    model: Any = cls
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = field.annotation
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def format_validation_error(err: ValidationError, cls: type[BaseModel]) -> str:
+    """One line per config: ``field.path: what is wrong (got value)`` joined by ``; ``."""
+    parts = []
+    for e in err.errors():
+        loc = [p for p in e["loc"] if not isinstance(p, int)]
+        name = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_fields(cls, loc[:-1])
+            hint = f"; allowed: {', '.join(allowed)}" if allowed else ""
+            parts.append(f"{name}: unknown field{hint}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] in ("missing",) or isinstance(e.get("input"), (dict, BaseModel)) else f" (got {e['input']!r})"
+        parts.append(f"{name}: {msg}{got}")
+    return "; ".join(parts)
+
+
+def env_overrides(environ: Mapping[str, str], cls: type[BaseModel], prefix: str = ENV_PREFIX) -> dict[str, Any]:
+    """Nested dict from ``PREFIX_SECTION__FIELD=value`` variables naming known top-level fields."""
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(prefix):
+            continue
+        path = key[len(prefix):].lower().split("__")
+        if path[0] in cls.model_fields:
+            _set_path(out, path, parse_value(value))
+    return out
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def load_config(
+    cls: type[C],
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> C:
+    """Build ``cls`` from defaults, a TOML file, ``INTELLECT_*`` env vars and ``a.b=v`` overrides."""
+    where = f" {path}" if path else ""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"invalid TOML in {path}: {e}") from None
+    _merge(data, env_overrides(os.environ if environ is None else environ, cls))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _set_path(data, key.strip().split("."), parse_value(value.strip()))
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config{where}: {format_validation_error(e, cls)}") from None

@@ -1,0 +1,51 @@
+"""The task set: seeded synthetic arithmetic and loaders for user task files."""
+
+from intellect.data.arithmetic import (
+    ALPHABET,
+    HELDOUT_SEED,
+    OPS,
+    Problem,
+    batch_texts,
+    heldout_problems,
+    in_alphabet,
+    is_heldout,
+    operand_range,
+    problem_space_size,
+    sample_problem,
+    train_stream,
+    verify_answer,
+)
+from intellect.data.loaders import (
+    CodeTask,
+    LoadResult,
+    MathTask,
+    RowError,
+    TaskFileError,
+    load_code_tasks,
+    load_math_tasks,
+    write_tasks_jsonl,
+)
+
+__all__ = [
+    "ALPHABET",
+    "HELDOUT_SEED",
+    "OPS",
+    "CodeTask",
+    "LoadResult",
+    "MathTask",
+    "Problem",
+    "RowError",
+    "TaskFileError",
+    "batch_texts",
+    "heldout_problems",
+    "in_alphabet",
+    "is_heldout",
+    "load_code_tasks",
+    "load_math_tasks",
+    "operand_range",
+    "problem_space_size",
+    "sample_problem",
+    "train_stream",
+    "verify_answer",
+    "write_tasks_jsonl",
+]

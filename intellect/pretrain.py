@@ -1,0 +1,156 @@
+"""Single-machine pretraining on the synthetic task, with checkpoints in run storage.
+
+The smoke run's steps, each a plain function over run storage so that a
+Prefect task, a script or a test can call it: build and publish the initial
+checkpoint, train from a checkpoint, evaluate a checkpoint, and measure
+pass@k rates on held-out prompts. Checkpoints are HF folders published at
+``checkpoints/step_<n>/`` with ``STABLE`` written last.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from intellect.config import SmokeConfig
+from intellect.data.arithmetic import heldout_problems, train_stream
+from intellect.model.checkpoint import build_model, load_checkpoint, save_checkpoint
+from intellect.storage import RunStorage
+from intellect.train import evaluate, pass_counts, train
+
+CHECKPOINTS = "checkpoints"
+
+
+def publish_checkpoint(model, tokenizer, storage: RunStorage, step: int, extra: dict | None = None) -> str:
+    """Write ``checkpoints/step_<step>`` (HF folder, plus ``extra`` JSON files) and mark it stable."""
+    with tempfile.TemporaryDirectory(prefix="intellect-ckpt-") as tmp:
+        folder = save_checkpoint(model, tokenizer, Path(tmp) / "model")
+        files: dict[str, bytes | Path] = _folder_files(folder)
+        files.update({name: json.dumps(obj, indent=1).encode() for name, obj in (extra or {}).items()})
+        storage.write_step(step, CHECKPOINTS, files)
+    return storage.uri(storage.step_path(step, CHECKPOINTS))
+
+
+def _folder_files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
+
+
+def fetch_checkpoint(storage: RunStorage, step: int | None = None):
+    """Model and tokenizer of a complete checkpoint (the newest when ``step`` is None)."""
+    if step is None:
+        step = storage.latest_step(CHECKPOINTS)
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint under {storage.uri(CHECKPOINTS)}")
+    elif not storage.is_stable(step, CHECKPOINTS):
+        raise FileNotFoundError(f"checkpoint step {step} is not complete in {storage.uri(CHECKPOINTS)}")
+    with tempfile.TemporaryDirectory(prefix="intellect-ckpt-") as tmp:
+        storage.get_dir(storage.step_path(step, CHECKPOINTS), Path(tmp) / "model")
+        model, tok = load_checkpoint(Path(tmp) / "model")
+        # safetensors maps the file lazily: materialize before the folder goes away
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model, tok
+
+
+def init_checkpoint(cfg: SmokeConfig, storage: RunStorage) -> int:
+    """Build the configured model and publish it as step 0 (kept if already there)."""
+    if not storage.is_stable(0, CHECKPOINTS):
+        model, tok = build_model(cfg.model)
+        publish_checkpoint(model, tok, storage, 0)
+    return 0
+
+
+TRAIN_REPORT = "train_report.json"
+
+
+@dataclass(frozen=True)
+class PretrainOutcome:
+    step: int
+    seconds: float
+    tokens: int
+    first_loss: float
+    final_loss: float
+    resumed: bool = False  # True when the target checkpoint already existed and was reused
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def pretrain(
+    cfg: SmokeConfig,
+    storage: RunStorage,
+    from_step: int,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> PretrainOutcome:
+    """Train ``cfg.train.steps`` steps from checkpoint ``from_step``; publish the result.
+
+    Idempotent: when the target checkpoint is already complete (a retried task,
+    a rerun of the same run) it is reused and its saved report returned.
+    """
+    step = from_step + cfg.train.steps
+    if storage.is_stable(step, CHECKPOINTS):
+        saved = json.loads(storage.read_text(f"{storage.step_path(step, CHECKPOINTS)}/{TRAIN_REPORT}"))
+        return PretrainOutcome(**{**saved, "resumed": True})
+    model, tok = fetch_checkpoint(storage, from_step)
+    stream = train_stream(cfg.data)
+    batches = iter(lambda: [next(stream).text for _ in range(cfg.train.batch_size)], None)
+    result = train(model, tok, cfg.train, batches, on_step)
+    outcome = PretrainOutcome(
+        step=step,
+        seconds=result.seconds,
+        tokens=result.tokens,
+        first_loss=result.history[0]["loss"],
+        final_loss=result.history[-1]["loss"],
+    )
+    publish_checkpoint(model.eval(), tok, storage, step, {TRAIN_REPORT: asdict(outcome)})
+    return outcome
+
+
+def heldout_eval(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
+    """Held-out loss and greedy exact-match accuracy of checkpoint ``step``."""
+    model, tok = fetch_checkpoint(storage, step)
+    t0 = time.perf_counter()
+    res = evaluate(model, tok, heldout_problems(cfg.data, cfg.train.eval_size))
+    return {"step": step, "loss": res.loss, "accuracy": res.accuracy, "n": res.n,
+            "seconds": time.perf_counter() - t0}
+
+
+def pass_rate_window(counts: list[int], k: int, low: int = 1, high: int = 4) -> float:
+    """Share of prompts solved by at least ``low`` and at most ``high`` of ``k`` samples.
+
+    The RL stage learns only from such prompts (the pass@k filter of INTELLECT-2).
+
+    >>> pass_rate_window([0, 1, 4, 5, 8, 2], k=8)
+    0.5
+    """
+    if not counts:
+        return 0.0
+    return sum(low <= c <= high for c in counts) / len(counts)
+
+
+def pass_rate_report(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
+    """Sample ``k`` answers per held-out prompt and report how the pass counts spread."""
+    k = cfg.pass_at_k_samples
+    model, tok = fetch_checkpoint(storage, step)
+    tasks = heldout_problems(cfg.data, cfg.pass_at_k_prompts)
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        counts = pass_counts(model, tok, tasks, k=k, temperature=cfg.temperature, seed=cfg.data.seed)
+    histogram = [counts.count(c) for c in range(k + 1)]
+    return {
+        "step": step,
+        "k": k,
+        "prompts": len(tasks),
+        "temperature": cfg.temperature,
+        "histogram": histogram,
+        "share_in_window": pass_rate_window(counts, k, 1, k // 2),
+        "mean_pass_rate": sum(counts) / (k * len(tasks)),
+        "seconds": time.perf_counter() - t0,
+    }

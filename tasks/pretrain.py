@@ -1,0 +1,79 @@
+"""Prefect tasks of single-machine pretraining: each one side effect on run storage.
+
+Tasks take the run config (a small pydantic model) and step numbers, and
+return small pydantic reports; weights travel through run storage, never
+through Prefect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from intellect import pretrain as P
+from intellect.config import SmokeConfig
+from intellect.storage import RunStorage
+
+
+class EvalReport(BaseModel):
+    step: int
+    loss: float
+    accuracy: float
+    n: int
+    seconds: float
+
+
+class PretrainReport(BaseModel):
+    step: int
+    seconds: float
+    tokens: int
+    first_loss: float
+    final_loss: float
+    resumed: bool
+    tokens_per_second: float
+
+
+class PassRateReport(BaseModel):
+    step: int
+    k: int
+    prompts: int
+    temperature: float
+    histogram: list[int]
+    share_in_window: float
+    mean_pass_rate: float
+    seconds: float
+
+
+def _storage(cfg: SmokeConfig) -> RunStorage:
+    return RunStorage.from_config(cfg.storage, cfg.run_name)
+
+
+@task(name="init-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=600)
+def init_checkpoint(cfg: SmokeConfig) -> int:
+    return P.init_checkpoint(cfg, _storage(cfg))
+
+
+@task(name="pretrain", cache_policy=NO_CACHE, retries=1, timeout_seconds=6 * 3600)
+def pretrain(cfg: SmokeConfig, from_step: int) -> PretrainReport:
+    logger = get_run_logger()
+    every = max(cfg.train.steps // 10, 1)
+
+    def log(step: int, m: dict) -> None:
+        if step % every == 0 or step == cfg.train.steps:
+            logger.info("step %d/%d loss %.4f lr %.2e", step, cfg.train.steps, m["loss"], m["lr"])
+
+    out = P.pretrain(cfg, _storage(cfg), from_step, log)
+    return PretrainReport(**asdict(out), tokens_per_second=out.tokens_per_second)
+
+
+@task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, timeout_seconds=1800)
+def evaluate_checkpoint(cfg: SmokeConfig, step: int) -> EvalReport:
+    return EvalReport(**P.heldout_eval(cfg, _storage(cfg), step))
+
+
+@task(name="pass-rates", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
+def pass_rates(cfg: SmokeConfig, step: int) -> PassRateReport:
+    return PassRateReport(**P.pass_rate_report(cfg, _storage(cfg), step))

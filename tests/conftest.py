@@ -1,0 +1,43 @@
+"""Shared test setup: an isolated Prefect home, telemetry off, and the flow harness.
+
+The environment is set at import time, before any test module imports
+Prefect, so no test ever touches the user's ~/.prefect or phones home.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="intellect-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# A developer's shell may point at a real server; tests use their own.
+os.environ.pop("PREFECT_API_URL", None)
+for key in [k for k in os.environ if k.startswith("INTELLECT_")]:
+    del os.environ[key]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server for tests that run flows (started once, on first use)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,50 @@
+"""The smoke flow end to end under a real (temporary) Prefect server, on a few steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from intellect.config import SmokeConfig, load_config
+from intellect.storage import RunStorage
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_cfg(tmp_path, **over) -> SmokeConfig:
+    overrides = [
+        f"storage.url=file://{tmp_path}", "train.steps=30", "train.batch_size=16",
+        "train.eval_size=32", "pass_at_k_prompts=8", "pass_at_k_samples=4", "model.num_layers=2",
+    ] + [f"{k}={v}" for k, v in over.items()]
+    return load_config(SmokeConfig, overrides=overrides, environ={})
+
+
+def test_smoke_flow_trains_publishes_and_reports(prefect_harness, tmp_path):
+    from prefect.client.orchestration import get_client  # noqa: F401 - harness is live
+    from flows.smoke import smoke
+
+    cfg = tiny_cfg(tmp_path)
+    state = smoke(cfg, return_state=True)
+    assert state.is_completed()
+    report = state.result()
+    assert report.pretrain.step == 30 and not report.pretrain.resumed
+    assert report.after.loss < report.before.loss
+    assert report.pass_rates and sum(report.pass_rates.histogram) == 8
+
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    assert storage.complete_steps("checkpoints") == [0, 30]
+    saved = json.loads(storage.read_text("checkpoints/step_30/train_report.json"))
+    assert saved["tokens"] == report.pretrain.tokens
+
+    # a rerun of the same run reuses the published checkpoint instead of failing or retraining
+    again = smoke(cfg)
+    assert again.pretrain.resumed and again.after.accuracy == report.after.accuracy
+
+
+def test_cli_rejects_bad_config_in_one_line(capsys):
+    from flows.cli import main
+
+    assert main(["smoke", "train.lr=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "intellect: invalid config: train.lr: Input should be greater than 0 (got -1)"
