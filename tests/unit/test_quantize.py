@@ -1,0 +1,228 @@
+import math
+import struct
+
+import pytest
+import torch
+
+from intellect.diloco.quantize import (
+    DEFAULT_CLIP_SIGMAS,
+    NUM_BUCKETS,
+    Quantized,
+    dequantize,
+    from_bytes,
+    quantize,
+    to_bytes,
+    wire_nbytes,
+)
+
+
+def rel_l2(y, x):
+    return float((y.double() - x.double()).norm() / x.double().norm())
+
+
+def gaussian(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def reference_quantize(x: torch.Tensor, c: float):
+    """Slow fp64 restatement of the spec: per-bucket loop."""
+    x64 = x.double()
+    mu, sigma = float(x64.mean()), float(x64.std(unbiased=False))
+    lo, w = mu - c * sigma, 2 * c * sigma / NUM_BUCKETS
+    idx = ((x64 - lo) / w).floor().clamp(0, NUM_BUCKETS - 1).long()
+    codebook = []
+    for k in range(NUM_BUCKETS):
+        members = x64[idx == k]
+        codebook.append(float(members.mean()) if len(members) else lo + (k + 0.5) * w)
+    return idx, torch.tensor(codebook, dtype=torch.float64), lo, w
+
+
+@pytest.mark.parametrize("c, bound", [(3.0, 0.017), (4.0, 0.010), (6.0, 0.0145), (8.0, 0.019)])
+def test_gaussian_round_trip_error(c, bound):
+    x = gaussian(1 << 18)
+    y = dequantize(quantize(x, c))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    # uniform noise of a 2c*sigma/256 bucket: rel err ~ c * 0.00225
+    assert rel_l2(y, x) < bound
+
+
+def test_default_clip_sigmas_is_six():
+    assert DEFAULT_CLIP_SIGMAS == 6.0
+
+
+def test_in_range_error_below_bucket_width():
+    x = gaussian(1 << 16, seed=1) * 3 + 1
+    q = quantize(x, 4.0)
+    y = dequantize(q)
+    mu, sigma = float(x.double().mean()), float(x.double().std(unbiased=False))
+    lo, hi, w = mu - 4 * sigma, mu + 4 * sigma, 8 * sigma / NUM_BUCKETS
+    inside = (x > lo) & (x < hi)
+    assert float((y - x)[inside].abs().max()) <= w * (1 + 1e-4)
+
+
+def test_codebook_is_bucket_mean_against_slow_reference():
+    x = torch.cat([gaussian(3000, seed=2), torch.tensor([40.0, 55.0, -70.0])])
+    q = quantize(x, 3.0)
+    ref_idx, ref_cb, lo, w = reference_quantize(x, 3.0)
+    # Indices agree except for values within float rounding of a bucket edge.
+    pos = ((x.double() - lo) / w).clamp(0, NUM_BUCKETS - 1)
+    near_edge = (pos - pos.round()).abs() < 1e-4
+    assert torch.equal(q.indices.long()[~near_edge], ref_idx[~near_edge])
+    # Each codebook entry is the mean of exactly the values mapped to it (midpoint if empty).
+    for k in range(NUM_BUCKETS):
+        members = x.double()[q.indices.long() == k]
+        expected = float(members.mean()) if len(members) else float(ref_cb[k])
+        assert math.isclose(float(q.codebook[k]), expected, rel_tol=1e-6, abs_tol=1e-6), k
+    # The clipped tails decode to their own mean, not to the clip bound.
+    assert int(q.indices[-1]) == 0 and int(q.indices[-2]) == 255
+    top = x[q.indices == 255].double().mean()
+    assert math.isclose(float(q.codebook[255]), float(top), rel_tol=1e-6)
+    assert float(q.codebook[255]) > lo + NUM_BUCKETS * w
+
+
+def test_codebook_monotone_and_finite():
+    q = quantize(gaussian(50_000, seed=3) ** 3)
+    assert torch.isfinite(q.codebook).all()
+    assert (q.codebook[1:] >= q.codebook[:-1]).all()
+
+
+@pytest.mark.parametrize("shape", [(1000,), (3, 4, 5), (), (7, 1, 2, 1)])
+def test_wire_round_trip(shape):
+    x = gaussian(max(1, math.prod(shape)), seed=4).reshape(shape)
+    q = quantize(x)
+    wire = to_bytes(q)
+    assert len(wire) == wire_nbytes(x.numel(), x.dim()) == q.nbytes
+    q2 = from_bytes(wire)
+    assert q2.shape == tuple(shape)
+    assert torch.equal(q2.indices, q.indices) and torch.equal(q2.codebook, q.codebook)
+    assert torch.equal(dequantize(q2), dequantize(q))
+    assert torch.equal(dequantize(from_bytes(bytearray(wire))), dequantize(q))
+    assert torch.equal(dequantize(from_bytes(memoryview(wire))), dequantize(q))
+
+
+def test_wire_size_is_quarter_of_fp32():
+    assert wire_nbytes(1 << 24) == (1 << 24) + 1024 + 16
+
+
+def _corrupt_codebook(wire: bytes, value: float) -> bytes:
+    b = bytearray(wire)
+    struct.pack_into("<f", b, 16 + 4 * 7, value)  # header 8 + one i64 dim, entry 7
+    return bytes(b)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda w: w[:5], "shorter than"),
+        (lambda w: w[:-1], "expected"),
+        (lambda w: w + b"\0", "expected"),
+        (lambda w: w[:12], "truncated"),
+        (lambda w: b"XQ8" + w[3:], "bad magic"),
+        (lambda w: w[:3] + b"\x02" + w[4:], "version"),
+        (lambda w: w[:4] + b"\xff" + w[5:], "ndim"),
+        (lambda w: w[:8] + struct.pack("<q", -100) + w[16:], "negative"),
+        (lambda w: _corrupt_codebook(w, float("nan")), "NaN or Inf"),
+        (lambda w: _corrupt_codebook(w, float("inf")), "NaN or Inf"),
+        (lambda w: b"", "shorter than"),
+    ],
+)
+def test_malformed_wire_rejected(mutate, match):
+    wire = to_bytes(quantize(gaussian(100)))
+    with pytest.raises(ValueError, match=match):
+        from_bytes(mutate(wire))
+
+
+@pytest.mark.parametrize("value", [0.0, -3.5, 0.1, 1e-30, 1e30, -3e38])
+def test_constant_tensor_exact(value):
+    x = torch.full((257,), value)
+    y = dequantize(quantize(x))
+    assert torch.equal(y, x)
+    assert torch.equal(dequantize(from_bytes(to_bytes(quantize(x)))), x)
+
+
+def test_tiny_spread_around_large_mean():
+    x = 1000.0 + 1e-3 * gaussian(10_000, seed=5)
+    y = dequantize(quantize(x))
+    # Error is set by the spread (bucket width 4.7e-5, fp32 ulp at 1000 is 6.1e-5),
+    # not by the mean: a cancelling fp32 path would be off by ~1e-3.
+    assert float((y - x).abs().max()) <= 2 * 6.1e-5
+
+
+def test_huge_finite_values_do_not_overflow():
+    for scale in (1e37, 1e20):
+        x = gaussian(4096, seed=6) * scale
+        q = quantize(x)
+        y = dequantize(from_bytes(to_bytes(q)))
+        assert torch.isfinite(q.codebook).all()
+        assert rel_l2(y, x) < 0.02
+    x = torch.tensor([-3e38, 3e38, 1.0, 0.0])  # clip bounds beyond fp32 range
+    q = quantize(x, 3.0)
+    assert torch.isfinite(q.codebook).all()
+    assert torch.equal(dequantize(q)[:2], x[:2])  # 1.0 and 0.0 share a 1e37-wide bucket
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5, 2)])
+def test_empty_tensor(shape):
+    x = torch.empty(shape)
+    q = quantize(x)
+    assert q.numel == 0 and q.codebook.shape == (NUM_BUCKETS,)
+    assert dequantize(q).shape == shape
+    q2 = from_bytes(to_bytes(q))
+    assert dequantize(q2).shape == shape
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_rejected(bad):
+    x = gaussian(1000)
+    x[123] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_input(dtype):
+    x = gaussian(1 << 15, seed=7).to(dtype)
+    y = dequantize(quantize(x))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert rel_l2(y, x.float()) < 0.0145
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError):
+        quantize(torch.arange(10))
+    for c in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="clip_sigmas"):
+            quantize(gaussian(10), c)
+    with pytest.raises(ValueError, match="does not match"):
+        dequantize(Quantized(torch.zeros(3, dtype=torch.uint8), torch.zeros(256), (4,)))
+
+
+def test_dequantize_into_out_buffer():
+    x = gaussian(200_000, seed=8).reshape(400, 500)
+    q = quantize(x)
+    out = torch.empty(400, 500)
+    y = dequantize(q, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert torch.equal(y, dequantize(q))
+    with pytest.raises(ValueError, match="out"):
+        dequantize(q, out=torch.empty(10))
+
+
+def test_multi_chunk_equals_single_chunk(monkeypatch):
+    import intellect.diloco.quantize as mod
+
+    x = gaussian(100_003, seed=9)
+    q = quantize(x)
+    monkeypatch.setattr(mod, "_CHUNK", 1 << 10)
+    q2 = quantize(x)
+    assert torch.equal(q.indices, q2.indices)
+    assert torch.allclose(q.codebook, q2.codebook, rtol=1e-6)
+    assert torch.equal(dequantize(q2), dequantize(Quantized(q2.indices, q2.codebook, q2.shape)))
+
+
+def test_docstring_examples():
+    import doctest
+
+    import intellect.diloco.quantize as mod
+
+    assert doctest.testmod(mod).failed == 0
