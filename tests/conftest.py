@@ -11,6 +11,9 @@ import tempfile
 
 import pytest
 
+# tests/ is on sys.path (rootdir conftest), so the WAN testbed fixtures load by module name
+pytest_plugins = ["wan_fixtures"]
+
 _PREFECT_HOME = tempfile.mkdtemp(prefix="intellect-prefect-home-")
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
