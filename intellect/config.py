@@ -139,6 +139,56 @@ class TrainConfig(StrictModel):
     threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads (0: leave torch's default).")
 
 
+class DilocoConfig(StrictModel):
+    """DiLoCo outer loop, int8 all-reduce and elastic membership."""
+
+    workers: int = Field(2, ge=1, le=64, description="Worker processes the coordinator starts.")
+    inner_steps: int = Field(50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
+    outer_steps: int = Field(10, ge=1, le=1_000_000, description="Outer steps of the run.")
+    outer_lr: float = Field(0.7, gt=0, le=10, description="Outer SGD learning rate.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
+    algorithm: Literal["direct", "ring-residual", "ring-owner", "ring"] = Field(
+        "direct",
+        description="int8 all-reduce. direct: each chunk straight to its owner, then a ring all-gather "
+        "(fewest bytes, every value quantized twice, all-to-all reduce-scatter); ring-residual: ring "
+        "neighbours only, partial sums sent with an int8 residual (lowest error, 1.5x bytes); ring-owner: "
+        "ring relaying the original contributions; ring: classic, requantizes every hop (error grows with W).",
+    )
+    clip_sigmas: list[float] = Field(
+        [4.0, 6.0], min_length=1, max_length=4,
+        description="Quantizer clip ranges in standard deviations; each chunk uses whichever fits it best.",
+    )
+    data_split: Literal["iid", "non_iid"] = Field(
+        "iid", description="iid: every worker draws from all ops; non_iid: worker i only from ops[i % len(ops)]."
+    )
+    heartbeat_interval: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeats.")
+    heartbeat_timeout: float = Field(10.0, gt=0, le=600, description="Seconds without a heartbeat before a peer is dead.")
+    collective_timeout: float = Field(60.0, gt=0, le=3600, description="Bound on one all-reduce (gloo timeout).")
+    boundary_timeout: float = Field(
+        120.0, gt=0, le=86400, description="Longest wait at an outer-step boundary for slower peers."
+    )
+    bandwidth_probe_bytes: int = Field(
+        1 << 20, ge=0, le=1 << 30,
+        description="Bytes sent each way per worker pair to measure throughput when membership changes; "
+        "the ring follows the max-min-bandwidth cycle (0: fixed order).",
+    )
+    store_host: str = Field("127.0.0.1", description="Address of the rendezvous TCPStore (the coordinator).")
+    store_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store (0: pick a free one).")
+    checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="Publish an outer checkpoint every N outer steps.")
+    max_attempts: int = Field(5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.")
+
+    @model_validator(mode="after")
+    def _timeouts_ordered(self) -> "DilocoConfig":
+        if not all(0 < c <= 64 for c in self.clip_sigmas):
+            raise ValueError(f"clip_sigmas must lie in (0, 64] (got {self.clip_sigmas})")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
+            )
+        return self
+
+
 # --------------------------------------------------------------------- runs
 
 
@@ -155,6 +205,17 @@ class SmokeConfig(StrictModel):
     )
     pass_at_k_prompts: int = Field(128, ge=1, le=100000, description="Held-out prompts in the pass-rate report.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the pass-rate report.")
+
+
+class DilocoRunConfig(StrictModel):
+    """A DiLoCo pretraining run: N workers, each training the model on its own data shard."""
+
+    run_name: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The inner loop (train.steps is ignored).")
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
 
 
 # --------------------------------------------------------------------- loading

@@ -6,7 +6,7 @@ from intellect import config as C
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 # Each shipped TOML names its run type in a leading comment: "# run: smoke".
-RUN_TYPES = {"smoke": C.SmokeConfig}
+RUN_TYPES = {"smoke": C.SmokeConfig, "diloco": C.DilocoRunConfig}
 
 
 def run_type(path: Path) -> type:

@@ -1,0 +1,80 @@
+"""``diloco-train``: start the rendezvous store and N workers, watch them, report.
+
+Each worker is a long-lived process whose outer steps are flow runs of their
+own (``diloco-outer-step``), so the dashboard shows one run per worker per
+outer step; this flow publishes the run-level table and progress.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from intellect.config import DilocoRunConfig
+from intellect.diloco.coordinator import Coordinator, LocalLauncher
+from intellect.diloco.worker import init_run
+from intellect.storage import RunStorage
+
+
+class DilocoReport(BaseModel):
+    run_name: str
+    committed_steps: int
+    exit_codes: dict[str, int | None]
+    steps: list[dict]
+
+
+@task(name="init-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def start_run(cfg: DilocoRunConfig) -> int:
+    """Publish outer checkpoint 0 unless the run already has checkpoints; returns the newest."""
+    return init_run(cfg, RunStorage.from_config(cfg.storage, cfg.run_name))
+
+
+def _api_env() -> dict[str, str]:
+    # children must report to this flow's API server, never start ephemeral servers of their own
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return {"PREFECT_API_URL": str(client.api_url).rstrip("/")}
+
+
+@flow(name="diloco-train", log_prints=True)
+def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3600,
+                 worker_module: str = "flows.diloco_worker") -> DilocoReport:
+    cfg = config or DilocoRunConfig()
+    logger = get_run_logger()
+    start = start_run(cfg)
+    env = _api_env() if worker_module == "flows.diloco_worker" else {}
+    progress = create_progress_artifact(progress=100.0 * start / cfg.diloco.outer_steps,
+                                        description=f"DiLoCo {cfg.run_name}: outer steps committed")
+    rows: list[dict] = []
+
+    def on_commit(n: int, metrics: list[dict]) -> None:
+        loss = sum(m["inner_loss"] for m in metrics) / max(len(metrics), 1)
+        row = {"outer_step": n, "participants": len(metrics), "mean_inner_loss": round(loss, 4),
+               "bytes_sent": sum(m["bytes_sent"] for m in metrics),
+               "allreduce_s": round(max((m["allreduce_seconds"] for m in metrics), default=0.0), 3),
+               "attempts": max((m["attempts"] for m in metrics), default=0)}
+        rows.append(row)
+        logger.info("outer step %d/%d committed: %s", n, cfg.diloco.outer_steps, row)
+        update_progress_artifact(artifact_id=progress, progress=100.0 * n / cfg.diloco.outer_steps)
+
+    with tempfile.TemporaryDirectory(prefix="intellect-diloco-logs-") as logs:
+        coord = Coordinator(cfg, LocalLauncher(logs, module=worker_module), env=env)
+        try:
+            for _ in range(cfg.diloco.workers):
+                coord.start_worker()
+            codes = coord.watch(timeout=timeout_s, on_commit=on_commit)
+            committed = coord.progress() or start
+        finally:
+            coord.close()
+    create_table_artifact(key=f"{cfg.run_name.lower().replace('_', '-').replace('.', '-')}-outer-steps",
+                          table=rows or [{"outer_step": start}], description="DiLoCo outer steps")
+    create_markdown_artifact(markdown=f"# DiLoCo `{cfg.run_name}`\n\n{committed}/{cfg.diloco.outer_steps} outer steps "
+                             f"committed; worker exit codes {codes}")
+    if any(c != 0 for c in codes.values()):
+        raise RuntimeError(f"DiLoCo workers failed: exit codes {codes}")
+    return DilocoReport(run_name=cfg.run_name, committed_steps=committed, exit_codes=codes, steps=rows)

@@ -1,0 +1,552 @@
+"""Int8-on-the-wire, fp32-accumulating all-reduce (mean over contributors) for DiLoCo.
+
+``all_reduce_mean(tensors, group, order=..., contribute=...)`` replaces each
+tensor, in place, with the mean over the contributing ranks, bit-identical on
+every rank, and returns ``AllReduceStats`` (bytes sent, by peer, contributors).
+
+Values only cross the wire as ``quantize.to_bytes`` messages (uint8 indices +
+a 256-entry fp32 codebook); receivers dequantize and add in fp32, never in the
+quantized space. Each bucket (e.g. one layer: ``layer_buckets``) is flattened
+and split into W chunks (``chunk_bounds``); chunk c is owned by ring position
+c, i.e. rank ``order[c]``. The owner divides its fp32 sum by the number of
+contributors and quantizes the mean ONCE; a ring all-gather forwards those
+exact bytes (never requantized), and every rank, the owner included, ends with
+``dequantize(owner bytes)``: bit-identical by construction.
+
+Reduce-scatter algorithms:
+
+* ``"direct"`` (default): each rank sends its quantized chunk c straight to
+  owner c. Every value is quantized twice (as a contribution, as the result),
+  and the bytes equal the classic ring's. Not neighbour-only: each ordered pair
+  carries one chunk per bucket (1/W of the bucket), where a ring pushes W-1
+  chunks over each ring link, so it is at least as fast unless the network is
+  itself ring-shaped and non-neighbour traffic shares the ring's links.
+* ``"ring-residual"``: classic ring, but each hop sends its fp32 partial sum as
+  int8 plus int8 of the residual that missed: the partial sums stay ~16-bit
+  accurate, so only the owner's final quantization counts. Neighbour-only,
+  lowest error, 1.5x the bytes at any W.
+* ``"ring-owner"``: each hop relays the ORIGINAL contribution bytes it received
+  and appends its own; the owner decodes each once. Two quantizations, as
+  ``"direct"``, neighbour-only, but hop s carries s+1 contributions: W(W-1)/2
+  chunk messages instead of W-1. Fewest bytes of the neighbour-only accurate
+  options for W <= 3 (same as residual at W = 4, more above).
+* ``"ring"``: classic ring; each hop requantizes the fp32 partial sum (PRIME's
+  reduce-scatter), so error compounds with W. Fewest bytes, neighbour-only.
+  ``relay=k`` interpolates to ``"ring-owner"``: requantize only when a message
+  would exceed k contributions.
+* ``"prime"``: the INTELLECT-1 baseline: ``"ring"`` plus requantization at every
+  all-gather hop. Benchmark only; ranks may end with different values.
+
+``clip_sigmas``: candidate clip ranges; each chunk is quantized with the
+candidate that fits it best (cheap: see ``_Run.quantize``). The default tries
+4 (Gaussian optimum) and 6 (the quantizer's default, best on Laplace), which
+costs 2x the quantize time and never does worse than 6 alone.
+
+Measured (``benchmarks/allreduce_error.py``, W real gloo processes, 1M floats
+per rank in 4 buckets = shared signal + equal-power worker noise; relative L2
+error vs the exact fp32 mean, max over ranks; payload bytes sent per rank
+divided by the fp32 size of the tensor, an fp32 ring sends 2(W-1)/W)::
+
+    Gaussian, clip (4, 6)          W=2     W=4     W=8     W=16
+    direct (default)             1.06%   1.04%   0.99%   0.95%
+    ring-residual                0.92%   0.91%   0.91%   0.90%
+    ring-owner                   1.06%   1.04%   0.99%   0.95%
+    ring relay=2                 1.06%   1.22%   1.43%   1.75%
+    ring                         1.06%   1.29%   1.65%   2.20%
+    prime                        1.06%   1.29%   1.65%   2.20%
+    Gaussian, clip 6 fixed: direct 1.56 1.54 1.47 1.42%; ring 1.56 1.91 2.46 3.29%
+    Laplace, clip (4, 6), W=8/16: direct 1.60/1.52%; residual 1.50/1.45%;
+                                  ring = prime 2.57/3.35%
+    bytes / fp32 size
+    direct, ring, prime          0.252   0.381   0.451   0.499
+    ring-residual                0.378   0.571   0.677   0.748
+    ring-owner                   0.252   0.571   1.128   2.243
+    ring relay=2                 0.252   0.444   0.548   0.615
+
+"prime" equals "ring": requantizing decoded int8 values is lossless with this
+quantizer (<= 256 distinct values, one per bucket), so PRIME's excess error is
+all in its reduce-scatter. Wire bytes vs DDP at H=100 on the tiny model: see
+``benchmarks/wire_bytes.py`` (codebooks cap the ratio just under 4H = 400x).
+
+Contributors. A rank whose tensors hold NaN/Inf (or that passes
+``contribute=False``) contributes nothing but still relays and receives; the
+mean divides by the number of contributors. The flags go round the ring first
+(W-1 tiny hops), so every message size is known in advance and no per-message
+header is needed; they carry a digest of the plan (algorithm, W, order, bucket
+shapes), so a rank with a different algorithm or layout fails at once rather
+than garbling data (a different ``order`` can also change who its neighbours
+are, and then fails by timeout). With no contributor at all the tensors are
+zeroed and ``stats.contributors`` is empty.
+
+Failures. Every wait is bounded by the group's timeout (``timeout=``
+overrides it): a peer whose process dies makes the ranks waiting on it raise
+``AllReduceError`` at once (closed socket), a silent one after ``timeout``;
+ranks not talking to it raise once their peers give up, at worst after
+``timeout``. The group is unusable afterwards: rebuild it
+(``transport.new_group`` under a new prefix) and retry. Buckets are written
+back as they finish, so after an error the tensors are partly averaged:
+recompute the pseudo-gradient before retrying.
+
+Pipelining: up to ``window`` buckets are in flight; while this rank quantizes
+one, gloo's threads move the others, and per-hop latency overlaps across
+buckets. Not measurable on loopback with 2 busy cores (tiny model, 6 layer
+buckets, W=4/8: window=4 vs 1 took 0.08/0.37 vs 0.21/0.58 s in one run and
+0.11/0.26 vs 0.08/0.36 s in another); the gain is meant for WAN round trips.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import re
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Generator, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from intellect.diloco.quantize import (
+    DEFAULT_CLIP_SIGMAS,
+    Quantized,
+    dequantize,
+    from_bytes,
+    quantize,
+    to_bytes,
+    wire_nbytes,
+)
+from intellect.diloco.transport import Channel, CommError, group_timeout
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "DEFAULT_CLIPS",
+    "AllReduceError",
+    "AllReduceStats",
+    "all_reduce_mean",
+    "chunk_bounds",
+    "layer_buckets",
+    "merge_small",
+    "relay_counts",
+    "payload_bytes",
+]
+
+ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring", "prime")
+DEFAULT_ALGORITHM = "direct"
+DEFAULT_CLIPS = (4.0, DEFAULT_CLIP_SIGMAS)  # Gaussian optimum and the quantizer's default
+
+
+class AllReduceError(CommError):
+    """The all-reduce failed (peer died, timed out, garbled or mismatched plan);
+    rebuild the group and retry."""
+
+
+@dataclass(frozen=True)
+class AllReduceStats:
+    algorithm: str
+    contributors: tuple[int, ...]  # group ranks whose tensors are in the mean
+    payload_bytes: int  # quantized data this rank handed to the transport
+    control_bytes: int  # contributor flags + plan digest
+    messages: int
+    seconds: float
+    bytes_by_peer: dict[int, int]  # destination rank -> bytes (payload + control)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.payload_bytes + self.control_bytes
+
+
+# ---------------------------------------------------------------- planning (pure)
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous chunks whose sizes differ by at most 1.
+
+    >>> chunk_bounds(10, 4)
+    [(0, 2), (2, 5), (5, 7), (7, 10)]
+    >>> chunk_bounds(2, 3)
+    [(0, 0), (0, 1), (1, 2)]
+    """
+    if parts < 1 or n < 0:
+        raise ValueError(f"chunk_bounds: need n >= 0 and parts >= 1, got {n}, {parts}")
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+_INT = re.compile(r"\d+")
+
+
+def layer_buckets(names: Sequence[str]) -> list[list[int]]:
+    """Indices of consecutive parameters grouped by the first integer in their name
+    (PRIME's layer cut); names without one group with their unnumbered neighbours.
+
+    >>> layer_buckets(["embed.w", "layers.0.q", "layers.0.k", "layers.1.q", "norm.w", "head.w"])
+    [[0], [1, 2], [3], [4, 5]]
+    """
+    out: list[list[int]] = []
+    prev: object = object()
+    for i, name in enumerate(names):
+        m = _INT.search(name)
+        key = m.group() if m else None
+        if key != prev:
+            out.append([])
+            prev = key
+        out[-1].append(i)
+    return out
+
+
+def merge_small(buckets: Sequence[Sequence[int]], numels: Sequence[int], min_numel: int) -> list[list[int]]:
+    """Merge consecutive buckets until each holds >= ``min_numel`` elements (a short
+    tail joins the last bucket). Each chunk message carries a 1 KiB codebook, so tiny
+    buckets cost bytes; merged buckets share one codebook per chunk, which costs
+    accuracy when their scales differ.
+
+    >>> merge_small([[0], [1, 2], [3], [4]], [10, 500, 500, 500, 500], 100)
+    [[0, 1, 2], [3], [4]]
+    >>> merge_small([[0], [1], [2]], [500, 500, 5], 100)
+    [[0], [1, 2]]
+    """
+    out: list[list[int]] = []
+    acc: list[int] = []
+    for b in buckets:
+        acc += b
+        if sum(numels[i] for i in acc) >= min_numel:
+            out.append(acc)
+            acc = []
+    if acc:
+        if out:
+            out[-1] += acc
+        else:
+            out.append(acc)
+    return out
+
+
+def relay_counts(contributes: Sequence[bool], relay: int) -> list[int]:
+    """Pieces in each reduce-scatter message along one chunk's chain of senders.
+
+    A sender appends its own quantized contribution to the pieces it received,
+    unless that would exceed ``relay`` pieces: then it sums them in fp32 with
+    its contribution and sends one requantized piece. Non-contributors forward.
+
+    >>> relay_counts([1, 1, 1, 1], 1)   # classic ring: one requantized partial sum
+    [1, 1, 1, 1]
+    >>> relay_counts([1, 1, 1, 1], 4)   # ring-owner: every contribution as sent
+    [1, 2, 3, 4]
+    >>> relay_counts([1, 0, 1, 1, 1], 2)
+    [1, 1, 2, 1, 2]
+    """
+    k, out = 0, []
+    for f in contributes:
+        if f:
+            k = 1 if k + 1 > relay else k + 1
+        out.append(k)
+    return out
+
+
+def _wire(numel: int) -> int:
+    return wire_nbytes(numel) if numel else 0  # empty chunks are skipped, not sent
+
+
+def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: str, relay: int | None = None) -> int:
+    """Payload bytes sent by ring position ``position`` when every rank contributes.
+
+    >>> payload_bytes([8], 2, 0, "ring") == 2 * wire_nbytes(4)
+    True
+    >>> payload_bytes([8], 2, 0, "ring-owner") == payload_bytes([8], 2, 0, "direct")
+    True
+    """
+    relay = _relay(algorithm, relay, world)
+    total = 0
+    for n in numels:
+        w = [_wire(e - s) for s, e in chunk_bounds(n, world)]
+        p = position
+        ag = sum(w) - w[(p + 1) % world]  # ring all-gather: all but the chunk owned by next
+        if algorithm == "direct":
+            total += sum(w) - w[p] + ag
+            continue
+        stages = 2 if algorithm == "ring-residual" else 1
+        total += stages * sum((s % relay + 1) * w[(p - s - 1) % world] for s in range(world - 1)) + ag
+    return total
+
+
+def _relay(algorithm: str, relay: int | None, world: int) -> int:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    if relay is not None:
+        if algorithm not in ("ring", "ring-owner") or relay < 1:
+            raise ValueError(f"relay={relay!r} needs a ring algorithm and relay >= 1")
+        return relay
+    return max(world - 1, 1) if algorithm == "ring-owner" else 1
+
+
+# ---------------------------------------------------------------- the all-reduce
+
+_Step = Generator[tuple[list, str], None, None]
+
+
+def _enc(q: Quantized) -> torch.Tensor:
+    return torch.frombuffer(bytearray(to_bytes(q)), dtype=torch.uint8)
+
+
+def _dec(t: torch.Tensor, numel: int) -> torch.Tensor:
+    q = from_bytes(t.cpu().numpy())
+    if q.numel != numel:
+        raise ValueError(f"message holds {q.numel} values, expected {numel}")
+    return dequantize(q)
+
+
+def all_reduce_mean(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    *,
+    order: Sequence[int] | None = None,
+    contribute: bool = True,
+    algorithm: str = DEFAULT_ALGORITHM,
+    relay: int | None = None,
+    buckets: Sequence[Sequence[int]] | None = None,
+    window: int = 4,
+    timeout: float | None = None,
+    clip_sigmas: float | Sequence[float] = DEFAULT_CLIPS,
+) -> AllReduceStats:
+    """Replace each of ``tensors`` (same shapes on every rank) with its mean over contributors.
+
+    ``order``: the ring, a permutation of the group's ranks (default ``range(W)``);
+    ring algorithms send only to ``order``'s next rank and receive from its previous.
+    ``contribute=False``, or any NaN/Inf in ``tensors``, makes this rank a
+    non-contributor: it still relays and receives the mean. ``buckets``: lists of
+    tensor indices reduced independently (default one per tensor), each tensor in
+    exactly one. All arguments except ``tensors`` and ``contribute`` must agree on
+    every rank (checked). ``timeout`` (seconds) bounds each wait; default: the group's.
+    Raises ``AllReduceError`` on any communication failure; ``ValueError`` on bad
+    arguments before anything is sent.
+    """
+    t0 = time.perf_counter()
+    world, rank = group.size(), group.rank()
+    order = list(range(world)) if order is None else [int(r) for r in order]
+    if sorted(order) != list(range(world)):
+        raise ValueError(f"order must be a permutation of range({world}), got {order}")
+    relay = _relay(algorithm, relay, world)
+    clip = (float(clip_sigmas),) if isinstance(clip_sigmas, (int, float)) else tuple(map(float, clip_sigmas))
+    if not clip:
+        raise ValueError("clip_sigmas: give at least one value")
+    buckets = [[i] for i in range(len(tensors))] if buckets is None else [list(b) for b in buckets]
+    if sorted(i for b in buckets for i in b) != list(range(len(tensors))):
+        raise ValueError("buckets must use every tensor index exactly once")
+    if window < 1:
+        raise ValueError("window must be >= 1")
+    if not all(t.is_floating_point() for t in tensors):
+        raise ValueError("all_reduce_mean: tensors must be floating point")
+    contribute = bool(contribute) and all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in group.name().lower() else None
+    to = group_timeout(group) if timeout is None else datetime.timedelta(seconds=timeout)
+    plan = (algorithm, relay, world, order, [[tuple(tensors[i].shape) for i in b] for b in buckets])
+    run = _Run(Channel(group, to, dev), tensors, order, order.index(rank), algorithm, relay, clip)
+    try:
+        flags = run.exchange_flags(contribute, _digest(plan)) if world > 1 else [contribute]
+        run.set_contributors(flags)
+        if run.n == 0:
+            with torch.no_grad():
+                for t in tensors:
+                    t.zero_()
+        elif world > 1:
+            run.drive((run.bucket(b, idx) for b, idx in enumerate(buckets)), window)
+    except (CommError, ValueError) as e:  # ValueError here: a garbled message
+        raise AllReduceError(f"all_reduce_mean on rank {rank}/{world}: {e}") from e
+    sent = run.ch.sent
+    return AllReduceStats(
+        algorithm,
+        tuple(r for r in range(world) if flags[r]),
+        sent.get("payload", 0),
+        sent.get("control", 0),
+        run.ch.messages,
+        time.perf_counter() - t0,
+        dict(run.ch.sent_to),
+    )
+
+
+def _digest(plan) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(plan).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class _Run:
+    """One call's state; ``bucket`` generators yield (works, label) once per exchange."""
+
+    def __init__(self, ch: Channel, tensors, order, pos, algorithm, relay, clip):
+        self.ch, self.tensors, self.order, self.pos = ch, tensors, order, pos
+        self.algorithm, self.relay, self.clip = algorithm, relay, clip
+        self.stages = 2 if algorithm == "ring-residual" else 1
+        self.W = len(order)
+        self.nxt, self.prv = order[(pos + 1) % self.W], order[(pos - 1) % self.W]
+
+    def exchange_flags(self, contribute: bool, digest: int) -> list[bool]:
+        """Ring all-gather of (plan digest, contributor flag) along ``order``."""
+        W, me = self.W, self.order[self.pos]
+        vec = torch.full((W + 1,), -1, dtype=torch.int64)
+        vec[0], vec[1 + me] = digest, int(contribute)
+        for s in range(W - 1):
+            buf = torch.empty_like(vec)
+            works = [self.ch.irecv(buf, self.prv, s), self.ch.isend(vec.clone(), self.nxt, s, "control")]
+            self.ch.wait(works, f"contributor exchange step {s}")
+            if int(buf[0]) != digest:
+                raise CommError(f"rank {self.prv} runs a different plan (order, algorithm or bucket shapes)")
+            vec[1:] = torch.where(vec[1:] < 0, buf[1:], vec[1:])
+        return [bool(v) for v in vec[1:].tolist()]
+
+    def set_contributors(self, flags: Sequence[bool]) -> None:
+        self.flags = [flags[r] for r in self.order]  # by ring position
+        self.n = sum(self.flags)
+        W = self.W
+        # pieces[c][s]: pieces in the step-s reduce-scatter message of chunk c, sent by position c+s+1
+        self.pieces = [relay_counts([self.flags[(c + 1 + s) % W] for s in range(W - 1)], self.relay) for c in range(W)]
+
+    def tag(self, b: int, phase: int, s: int) -> int:
+        return self.W * (1 + 2 * b + phase) + s  # tags < W belong to the flag exchange
+
+    def drive(self, gens: Iterator[_Step], window: int) -> None:
+        """Round-robin over up to ``window`` bucket generators, waiting oldest-first."""
+        pending: deque = deque()
+
+        def push(g) -> bool:
+            try:
+                works, what = next(g)
+            except StopIteration:
+                return False
+            pending.append((g, works, what))
+            return True
+
+        active = 0
+
+        def fill() -> None:
+            nonlocal active
+            while active < window and (g := next(gens, None)) is not None:
+                active += push(g)
+
+        fill()
+        while pending:
+            g, works, what = pending.popleft()
+            self.ch.wait(works, what)
+            if not push(g):
+                active -= 1
+                fill()
+
+    def bucket(self, b: int, idx: list[int]) -> _Step:
+        ts = [self.tensors[i] for i in idx]
+        if sum(t.numel() for t in ts) == 0:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in ts])
+        parts = [flat[s:e] for s, e in chunk_bounds(flat.numel(), self.W)]
+        algo = self._direct if self.algorithm == "direct" else self._ring
+        result = yield from algo(b, parts)
+        for c, part in enumerate(parts):
+            if part.numel():
+                part.copy_(result[c])
+        off = 0
+        with torch.no_grad():
+            for t in ts:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        """``quantize`` with whichever of the ``clip_sigmas`` candidates fits ``x`` best in L2.
+
+        Codebook entries are bucket means, so the squared error is
+        ``|x|^2 - sum_k count_k * codebook_k^2``: the best candidate maximizes the sum.
+        Encoder side only; receivers read the values from the codebook."""
+        best, score = None, -1.0
+        for c in self.clip:
+            q = quantize(x, c)
+            if len(self.clip) == 1:
+                return q
+            counts = torch.bincount(q.indices, minlength=q.codebook.numel()).double()
+            sc = float(counts @ q.codebook.double().square())
+            if sc > score:
+                best, score = q, sc
+        return best
+
+    def _piece(self, x: torch.Tensor) -> torch.Tensor:
+        """One reduce-scatter piece: int8 of ``x``, plus (residual) int8 of what that missed."""
+        q = self.quantize(x)
+        if self.stages == 1:
+            return _enc(q)
+        return torch.cat([_enc(q), _enc(self.quantize(x - dequantize(q)))])
+
+    def _ring(self, b: int, parts: list[torch.Tensor]) -> Generator:
+        W, pos, ch, st = self.W, self.pos, self.ch, self.stages
+        wire = [_wire(p.numel()) for p in parts]
+        me = self.flags[pos]
+
+        def pieces(buf, c, k):  # decoded pieces of a reduce-scatter message
+            w, n = wire[c], parts[c].numel()
+            dec = [_dec(buf[j * w : (j + 1) * w], n) for j in range(k * st)]
+            return dec if st == 1 else [dec[j] + dec[j + 1] for j in range(0, len(dec), 2)]
+
+        got, k_got = None, 0  # message received in the previous step: chunk c_out of this step
+        for s in range(W - 1):
+            c_out, c_in = (pos - s - 1) % W, (pos - s - 2) % W
+            works, buf = [], None
+            k_in = self.pieces[c_in][s]
+            if k_in and wire[c_in]:
+                buf = ch.empty(k_in * st * wire[c_in])
+                works.append(ch.irecv(buf, self.prv, self.tag(b, 0, s)))
+            if self.pieces[c_out][s] and wire[c_out]:
+                if not me:
+                    msg = got
+                elif k_got + 1 <= self.relay:
+                    own = self._piece(parts[c_out])
+                    msg = own if got is None else torch.cat([got.cpu(), own])
+                else:  # collapse: partial sum in fp32, requantized once
+                    total = parts[c_out].clone()
+                    for p in pieces(got, c_out, k_got):
+                        total += p
+                    msg = self._piece(total)
+                works.append(ch.isend(msg, self.nxt, self.tag(b, 0, s), "payload"))
+            yield works, f"bucket {b} reduce-scatter step {s}"
+            got, k_got = buf, k_in
+        return (yield from self._gather(b, parts, pieces(got, pos, k_got) if got is not None else []))
+
+    def _direct(self, b: int, parts: list[torch.Tensor]) -> Generator:
+        W, pos, ch = self.W, self.pos, self.ch
+        others = [(pos + i) % W for i in range(1, W)]  # staggered so ranks don't all hit one owner
+        works, bufs = [], []
+        if parts[pos].numel():
+            for p in others:
+                if self.flags[p]:
+                    bufs.append(ch.empty(_wire(parts[pos].numel())))
+                    works.append(ch.irecv(bufs[-1], self.order[p], self.tag(b, 0, 0)))
+        if self.flags[pos]:
+            for p in others:
+                if parts[p].numel():
+                    works.append(ch.isend(_enc(self.quantize(parts[p])), self.order[p], self.tag(b, 0, 0), "payload"))
+        yield works, f"bucket {b} direct reduce"
+        return (yield from self._gather(b, parts, [_dec(t, parts[pos].numel()) for t in bufs]))
+
+    def _gather(self, b: int, parts: list[torch.Tensor], received: list[torch.Tensor]) -> Generator:
+        """Owner: mean of its fp32 chunk and ``received``, quantized once; then a ring
+        all-gather forwarding those bytes. Returns every chunk decoded from its owner's bytes."""
+        W, pos, ch = self.W, self.pos, self.ch
+        wire = [_wire(p.numel()) for p in parts]
+        res: dict[int, torch.Tensor] = {}
+        if wire[pos]:
+            total = parts[pos].clone() if self.flags[pos] else torch.zeros_like(parts[pos])
+            for r in received:
+                total += r
+            res[pos] = _enc(self.quantize(total.div_(self.n)))
+        vals: dict[int, torch.Tensor] = {}  # "prime" only: what this rank decoded
+        for s in range(W - 1):
+            c_out, c_in = (pos - s) % W, (pos - s - 1) % W
+            works, buf = [], None
+            if wire[c_in]:
+                buf = ch.empty(wire[c_in])
+                works.append(ch.irecv(buf, self.prv, self.tag(b, 1, s)))
+            if wire[c_out]:
+                works.append(ch.isend(res[c_out], self.nxt, self.tag(b, 1, s), "payload"))
+            yield works, f"bucket {b} all-gather step {s}"
+            if buf is None:
+                continue
+            res[c_in] = buf
+            if self.algorithm == "prime":  # PRIME requantizes what it forwards
+                vals[c_in] = _dec(buf, parts[c_in].numel())
+                if s < W - 2:
+                    res[c_in] = _enc(self.quantize(vals[c_in]))
+        return [vals[c] if c in vals else _dec(res[c], p.numel()) if wire[c] else None for c, p in enumerate(parts)]

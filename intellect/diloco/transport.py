@@ -1,0 +1,144 @@
+"""Process groups on a shared TCPStore and counted point-to-point messages.
+
+Groups are built directly on a store (no ``init_process_group``, no global
+state): ``new_group(store, prefix, rank, size)`` wraps ``store`` in a
+``PrefixStore(prefix)``, so elastic membership can rebuild a group for each new
+membership under a fresh prefix (``"mesh_7/"``) on the same store, and the
+ElasticDeviceMesh layout of W workers x M local ranks is M independent groups
+on ONE store, ``shard_group(..., local_rank=m)`` = prefix ``".../shard{m}"``:
+shard m only ever talks to shard m of the other workers.
+
+Every wait is bounded. Gloo (CPU) enforces the group timeout on each send/recv
+wait, and a peer whose process exits closes its sockets, so its neighbours fail
+at once ("Connection closed by peer") rather than after the timeout; a peer
+that is alive but silent fails them after ``timeout``. Either way the caller
+gets ``CommError`` and must drop the group: after a failure, half-finished
+messages may still be queued in it.
+
+    >>> shard_prefix("mesh_3", 1)
+    'mesh_3/shard1'
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommError", "Channel", "new_group", "shard_group", "shard_prefix", "group_timeout"]
+
+
+class CommError(RuntimeError):
+    """A send/recv failed or timed out; the process group must be rebuilt before reuse."""
+
+
+def _td(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+
+
+def new_group(
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    *,
+    timeout: float | datetime.timedelta = 60.0,
+    backend: str = "gloo",
+    hostname: str | None = None,
+) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks rendezvousing under ``prefix`` on ``store``.
+
+    ``hostname``: the address peers reach this rank at (gloo binds to it); None
+    lets gloo pick from the host name / ``GLOO_SOCKET_IFNAME``. Blocks until all
+    ``size`` ranks have joined or the store's timeout passes.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"new_group: rank {rank} outside [0, {size})")
+    pstore = dist.PrefixStore(prefix.rstrip("/") + "/", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _td(timeout)
+        dev = dist.ProcessGroupGloo
+        opts._devices = [dev.create_device(hostname=hostname) if hostname else dev.create_default_device()]
+        return dist.ProcessGroupGloo(pstore, rank, size, opts)
+    if backend == "nccl":  # not exercised by the CPU test suite
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("new_group: this torch build has no NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout)
+        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+    raise ValueError(f"new_group: unknown backend {backend!r}")
+
+
+def shard_prefix(prefix: str, local_rank: int) -> str:
+    return f"{prefix.rstrip('/')}/shard{local_rank}"
+
+
+def shard_group(
+    store: dist.Store, prefix: str, worker_rank: int, num_workers: int, local_rank: int, **kw
+) -> dist.ProcessGroup:
+    """The group of local rank ``local_rank`` across ``num_workers`` workers (one of M
+    independent groups on ``store``); ``kw`` as in ``new_group``."""
+    return new_group(store, shard_prefix(prefix, local_rank), worker_rank, num_workers, **kw)
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The timeout ``group`` was created with (gloo/NCCL backends), else torch's default."""
+    for g in (group, _cpu_backend(group)):
+        t = getattr(getattr(g, "options", None), "_timeout", None)
+        if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
+            return t
+    return dist.default_pg_timeout
+
+
+def _cpu_backend(group):
+    try:  # a ProcessGroup from dist.new_group wraps its backend
+        return group._get_backend(torch.device("cpu"))
+    except Exception:
+        return None
+
+
+class Channel:
+    """Non-blocking tagged send/recv on one group, with byte counts and bounded waits.
+
+    Tensors are moved to ``device`` (CUDA for NCCL); counts are payload bytes
+    handed to the transport, by ``kind`` and by destination rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta, device: torch.device | None = None):
+        self.group = group
+        self.timeout = timeout
+        self.device = device or torch.device("cpu")
+        self.sent: dict[str, int] = {}
+        self.sent_to: dict[int, int] = {}
+        self.messages = 0
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int, kind: str) -> dist.Work:
+        t = t.to(self.device).contiguous()
+        try:
+            work = self.group.send([t], dst, tag)
+        except RuntimeError as e:
+            raise CommError(f"send to rank {dst} (tag {tag}) failed: {e}") from e
+        n = t.numel() * t.element_size()
+        self.sent[kind] = self.sent.get(kind, 0) + n
+        self.sent_to[dst] = self.sent_to.get(dst, 0) + n
+        self.messages += 1
+        return work
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
+        try:
+            return self.group.recv([t], src, tag)
+        except RuntimeError as e:
+            raise CommError(f"recv from rank {src} (tag {tag}) failed: {e}") from e
+
+    def wait(self, works: Sequence[dist.Work], what: str) -> None:
+        for w in works:
+            try:
+                w.wait(self.timeout)
+            except RuntimeError as e:  # gloo: timeout or a peer's closed socket
+                raise CommError(f"{what}: {e}") from e

@@ -1,0 +1,380 @@
+"""A long-lived DiLoCo worker: inner AdamW phases, int8 all-reduce, elastic commits.
+
+One outer step ``t`` is four phases, each a method so a Prefect task can wrap it:
+
+1. :meth:`DilocoWorker.boundary` agrees on the members of step ``t`` (the
+   previous members that arrived plus any joiner), builds a fresh gloo group
+   on its own store prefix, and, when someone is behind (a joiner, a worker
+   that was excluded), broadcasts ``theta_sync``, the outer momentum and the
+   step counter from the most advanced member: onboarding blocks at the
+   boundary, as INTELLECT-1 chose.
+2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard;
+   the inner optimizer state stays resident across outer steps.
+3. :meth:`DilocoWorker.sync` waits (bounded) for every member's
+   pseudo-gradient, all-reduces it in int8 with fp32 accumulation, votes, and
+   commits only when every member succeeded; otherwise everyone discards and
+   retries with the survivors (Decoupled DiLoCo: the average is over the
+   contributors; a non-finite pseudo-gradient contributes nothing).
+4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer
+   state to run storage (the lowest member does it, every N steps).
+
+Invariant after every commit: all members hold bit-identical ``theta_sync``
+(their SHA-256 is written to ``digest/<t>/<w>`` for anyone to compare).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from intellect.config import DilocoRunConfig, TrainConfig
+from intellect.data.arithmetic import train_stream
+from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
+from intellect.diloco.bandwidth import measure_ring
+from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
+from intellect.diloco.outer import OuterState
+from intellect.diloco.ring_order import ring_order
+from intellect.diloco.transport import CommError, new_group
+from intellect.model.checkpoint import build_model, save_checkpoint
+from intellect.pretrain import fetch_checkpoint
+from intellect.storage import RunStorage
+from intellect.train import Trainer
+
+log = logging.getLogger("intellect.diloco")
+
+CHECKPOINTS = "checkpoints"  # outer checkpoint n = theta_sync after n committed outer steps
+OUTER_STATE = "outer_state.pt"
+
+
+def _fault(kind: str, step: int, worker: str) -> bool:
+    """Fault injection for the reliability tests, off unless both variables are set."""
+    return (os.environ.get(f"INTELLECT_TEST_{kind}_AT_STEP") == str(step)
+            and os.environ.get(f"INTELLECT_TEST_{kind.split('_')[0]}_WORKER") == worker)
+
+
+class Excluded(RuntimeError):
+    """This worker was left out of a step's membership; it rejoins at a later boundary."""
+
+
+@dataclass
+class StepReport:
+    step: int
+    worker: str
+    members: list[str] = field(default_factory=list)
+    contributors: int = 0
+    attempts: int = 0
+    inner_loss: float = math.nan
+    inner_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    bytes_sent: int = 0
+    onboarded: bool = False
+    committed: bool = False
+    digest: str = ""
+
+
+def shard_stream(run: DilocoRunConfig, index: int):
+    """The training problems of worker ``index``: its own seed, and its own ops when non-i.i.d."""
+    data = run.data
+    if run.diloco.data_split == "non_iid":
+        data = data.model_copy(update={"ops": [data.ops[index % len(data.ops)]]})
+    return train_stream(data, seed=data.seed * 1000 + index + 1)
+
+
+def _inner_train_config(run: DilocoRunConfig) -> TrainConfig:
+    # one schedule across the whole run, not one per outer step
+    return run.train.model_copy(update={"steps": run.diloco.outer_steps * run.diloco.inner_steps})
+
+
+def publish_outer_checkpoint(storage: RunStorage, n: int, model, tokenizer, outer: OuterState, members: list[str]) -> str:
+    """``checkpoints/step_<n>``: HF folder of ``theta_sync`` plus the outer optimizer state."""
+    with tempfile.TemporaryDirectory(prefix="intellect-outer-") as tmp:
+        outer.load_into(model)
+        folder = save_checkpoint(model, tokenizer, Path(tmp) / "model")
+        buf = io.BytesIO()
+        torch.save({"momentum": outer.momentum_buffers(), "step": n, "members": members,
+                    "has_momentum": outer.has_momentum()}, buf)
+        files: dict[str, bytes | Path] = {p.name: p for p in folder.iterdir() if p.is_file()}
+        files[OUTER_STATE] = buf.getvalue()
+        if not storage.is_stable(n, CHECKPOINTS):
+            storage.write_step(n, CHECKPOINTS, files)
+    return storage.uri(storage.step_path(n, CHECKPOINTS))
+
+
+def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
+    """Publish the initial model as outer checkpoint 0 unless the run has one; returns the newest."""
+    newest = storage.latest_step(CHECKPOINTS)
+    if newest is None:
+        model, tok = build_model(run.model)
+        publish_outer_checkpoint(storage, 0, model, tok, OuterState(model), [])
+        newest = 0
+    return newest
+
+
+class DilocoWorker:
+    def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int):
+        self.run, self.cfg, self.worker, self.index = run, run.diloco, worker, index
+        self.storage = RunStorage.from_config(run.storage, run.run_name)
+        self.m = Membership(store_host, store_port, worker, self.cfg.heartbeat_interval,
+                            self.cfg.heartbeat_timeout, store_timeout=max(30.0, self.cfg.heartbeat_timeout),
+                            startup_grace=self.cfg.boundary_timeout)
+        n = self.storage.latest_step(CHECKPOINTS)
+        if n is None:
+            raise FileNotFoundError(f"run {self.storage.url} has no outer checkpoint; the coordinator publishes step 0")
+        self.model, self.tok = fetch_checkpoint(self.storage, n)
+        self.outer = OuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.nesterov)
+        state = torch.load(io.BytesIO(self.storage.read_bytes(f"{self.storage.step_path(n, CHECKPOINTS)}/{OUTER_STATE}")))
+        if state["has_momentum"]:
+            self.outer.set_state(self.outer.params, state["momentum"])
+        self.committed = n  # outer steps committed into theta_sync
+        self.step = n  # the outer step being worked on (0-based): step t produces checkpoint t+1
+        self.trainer = Trainer(self.model, self.tok, _inner_train_config(run))
+        self.trainer.step = n * self.cfg.inner_steps
+        self.stream = shard_stream(run, index)
+        self.members: list[str] = []
+        self.prev_members: list[str] = []
+        self.attempt = 0
+        self.rates: dict[tuple[str, str], float] = {}  # (sender, receiver) -> bytes/s
+        self.m.start_heartbeat()
+
+    # ------------------------------------------------------------------ helpers
+
+    def launched(self) -> list[str]:
+        """Workers the coordinator has started so far (``launched/<i>``)."""
+        n = int(self.m.counter("launched"))
+        return [self.m.get(f"launched/{i}") for i in range(n) if self.m.has(f"launched/{i}")]
+
+    def _group(self, step: int, attempt: int, members: list[str]):
+        # a fresh store prefix per membership: a dead member's half-written keys cannot leak in
+        return new_group(self.m.store, f"pg/{step}/{attempt}", members.index(self.worker), len(members),
+                         timeout=self.cfg.collective_timeout)
+
+    def _deadline(self, seconds: float) -> float:
+        return time.monotonic() + seconds
+
+    # ------------------------------------------------------------------ phases
+
+    def boundary(self) -> bool:
+        """Agree on the members of the next step; onboard whoever is behind. True if we were.
+
+        Founders (a fresh or resumed run: no progress in the store yet) wait for every
+        launched worker; veterans wait for the previous step's members; anyone else is a
+        joiner, which never proposes: it waits for the veterans' decision at the next
+        undecided boundary and is onboarded there.
+        """
+        me, m = self.worker, self.m
+        founder = m.progress() is None
+        veteran = me in self.prev_members
+        if not (founder or veteran):
+            p = m.progress()
+            self.step = p if m.members(p, 0) is None else p + 1
+        t = self.step
+        m.set(f"committed/{t}/{me}", str(self.committed))
+        m.set(f"arrive/{t}/{me}", "1")
+        members = m.members(t, 0)
+        if members is None and (founder or veteran):
+            # veterans block for newcomers still starting up, as INTELLECT-1's onboarding does;
+            # a newcomer that never comes up is dropped after its startup grace
+            expected = self.launched() if founder else self.prev_members + [
+                w for w in self.launched() if w not in self.prev_members and not m.has(f"left/{t}/{w}")]
+            m.wait_for_keys(f"arrive/{t}", [w for w in expected if w != me],
+                            self._deadline(self.cfg.boundary_timeout), step=t)
+            arrived = [w for w in self.launched() if m.has(f"arrive/{t}/{w}") and m.alive(w)]
+            members = m.propose_members(t, 0, arrived)
+        elif members is None:
+            m.wait_until(lambda: m.members(t, 0) is not None, self._deadline(self.cfg.boundary_timeout * 10),
+                         f"the members of step {t}")
+            members = m.members(t, 0)
+        if me not in members:
+            raise Excluded(f"{me} arrived after the members of step {t} were decided")
+        self.members, self.attempt = members, 0
+        behind = self._onboard(members)
+        self._probe(members)
+        return behind
+
+    def _onboard(self, members: list[str]) -> bool:
+        m = self.m
+        progress = {w: int(m.get(f"committed/{self.step}/{w}")) for w in members}
+        newest = max(progress.values())
+        if min(progress.values()) == newest:
+            return False
+        src = members.index(min(w for w in members if progress[w] == newest))
+        behind = progress[self.worker] < newest
+        # one flat fp32 buffer: params, momentum, [committed, has_momentum]
+        flat = torch.cat([p.flatten() for p in self.outer.params]
+                         + [b.flatten() for b in self.outer.momentum_buffers()]
+                         + [torch.tensor([float(self.committed), float(self.outer.has_momentum())])])
+        try:
+            self._group(self.step, "onboard", members).broadcast(flat, src).wait()
+        except (CommError, dist.DistError, RuntimeError) as e:
+            if behind:  # without the state we cannot contribute: try again at the next boundary
+                raise Excluded(f"{self.worker}: onboarding at step {self.step} failed: {e}") from e
+            log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, e)
+            return False
+        if behind:
+            sizes = [p.numel() for p in self.outer.params]
+            n = sum(sizes)
+            params = [c.view_as(p) for c, p in zip(flat[:n].split(sizes), self.outer.params)]
+            momentum = [c.view_as(p) for c, p in zip(flat[n:2 * n].split(sizes), self.outer.params)]
+            self.outer.set_state(params, momentum if flat[-1] > 0 else None)
+            self.committed = int(flat[-2])
+            self.step = self.committed
+            self.trainer.step = self.committed * self.cfg.inner_steps
+            self.outer.load_into(self.model)
+        return behind
+
+    def _probe(self, members: list[str]) -> None:
+        """Measure the pairs of a new membership (best effort: on failure the ring is unordered)."""
+        if self.cfg.bandwidth_probe_bytes == 0 or len(members) < 3:
+            return
+        known = all((a, b) in self.rates for a in members for b in members if a != b)
+        # one decision for all: a restarted worker that forgot its rates must not probe alone
+        if self.m.decide(f"probe/{self.step}", "no" if known else "yes") == "no":
+            return
+        try:
+            group = self._group(self.step, "bw", members)
+            _, columns = measure_ring(group, dist.PrefixStore(f"bw/{self.step}", self.m.store), "col",
+                                      self.cfg.bandwidth_probe_bytes)
+        except (CommError, dist.DistError, RuntimeError) as e:
+            log.warning("%s: bandwidth probe at step %d failed: %s", self.worker, self.step, e)
+            return
+        for j, receiver in enumerate(members):
+            for i, sender in enumerate(members):
+                if i != j:
+                    self.rates[(sender, receiver)] = columns[j][i]
+
+    def ring(self, members: list[str]) -> list[int] | None:
+        """Ring order (group ranks) maximizing the slowest link among ``members``, if measured."""
+        if len(members) < 3 or not all((a, b) in self.rates for a in members for b in members if a != b):
+            return None
+        return ring_order([[self.rates[(a, b)] if a != b else 0.0 for b in members] for a in members])
+
+    def inner(self) -> tuple[float, float]:
+        """H inner steps; returns (mean loss, seconds)."""
+        t0 = time.perf_counter()
+        batch = self.run.train.batch_size
+        batches = iter(lambda: [next(self.stream).text for _ in range(batch)], None)
+        logs = self.trainer.train_steps(self.cfg.inner_steps, batches, lambda *_: self.m.check_store())
+        return sum(l["loss"] for l in logs) / len(logs), time.perf_counter() - t0
+
+    def sync(self, report: StepReport) -> None:
+        """All-reduce, vote, commit or retry with the survivors (bounded attempts)."""
+        t, me, m = self.step, self.worker, self.m
+        pseudo = self.outer.pseudo_gradient(self.model)
+        if _fault("NAN", t, me):
+            pseudo[0].view(-1)[0] = float("nan")
+        contribute = all(bool(torch.isfinite(g).all()) for g in pseudo)
+        if not contribute:
+            log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", me, t)
+        members, a = self.members, self.attempt
+        for _ in range(self.cfg.max_attempts):
+            report.attempts += 1
+            m.set(f"ready/{t}/{a}/{me}", "1")
+            present, absent = m.wait_for_keys(
+                f"ready/{t}/{a}", members, self._deadline(self.cfg.boundary_timeout), step=t
+            )
+            if absent:
+                members, a = self._next_attempt(t, a, present)
+                continue
+            if _fault("STALL_ALLREDUCE", t, me):
+                m.set(f"stalled/{t}/{me}", "1")
+                time.sleep(3600)
+            t0 = time.perf_counter()
+            average = [g.clone() for g in pseudo]  # reduced in place; keep ours for a retry
+            try:
+                # built only once every member is ready: a member that died earlier cannot stall it
+                group = self._group(t, a, members)
+                order = json.loads(m.decide(f"order/{t}/{a}", json.dumps(self.ring(members))))
+                stats = all_reduce_mean(average, group, order=order, contribute=contribute,
+                                        algorithm=self.cfg.algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas))
+                ok = True
+            except (AllReduceError, CommError, dist.DistError) as e:
+                log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, t, a, e)
+                ok, average, stats = False, None, None
+            report.allreduce_seconds += time.perf_counter() - t0
+            m.set(f"vote/{t}/{a}/{me}", "ok" if ok else "fail")
+            voted, missing = m.wait_for_keys(
+                f"vote/{t}/{a}", members, self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout),
+                step=t,
+            )
+            all_ok = not missing and all(m.get(f"vote/{t}/{a}/{w}") == "ok" for w in members)
+            outcome = m.decide(f"outcome/{t}/{a}", "commit" if all_ok else "abort")
+            if outcome == "commit":
+                if stats.contributors:
+                    self.outer.step(average)
+                self.outer.load_into(self.model)
+                self.committed = t + 1
+                self.prev_members, self.members, self.attempt = members, members, a
+                report.members, report.contributors = members, len(stats.contributors)
+                report.bytes_sent += stats.bytes_sent
+                report.committed, report.digest = True, self.outer.digest()
+                m.set(f"digest/{t}/{me}", report.digest)
+                if me == members[0]:
+                    m.set("progress", json.dumps(self.committed))
+                return
+            survivors = [w for w in members if m.alive(w) and m.has(f"vote/{t}/{a}/{w}")]
+            members, a = self._next_attempt(t, a, survivors)
+        raise MembershipTimeout(f"outer step {t} did not commit in {self.cfg.max_attempts} attempts")
+
+    def _next_attempt(self, t: int, a: int, candidates: list[str]) -> tuple[list[str], int]:
+        members = self.m.propose_members(t, a + 1, candidates)
+        if self.worker not in members:
+            raise Excluded(f"{self.worker} was left out of step {t} attempt {a + 1}")
+        return members, a + 1
+
+    def checkpoint(self) -> str | None:
+        n = self.committed
+        if self.worker != self.members[0] or n % self.cfg.checkpoint_every and n != self.cfg.outer_steps:
+            return None
+        uri = publish_outer_checkpoint(self.storage, n, self.model, self.tok, self.outer, self.members)
+        self.storage.retain(CHECKPOINTS, self.run.storage.keep_last)
+        return uri
+
+    # ------------------------------------------------------------------ driver
+
+    def outer_step(self, run_phase: Callable[..., object] | None = None) -> StepReport:
+        """One whole outer step; an excluded worker reverts and reports an uncommitted step.
+
+        ``run_phase(name, fn, *args)`` runs each phase (a Prefect task wraps it as one
+        task run per phase); by default the phase is simply called.
+        """
+        run = run_phase or (lambda name, fn, *args: fn(*args))
+        report = StepReport(step=self.step, worker=self.worker)
+        try:
+            report.onboarded = run("boundary", self.boundary)
+            report.step = self.step
+            report.inner_loss, report.inner_seconds = run("inner-train", self.inner)
+            run("all-reduce-commit", self.sync, report)
+            run("checkpoint", self.checkpoint)
+        except Excluded as e:
+            log.warning("%s", e)
+            self.m.leave(self.step)
+            self.outer.load_into(self.model)  # drop the local progress; rejoin and catch up
+            self.prev_members = []
+            time.sleep(self.cfg.heartbeat_interval)  # the others are mid-step: no point in spinning
+        else:
+            self.step = self.committed
+            self.m.set(f"metrics/{report.step}/{self.worker}", json.dumps(asdict(report)))
+        return report
+
+    def done(self) -> bool:
+        """Our own steps are done, or (a late joiner) the others finished the run."""
+        return self.committed >= self.cfg.outer_steps or (self.m.progress() or 0) >= self.cfg.outer_steps
+
+    def close(self, clean: bool = True) -> None:
+        if clean:
+            self.m.deathrattle()
+        self.m.close()
+
+
+__all__ = ["DilocoWorker", "StepReport", "StoreLost", "init_run", "publish_outer_checkpoint", "shard_stream"]

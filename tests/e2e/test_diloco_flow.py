@@ -1,0 +1,39 @@
+"""The ``diloco-train`` flow with workers whose outer steps are flow runs of their own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from intellect.config import DilocoRunConfig, load_config
+from intellect.storage import RunStorage
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_diloco_flow_runs_one_flow_run_per_worker_and_outer_step(prefect_harness, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    from flows.diloco import diloco_train
+
+    cfg = load_config(DilocoRunConfig, overrides=[
+        f"storage.url=file://{tmp_path}", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+        "model.num_kv_heads=2", "model.intermediate_size=64", "train.batch_size=8", "diloco.workers=2",
+        "diloco.inner_steps=3", "diloco.outer_steps=2", "diloco.heartbeat_interval=0.5",
+        "diloco.heartbeat_timeout=5",
+    ], environ={})
+    report = diloco_train(cfg, timeout_s=300)
+    assert report.committed_steps == 2 and report.exit_codes == {"w0": 0, "w1": 0}
+    assert [r["outer_step"] for r in report.steps] == [1, 2]
+    assert all(r["participants"] == 2 and r["bytes_sent"] > 0 for r in report.steps)
+    assert RunStorage.from_config(cfg.storage, cfg.run_name).complete_steps("checkpoints") == [0, 1, 2]
+
+    async def outer_step_runs():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["diloco-outer-step"])))
+
+    runs = asyncio.run(outer_step_runs())
+    assert sorted(r.name for r in runs) == ["w0-step-0", "w0-step-1", "w1-step-0", "w1-step-1"]
+    assert all(r.state.is_completed() for r in runs)

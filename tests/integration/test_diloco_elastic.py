@@ -1,0 +1,225 @@
+"""DiLoCo workers as real processes over gloo: commits, faults, joins, a lost coordinator.
+
+Every test runs a coordinator in this process (store + local subprocess
+workers) on a tiny model, and checks after each committed outer step that
+the members' ``theta_sync`` digests are equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from intellect.config import DilocoRunConfig, load_config
+from intellect.diloco.coordinator import EXIT_DONE, EXIT_STORE_LOST, Coordinator, LocalLauncher
+from intellect.storage import RunStorage
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def run_cfg(tmp_path, **over) -> DilocoRunConfig:
+    base = {
+        "storage.url": f"file://{tmp_path}/runs",
+        "model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 2,
+        "model.intermediate_size": 64, "train.batch_size": 8, "train.warmup_steps": 2,
+        "diloco.workers": 2, "diloco.inner_steps": 4, "diloco.outer_steps": 3,
+        "diloco.heartbeat_interval": 0.3, "diloco.heartbeat_timeout": 2.5,
+        "diloco.collective_timeout": 6, "diloco.boundary_timeout": 30,
+    }
+    base.update(over)
+    return load_config(DilocoRunConfig, overrides=[f"{k}={v}" for k, v in base.items()], environ={})
+
+
+def digests(coord: Coordinator, step: int) -> dict[str, str]:
+    out = {}
+    for w in coord.handles:
+        key = f"digest/{step}/{w}"
+        if coord.store.check([key]):
+            out[w] = coord.store.get(key).decode()
+    return out
+
+
+def assert_identical_replicas(coord: Coordinator, steps: range) -> None:
+    for t in steps:
+        d = digests(coord, t)
+        assert d, f"no digest for step {t}"
+        assert len(set(d.values())) == 1, f"replicas differ at step {t}: {d}"
+
+
+def wait_progress(coord: Coordinator, at_least: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (coord.progress() or 0) < at_least:
+        assert time.monotonic() < deadline, f"no progress to {at_least} (now {coord.progress()})"
+        assert any(h.poll() is None for h in coord.handles.values()), "every worker exited"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    made = []
+
+    def make(cfg: DilocoRunConfig, env: dict | None = None) -> Coordinator:
+        c = Coordinator(cfg, LocalLauncher(tmp_path / "logs"), env=env or {})
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def logs(tmp_path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+
+
+def test_two_workers_commit_identical_replicas_and_checkpoints(tmp_path, coordinator):
+    cfg = run_cfg(tmp_path)
+    c = coordinator(cfg)
+    c.start()
+    codes = c.watch(timeout=180)
+    assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
+    assert_identical_replicas(c, range(3))
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    assert storage.complete_steps("checkpoints") == [0, 1, 2, 3]
+    m = json.loads(c.store.get("metrics/2/w0"))
+    assert m["members"] == ["w0", "w1"] and m["contributors"] == 2 and m["bytes_sent"] > 0
+
+
+def test_kill_during_inner_phase_survivors_continue(tmp_path, coordinator):
+    c = coordinator(run_cfg(tmp_path, **{"diloco.workers": 3, "diloco.outer_steps": 4, "diloco.inner_steps": 30}))
+    c.start()
+    wait_progress(c, 1)
+    os.kill(c.handles["w2"].pid, signal.SIGKILL)
+    codes = c.watch(timeout=180)
+    assert codes["w0"] == EXIT_DONE and codes["w1"] == EXIT_DONE, logs(tmp_path)
+    assert_identical_replicas(c, range(4))
+    last = json.loads(c.store.get("metrics/3/w0"))
+    assert last["members"] == ["w0", "w1"]
+    # three members: the ring was measured and solved, and everyone used the same order
+    assert sorted(json.loads(c.store.get("order/0/0"))) == [0, 1, 2]
+
+
+def test_sigterm_deathrattle_is_faster_than_the_heartbeat_timeout(tmp_path, coordinator):
+    cfg = run_cfg(tmp_path, **{"diloco.workers": 3, "diloco.outer_steps": 4, "diloco.heartbeat_timeout": 30,
+                               "diloco.heartbeat_interval": 1})
+    c = coordinator(cfg)
+    c.start()
+    wait_progress(c, 1)
+    t0 = time.monotonic()
+    c.handles["w2"].terminate()
+    wait_progress(c, 3, timeout=60)
+    assert time.monotonic() - t0 < 30, "the leaver was only dropped by the heartbeat timeout"
+    assert c.store.check(["dead/w2"])
+    codes = c.watch(timeout=120)
+    assert codes["w0"] == EXIT_DONE and codes["w1"] == EXIT_DONE, logs(tmp_path)
+    assert_identical_replicas(c, range(4))
+
+
+def test_joiner_is_onboarded_at_a_boundary(tmp_path, coordinator):
+    c = coordinator(run_cfg(tmp_path, **{"diloco.outer_steps": 5, "diloco.inner_steps": 10}))
+    c.start()
+    wait_progress(c, 1)
+    c.start_worker("w2")
+    codes = c.watch(timeout=180)
+    assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE, "w2": EXIT_DONE}, logs(tmp_path)
+    joined = [t for t in range(5) if "w2" in digests(c, t)]
+    assert joined and joined[-1] == 4
+    assert json.loads(c.store.get(f"metrics/{joined[0]}/w2"))["onboarded"]
+    assert_identical_replicas(c, range(5))
+
+
+def test_nan_pseudo_gradient_is_excluded_not_averaged(tmp_path, coordinator):
+    c = coordinator(run_cfg(tmp_path), env={"INTELLECT_TEST_NAN_AT_STEP": "1", "INTELLECT_TEST_NAN_WORKER": "w1"})
+    c.start()
+    codes = c.watch(timeout=180)
+    assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
+    assert json.loads(c.store.get("metrics/1/w0"))["contributors"] == 1
+    assert json.loads(c.store.get("metrics/2/w0"))["contributors"] == 2
+    assert_identical_replicas(c, range(3))
+
+
+def test_kill_during_allreduce_retries_with_survivors(tmp_path, coordinator):
+    # w2 stalls inside step 1's all-reduce (after announcing ready): the others block on it
+    c = coordinator(run_cfg(tmp_path, **{"diloco.workers": 3, "diloco.outer_steps": 3}),
+                    env={"INTELLECT_TEST_STALL_ALLREDUCE_AT_STEP": "1", "INTELLECT_TEST_STALL_WORKER": "w2"})
+    c.start()
+    deadline = time.monotonic() + 120
+    while not c.store.check(["stalled/1/w2"]):
+        assert time.monotonic() < deadline, logs(tmp_path)
+        time.sleep(0.05)
+    os.kill(c.handles["w2"].pid, signal.SIGKILL)
+    codes = c.watch(timeout=180)
+    assert codes["w0"] == EXIT_DONE and codes["w1"] == EXIT_DONE, logs(tmp_path)
+    m = json.loads(c.store.get("metrics/1/w0"))
+    assert m["attempts"] >= 2 and m["members"] == ["w0", "w1"]
+    assert_identical_replicas(c, range(3))
+
+
+COORDINATOR_SCRIPT = """
+import sys, time
+from intellect.config import DilocoRunConfig
+from intellect.diloco.coordinator import Coordinator, LocalLauncher
+cfg = DilocoRunConfig.model_validate_json(open(sys.argv[1]).read())
+c = Coordinator(cfg, LocalLauncher(sys.argv[2]))
+c.start()
+print("started", flush=True)
+codes = c.watch(timeout=240)
+print("codes", codes, flush=True)
+"""
+
+
+def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
+    cfg = run_cfg(tmp_path, **{"diloco.outer_steps": 6, "diloco.inner_steps": 10})
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(cfg.model_dump_json())
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    proc = subprocess.Popen([sys.executable, "-c", COORDINATOR_SCRIPT, str(cfg_file), str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (storage.latest_step("checkpoints") or 0) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, logs(tmp_path)
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(timeout=10)
+        # the workers are not our children: find them by their command line
+        t0 = time.monotonic()
+        while _worker_pids(cfg_file) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert not _worker_pids(cfg_file), "workers kept running without their coordinator"
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _worker_pids(cfg_file):
+            os.kill(pid, signal.SIGKILL)
+    resumed_from = storage.latest_step("checkpoints")
+    assert 2 <= resumed_from < 6
+    c = Coordinator(cfg, LocalLauncher(tmp_path / "logs2"))
+    try:
+        c.start()
+        codes = c.watch(timeout=180)
+        assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
+        assert storage.latest_step("checkpoints") == 6
+        assert_identical_replicas(c, range(resumed_from, 6))
+    finally:
+        c.close()
+
+
+def _worker_pids(cfg_file) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"intellect.diloco.coordinator worker --config"], capture_output=True, text=True)
+    pids = []
+    for pid in out.stdout.split():
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        if "run.json" in cmd:
+            pids.append(int(pid))
+    return pids

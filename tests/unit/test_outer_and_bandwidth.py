@@ -1,0 +1,71 @@
+import doctest
+import itertools
+
+import torch
+
+import intellect.diloco.bandwidth as bandwidth
+import intellect.diloco.outer as outer
+from intellect.config import ModelConfig
+from intellect.diloco.bandwidth import round_robin, solve_ring
+from intellect.diloco.outer import OuterState
+from intellect.diloco.ring_order import bottleneck
+from intellect.model.checkpoint import build_model
+
+
+def test_docstring_examples():
+    for mod in (outer, bandwidth):
+        assert doctest.testmod(mod).failed == 0
+
+
+def test_outer_step_is_sgd_nesterov_on_the_synced_copy():
+    model, _ = build_model(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2))
+    state = OuterState(model, lr=0.7, momentum=0.9)
+    ref = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        g = state.pseudo_gradient(model)
+        for r, gi in zip(ref, g):
+            r.grad = gi.clone()
+        opt.step()
+        state.step(g)
+        state.load_into(model)
+        for r, s, p in zip(ref, state.params, model.parameters()):
+            assert torch.equal(r.detach(), s) and torch.equal(s, p.detach())
+
+
+def test_replicas_with_equal_inputs_have_equal_digests_and_state_transfers():
+    a_model, _ = build_model(ModelConfig(num_layers=1))
+    b_model, _ = build_model(ModelConfig(num_layers=1, init_seed=9))
+    a, b = OuterState(a_model), OuterState(b_model)
+    assert a.digest() != b.digest()
+    g = [torch.randn_like(p) for p in a.params]
+    a.step(g)
+    b.set_state(a.params, a.momentum_buffers())
+    assert a.digest() == b.digest()
+    g2 = [torch.randn_like(p) for p in a.params]
+    a.step(g2)
+    b.step(g2)
+    assert a.digest() == b.digest()
+
+
+def test_round_robin_covers_every_pair_once_with_disjoint_rounds():
+    for n in range(2, 10):
+        rounds = round_robin(n)
+        pairs = [p for r in rounds for p in r]
+        assert sorted(pairs) == list(itertools.combinations(range(n), 2))
+        for r in rounds:
+            busy = [x for p in r for x in p]
+            assert len(busy) == len(set(busy))
+
+
+def test_solved_ring_avoids_the_slow_link():
+    n = 5
+    cols = [[0.0 if i == j else 100.0 for i in range(n)] for j in range(n)]
+    cols[3][1] = cols[1][3] = 1.0  # 1 <-> 3 slow
+    cols[4][0] = 2.0  # 0 -> 4 slow one way
+    order = solve_ring(cols)
+    bw = [[cols[j][i] for j in range(n)] for i in range(n)]
+    assert bottleneck(order, bw) == 100.0
