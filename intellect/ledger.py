@@ -1,0 +1,453 @@
+"""The DuckDB ledger of an RL run: every sample's verdict, every step, checkpoint and worker.
+
+Tables (schema version :data:`LEDGER_SCHEMA_VERSION`, kept in ``meta``):
+
+* ``rollouts``: one row per submitted sample, keyed by its location ``(file, row_index)`` in run
+  storage, with its content hash (:func:`intellect.rl.rollouts.content_hash`), step, policy step,
+  worker, submission, prompt, group, reward, advantage, token counts, ``status``
+  (``accepted``/``rejected``) and ``reason``. A whole file rejected before its rows could be read is
+  one row with ``row_index = -1``.
+* ``steps``: one row per committed training step: counts, mean accepted reward, loss, clip
+  fraction, trained samples and timings (JSON).
+* ``checkpoints``: ``(step, uri, sha256)``, immutable once recorded.
+* ``workers``: first and last time seen, plus free-form info (JSON).
+
+Rules that make a crashed step safe to re-run:
+
+* Every write is one transaction; a failure or a kill inside it leaves nothing behind.
+* Recording a verdict is idempotent: a location already in the ledger is never recorded again, so
+  re-validating a file after a crash never double-counts and never flips a verdict. A re-recorded
+  location whose content hash changed (the file was overwritten) keeps its first verdict and is
+  reported in :attr:`RecordResult.conflicts`; the trainer must compare the content hash of each
+  row it loads with the one :meth:`Ledger.accepted` returns.
+* **Duplicates.** A sample whose content hash (seed + prompt tokens + output tokens) was already
+  recorded at another location, by any worker, submission or step and with any status, is a copy:
+  if it would have been accepted it is recorded as ``rejected`` / ``duplicate``. Within one call,
+  earlier verdicts win. Honest workers never collide, since their sampling seeds differ.
+* A committed step is frozen: :meth:`Ledger.commit_step` is a no-op the second time, and new
+  verdicts for it are refused, so what the trainer read (:meth:`Ledger.accepted`) stays what the
+  ledger says it trained.
+
+**Connection policy.** DuckDB lets one process at a time open a database file for writing. The
+orchestrating flow's process owns the ledger: a :class:`Ledger` opens its connection on first use
+and keeps it until :meth:`Ledger.close` (or the end of a ``with Ledger(path) as ledger:`` block),
+because opening costs ~60 ms, and every operation is one transaction on it. Tasks running in that
+process (threads) may each open their own :class:`Ledger` on the same path; DuckDB shares one
+database per process, and operations are serialized per file. A second process waits up to
+``lock_timeout`` seconds for the owner to close, then fails; nothing outside the owner should
+write, and a reader (a notebook) opens the file only while the run is not active.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping
+
+import duckdb
+import pyarrow as pa
+
+from intellect.rl.assignment import canonical_worker
+
+if TYPE_CHECKING:
+    from intellect.rl.rollouts import Rollout
+
+LEDGER_SCHEMA_VERSION = 1
+DUPLICATE = "duplicate"
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rollouts (
+    file TEXT NOT NULL,
+    row_index INTEGER NOT NULL,
+    content_hash TEXT,
+    step BIGINT NOT NULL,
+    policy_step BIGINT,
+    worker TEXT NOT NULL,
+    submission BIGINT NOT NULL,
+    prompt_id TEXT,
+    group_id INTEGER,
+    reward DOUBLE,
+    advantage DOUBLE,
+    prompt_tokens INTEGER,
+    output_tokens INTEGER,
+    status TEXT NOT NULL CHECK (status IN ('accepted', 'rejected')),
+    reason TEXT,
+    recorded_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (file, row_index)
+);
+CREATE TABLE IF NOT EXISTS steps (
+    step BIGINT PRIMARY KEY,
+    committed_at TIMESTAMP NOT NULL,
+    accepted BIGINT NOT NULL,
+    rejected BIGINT NOT NULL,
+    mean_reward DOUBLE,
+    trained_samples BIGINT,
+    loss DOUBLE,
+    clip_fraction DOUBLE,
+    timings TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    step BIGINT PRIMARY KEY,
+    uri TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    recorded_at TIMESTAMP NOT NULL
+);
+CREATE TABLE IF NOT EXISTS workers (
+    worker TEXT PRIMARY KEY,
+    first_seen TIMESTAMP NOT NULL,
+    last_seen TIMESTAMP NOT NULL,
+    info TEXT
+);
+"""
+
+_SAMPLE_FIELDS = (
+    "content_hash", "policy_step", "prompt_id", "group_id", "reward", "advantage", "prompt_tokens", "output_tokens"
+)
+_VERDICT_SCHEMA = pa.schema(
+    [
+        ("file", pa.string()), ("row", pa.int32()), ("step", pa.int64()), ("worker", pa.string()),
+        ("submission", pa.int64()), ("status", pa.string()), ("reason", pa.string()),
+        ("content_hash", pa.string()), ("policy_step", pa.int64()), ("prompt_id", pa.string()),
+        ("group_id", pa.int32()), ("reward", pa.float64()), ("advantage", pa.float64()),
+        ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("ord", pa.int64()),
+    ]
+)
+_PATH_LOCKS: dict[str, threading.Lock] = {}
+_PATH_LOCKS_GUARD = threading.Lock()
+
+
+class LedgerError(RuntimeError):
+    """A ledger operation that would break an invariant (see the module docstring)."""
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)  # stored as naive UTC
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The validator's decision on one sample (or, with ``row = -1``, on a whole unreadable file)."""
+
+    file: str
+    row: int
+    step: int
+    worker: str
+    submission: int
+    status: Literal["accepted", "rejected"]
+    reason: str | None = None
+    content_hash: str | None = None
+    policy_step: int | None = None
+    prompt_id: str | None = None
+    group_id: int | None = None
+    reward: float | None = None
+    advantage: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in ("accepted", "rejected"):
+            raise ValueError(f"status must be accepted or rejected, got {self.status!r}")
+        if (self.status == "rejected") != bool(self.reason):
+            raise ValueError("a rejected verdict needs a reason and an accepted one has none")
+        if self.row < -1 or (self.row == -1 and self.status == "accepted"):
+            raise ValueError(f"row must be >= 0 (or -1 for a rejected file), got {self.row}")
+        if self.row >= 0 and any(getattr(self, f) is None for f in _SAMPLE_FIELDS):
+            raise ValueError(f"a sample verdict needs {', '.join(_SAMPLE_FIELDS)}")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError("reward must be finite")
+        canonical_worker(self.worker)
+
+    @classmethod
+    def of(cls, rollout: Rollout, file: str, row: int, reason: str | None = None) -> Verdict:
+        """The verdict on row ``row`` of ``file``: accepted without ``reason``, rejected with one."""
+        return cls(
+            file=file,
+            row=row,
+            step=rollout.step,
+            worker=rollout.worker,
+            submission=rollout.submission,
+            status="rejected" if reason else "accepted",
+            reason=reason,
+            content_hash=rollout.content_hash,
+            policy_step=rollout.policy_step,
+            prompt_id=rollout.prompt_id,
+            group_id=rollout.group_id,
+            reward=float(rollout.reward),
+            advantage=float(rollout.advantage),
+            prompt_tokens=len(rollout.prompt_tokens),
+            output_tokens=len(rollout.output_tokens),
+        )
+
+    @classmethod
+    def file_rejected(cls, file: str, step: int, worker: str, submission: int, reason: str) -> Verdict:
+        return cls(file=file, row=-1, step=step, worker=worker, submission=submission, status="rejected", reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResult:
+    """What :meth:`Ledger.record_verdicts` did: rows written now, already present, turned duplicate."""
+
+    inserted: int
+    existing: int
+    duplicates: int
+    conflicts: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """What the trainer reports when it commits a step (counts and mean reward come from the ledger)."""
+
+    loss: float | None = None
+    clip_fraction: float | None = None
+    trained_samples: int | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+
+class Ledger:
+    """The ledger file at ``path`` (created with its schema on first use). See the module docstring."""
+
+    def __init__(self, path: str | os.PathLike, *, lock_timeout: float = 30.0) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.lock_timeout = lock_timeout
+        self._con: duckdb.DuckDBPyConnection | None = None
+        with _PATH_LOCKS_GUARD:
+            self._lock = _PATH_LOCKS.setdefault(self.path, threading.Lock())
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with self._transaction() as con:
+            con.execute(_DDL)
+            con.execute(
+                "INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(LEDGER_SCHEMA_VERSION)]
+            )
+            (version,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if version != str(LEDGER_SCHEMA_VERSION):
+            self.close()
+            raise LedgerError(f"{self.path} has ledger schema {version}, this code writes {LEDGER_SCHEMA_VERSION}")
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.path!r})"
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the file (the next operation opens it again)."""
+        with self._lock:
+            if self._con is not None:
+                self._con.close()
+                self._con = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                return duckdb.connect(self.path)
+            except duckdb.IOException as e:
+                # another process holds the file: wait our turn, within bounds
+                if "lock" not in str(e).lower() or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        with self._lock:
+            if self._con is None:
+                self._con = self._connect()
+            con = self._con
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield con
+            except BaseException:
+                try:
+                    con.execute("ROLLBACK")
+                except duckdb.Error:  # a broken connection: drop it, DuckDB discards the transaction
+                    self._con = None
+                    con.close()
+                raise
+            con.execute("COMMIT")
+
+    def _query(self, sql: str, params: list | None = None) -> list[dict[str, Any]]:
+        with self._transaction() as con:
+            cur = con.execute(sql, params or [])
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    # ------------------------------------------------------------------ rollouts
+
+    def record_verdicts(self, step: int, verdicts: Iterable[Verdict]) -> RecordResult:
+        """Record the verdicts of ``step`` in one transaction, idempotently (see the module docstring)."""
+        vs = list(verdicts)
+        wrong = [v.file for v in vs if v.step != step]
+        if wrong:
+            raise ValueError(f"verdicts for other steps than {step}: {wrong[:4]}")
+        if not vs:
+            return RecordResult(0, 0, 0, 0)
+        cols = {f.name: [getattr(v, f.name) for v in vs] for f in fields(Verdict)}
+        cols["worker"] = [canonical_worker(w) for w in cols["worker"]]
+        cols["ord"] = list(range(len(vs)))
+        incoming = pa.table(cols, schema=_VERDICT_SCHEMA)
+        now = _now()
+        with self._transaction() as con:
+            con.register("incoming", incoming)
+            con.execute(
+                """
+                CREATE OR REPLACE TEMP TABLE batch AS
+                SELECT * FROM incoming
+                QUALIFY row_number() OVER (PARTITION BY file, "row" ORDER BY ord) = 1
+                """
+            )
+            (conflicts,) = con.execute(
+                """
+                SELECT count(*) FROM batch b JOIN rollouts r ON r.file = b.file AND r.row_index = b."row"
+                WHERE r.content_hash IS DISTINCT FROM b.content_hash
+                """
+            ).fetchone()
+            con.execute(
+                """
+                CREATE OR REPLACE TEMP TABLE fresh AS
+                SELECT b.*,
+                    b.status = 'accepted' AND (
+                        EXISTS (SELECT 1 FROM rollouts r WHERE r.content_hash = b.content_hash)
+                        OR row_number() OVER (PARTITION BY b.content_hash ORDER BY b.ord) > 1
+                    ) AS dup
+                FROM batch b ANTI JOIN rollouts r ON r.file = b.file AND r.row_index = b."row"
+                """
+            )
+            (inserted, duplicates) = con.execute("SELECT count(*), count(*) FILTER (WHERE dup) FROM fresh").fetchone()
+            if inserted and con.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone():
+                raise LedgerError(f"step {step} is committed: {inserted} new verdicts arrived too late")
+            con.execute(
+                f"""
+                INSERT INTO rollouts
+                SELECT file, "row", content_hash, step, policy_step, worker, submission, prompt_id, group_id,
+                    reward, advantage, prompt_tokens, output_tokens,
+                    CASE WHEN dup THEN 'rejected' ELSE status END,
+                    CASE WHEN dup THEN '{DUPLICATE}' ELSE reason END,
+                    ?
+                FROM fresh ORDER BY ord
+                """,
+                [now],
+            )
+            self._touch_workers(con, now)
+            con.execute("DROP TABLE batch; DROP TABLE fresh")
+            con.unregister("incoming")
+            return RecordResult(inserted, incoming.num_rows - inserted, duplicates, conflicts)
+
+    @staticmethod
+    def _touch_workers(con: duckdb.DuckDBPyConnection, now: datetime) -> None:
+        con.execute(
+            """
+            INSERT INTO workers SELECT DISTINCT worker, ?, ?, NULL FROM fresh
+            ON CONFLICT (worker) DO UPDATE SET last_seen = excluded.last_seen
+            """,
+            [now, now],
+        )
+
+    def accepted(self, step: int) -> list[dict[str, Any]]:
+        """The trainer's input: the accepted samples of ``step``, in (file, row) order."""
+        return self._query(
+            """
+            SELECT file, row_index, content_hash, policy_step, worker, submission, prompt_id, group_id,
+                reward, advantage, prompt_tokens, output_tokens
+            FROM rollouts WHERE step = ? AND status = 'accepted' ORDER BY file, row_index
+            """,
+            [step],
+        )
+
+    def is_duplicate(self, content_hash: str, file: str | None = None, row: int | None = None) -> bool:
+        """Whether ``content_hash`` is recorded anywhere other than at ``(file, row)``."""
+        rows = self._query(
+            "SELECT 1 FROM rollouts WHERE content_hash = ? AND NOT (file IS NOT DISTINCT FROM ? "
+            "AND row_index IS NOT DISTINCT FROM ?) LIMIT 1",
+            [content_hash, file, row],
+        )
+        return bool(rows)
+
+    # ------------------------------------------------------------------ steps
+
+    def commit_step(self, step: int, metrics: StepMetrics = StepMetrics()) -> bool:
+        """Commit ``step`` in one transaction; ``False`` (and nothing changes) if it already was."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        timings = json.dumps(dict(metrics.timings), sort_keys=True)
+        with self._transaction() as con:
+            (n,) = con.execute(
+                """
+                INSERT INTO steps
+                SELECT ?, ?, count(*) FILTER (WHERE status = 'accepted'), count(*) FILTER (WHERE status = 'rejected'),
+                    avg(reward) FILTER (WHERE status = 'accepted'), ?, ?, ?, ?
+                FROM rollouts WHERE step = ?
+                ON CONFLICT DO NOTHING
+                """,
+                [step, _now(), metrics.trained_samples, metrics.loss, metrics.clip_fraction, timings, step],
+            ).fetchone()
+        return n == 1
+
+    def get_step(self, step: int) -> dict[str, Any] | None:
+        rows = self._query("SELECT * FROM steps WHERE step = ?", [step])
+        if not rows:
+            return None
+        rows[0]["timings"] = json.loads(rows[0]["timings"])
+        return rows[0]
+
+    def committed_steps(self) -> list[int]:
+        return [r["step"] for r in self._query("SELECT step FROM steps ORDER BY step")]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Sample counts by step, status and reason (``reason`` is ``None`` for accepted)."""
+        return self._query(
+            "SELECT step, status, reason, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY step, status, reason"
+        )
+
+    # ------------------------------------------------------------------ checkpoints and workers
+
+    def record_checkpoint(self, step: int, uri: str, sha256: str) -> None:
+        """Record checkpoint ``step``; again with the same values is a no-op, with others a ``LedgerError``."""
+        with self._transaction() as con:
+            con.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", [step, uri, sha256, _now()])
+            got = con.execute("SELECT uri, sha256 FROM checkpoints WHERE step = ?", [step]).fetchone()
+            if got != (uri, sha256):
+                raise LedgerError(f"checkpoint {step} is already recorded as {got}, not {(uri, sha256)}")
+
+    def checkpoint(self, step: int) -> tuple[str, str] | None:
+        """``(uri, sha256)`` of checkpoint ``step``, or ``None``."""
+        rows = self._query("SELECT uri, sha256 FROM checkpoints WHERE step = ?", [step])
+        return (rows[0]["uri"], rows[0]["sha256"]) if rows else None
+
+    def upsert_worker(self, worker: str, info: Mapping[str, Any] | None = None) -> None:
+        """Note that ``worker`` was seen now; ``info`` (JSON-able), when given, replaces the stored info."""
+        now = _now()
+        with self._transaction() as con:
+            con.execute(
+                """
+                INSERT INTO workers VALUES (?, ?, ?, ?)
+                ON CONFLICT (worker) DO UPDATE SET last_seen = excluded.last_seen,
+                    info = coalesce(excluded.info, workers.info)
+                """,
+                [canonical_worker(worker), now, now, None if info is None else json.dumps(dict(info), sort_keys=True)],
+            )
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker with its accepted and rejected sample counts."""
+        rows = self._query(
+            """
+            SELECT w.worker, w.first_seen, w.last_seen, w.info,
+                count(r.file) FILTER (WHERE r.status = 'accepted') AS accepted,
+                count(r.file) FILTER (WHERE r.status = 'rejected') AS rejected
+            FROM workers w LEFT JOIN rollouts r USING (worker) GROUP BY ALL ORDER BY w.worker
+            """
+        )
+        for r in rows:
+            r["info"] = None if r["info"] is None else json.loads(r["info"])
+        return rows

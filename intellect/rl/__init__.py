@@ -1,0 +1,1 @@
+"""Asynchronous GRPO, as in INTELLECT-2."""

@@ -1,0 +1,69 @@
+"""Code reward: the completion's last Python code block must pass every test of the task.
+
+**Format.** The code is the last fenced block tagged ``python``, ``py``,
+``python3`` or untagged (after the last ``</think>``); a completion without one
+scores ``no_code``. Each test of a :class:`~intellect.data.loaders.CodeTask` is
+Python source (typically ``assert`` lines) run after the code, in the same
+namespace, in order.
+
+**Verdict.** 1.0 only if the code and every test run to completion inside the
+sandbox of :mod:`intellect.rl.rewards.sandbox` within its limits; otherwise 0.0
+with the sandbox's reason (``failed``, ``timeout``, ``killed:SIGXCPU``,
+``early_exit``...). ``no_code`` and ``too_long`` are decided before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from pydantic import Field
+
+from intellect.config import StrictModel
+from intellect.rl.rewards.base import RewardResult, after_thinking
+from intellect.rl.rewards.sandbox import SandboxConfig, run_python
+
+__all__ = ["CodeRewardConfig", "code_reward", "extract_code"]
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"", "python", "py", "python3"}
+
+
+class CodeRewardConfig(StrictModel):
+    """The code verifier: what it accepts and the sandbox it runs in."""
+
+    max_code_chars: int = Field(
+        65536, ge=1, le=10_000_000, description="Longer code blocks score 0 (too_long) without running."
+    )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits and isolation of each run.")
+
+
+def extract_code(completion: str) -> str | None:
+    """The last Python (or untagged) fenced block, or None.
+
+    >>> extract_code("try\\n```python\\nx = 1\\n```\\nbetter\\n```\\nx = 2\\n```\\n```text\\nno\\n```")
+    'x = 2\\n'
+    >>> extract_code("x = 1") is None
+    True
+    """
+    blocks = [m[2] for m in _FENCE.finditer(after_thinking(completion)) if m[1].lower() in _PYTHON_TAGS]
+    return blocks[-1] if blocks else None
+
+
+def code_reward(completion: str, tests: Sequence[str], cfg: CodeRewardConfig | None = None) -> RewardResult:
+    """Run the completion's code against ``tests`` in the sandbox; 1.0 iff all pass.
+
+    Raises :class:`~intellect.rl.rewards.sandbox.SandboxUnavailable` where no
+    sandbox can run (and the fallback is not allowed) and
+    :class:`~intellect.rl.rewards.sandbox.SandboxError` when the sandbox broke
+    before the code ran: neither is a verdict on the code.
+    """
+    cfg = cfg or CodeRewardConfig()
+    code = extract_code(completion)
+    if code is None:
+        return RewardResult(0.0, "no_code")
+    if len(code) > cfg.max_code_chars:
+        return RewardResult(0.0, "too_long", f"{len(code)} chars > {cfg.max_code_chars}")
+    run = run_python(code, list(tests), cfg.sandbox)
+    detail = run.detail if run.sandboxed else f"UNSANDBOXED run. {run.detail}"
+    return RewardResult(1.0 if run.passed else 0.0, run.reason, detail[-800:])

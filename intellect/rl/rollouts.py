@@ -1,0 +1,459 @@
+"""Rollout files: one Parquet file per worker submission, the contract between inference and training.
+
+A submission is written atomically to ``rollouts/step_{n}/{worker}-{k}.parquet`` in run storage
+(:func:`submission_path`), where ``worker`` is the canonical worker id
+(:func:`~intellect.rl.assignment.canonical_worker`) and ``k`` counts that worker's submissions for
+step ``n``. Every row is one sample; the rows of a submission share run, step, policy step, worker
+and ``k``. Schema version 1 (:data:`SCHEMA`, version in the schema metadata under
+:data:`VERSION_KEY`), no column nullable unless said:
+
+===============  ==============  =============================================================
+column           type            meaning
+===============  ==============  =============================================================
+run              string          run name
+step             int64           training step the sample is for
+policy_step      int64           checkpoint that generated it (see :mod:`intellect.rl.lag`)
+worker           string          canonical worker id
+submission       int64           ``k``: index of this submission of the worker at this step
+seed             uint64          sampling seed of the sample
+prompt_id        string          task id of the prompt
+group_id         int32           GRPO group within the submission; group ``j`` answers the
+                                 ``j``-th assigned prompt (:mod:`intellect.rl.assignment`)
+prompt_tokens    list<int32>     prompt token ids
+output_tokens    list<int32>     completion token ids
+finish_reason    string          ``stop`` (EOS) or ``length`` (hit the token limit)
+reward           float32         reward trained on (task reward minus length penalty)
+task_reward      float32         verifier's reward
+length_penalty   float32         thinking-budget penalty
+advantage        float32         group-normalized advantage
+target_length    int32, null     thinking budget in tokens; null without a length reward
+proof            binary          TOPLOC proofs of the output (may be empty)
+===============  ==============  =============================================================
+
+Files come from untrusted workers, so :func:`read_submission` never trusts one: it rejects
+anything off-contract with :class:`RolloutRejected`, whose ``reason`` is one of :data:`REASONS`,
+and never lets a parser error escape. Size bounds apply before anything is decoded
+and decoding stops once a file expands past its bound (:class:`RolloutLimits`); what remains
+is one batch of rows whose pages expand enormously.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Literal, NoReturn, Sequence, get_args
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import Field, model_validator
+
+from intellect.config import StrictModel
+from intellect.rl.assignment import canonical_worker
+from intellect.rl.lag import is_fresh
+
+if TYPE_CHECKING:
+    from intellect.storage import RunStorage
+
+SCHEMA_VERSION = 1
+VERSION_KEY = b"intellect.rollouts.schema_version"
+KIND = "rollouts"
+FINISH_REASONS = ("stop", "length")
+MAX_ID_CHARS = 256
+
+Reason = Literal[
+    "unreadable", "too_large", "version", "schema", "empty", "nan", "range", "identity", "wrong_step", "stale"
+]
+REASONS: tuple[str, ...] = get_args(Reason)
+
+SCHEMA = pa.schema(
+    [
+        pa.field("run", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("policy_step", pa.int64(), nullable=False),
+        pa.field("worker", pa.string(), nullable=False),
+        pa.field("submission", pa.int64(), nullable=False),
+        pa.field("seed", pa.uint64(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.int32(), nullable=False),
+        pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("output_tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("reward", pa.float32(), nullable=False),
+        pa.field("task_reward", pa.float32(), nullable=False),
+        pa.field("length_penalty", pa.float32(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("target_length", pa.int32(), nullable=True),
+        pa.field("proof", pa.binary(), nullable=False),
+    ],
+    metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()},
+)
+
+_NAME_RE = re.compile(r"(?P<worker>[a-z0-9][a-z0-9._-]{0,127})-(?P<k>0|[1-9][0-9]{0,17})\.parquet")
+_RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+class RolloutRejected(ValueError):
+    """A submission that breaks the contract; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class RolloutLimits(StrictModel):
+    """Bounds a submission must respect; everything outside them is rejected, not clipped."""
+
+    vocab_size: int = Field(..., ge=1, le=2**31 - 1, description="Token ids must lie in [0, vocab_size).")
+    max_rows: int = Field(4096, ge=1, le=1 << 20, description="Most samples in one submission.")
+    max_prompt_tokens: int = Field(32768, ge=1, le=1 << 22, description="Longest prompt, in tokens.")
+    max_output_tokens: int = Field(32768, ge=1, le=1 << 22, description="Longest completion, in tokens.")
+    max_proof_bytes: int = Field(
+        1 << 20, ge=0, le=1 << 30, description="Largest TOPLOC proof of one sample (258 bytes per 32 tokens)."
+    )
+    max_file_bytes: int = Field(256 << 20, ge=1024, le=1 << 40, description="Largest file, as stored.")
+    max_decoded_bytes: int = Field(
+        1 << 30, ge=1024, le=1 << 40, description="Largest size the file may decode to in memory."
+    )
+    reward_min: float = Field(-10.0, ge=-1e6, le=1e6, description="Lowest allowed reward and task reward.")
+    reward_max: float = Field(10.0, ge=-1e6, le=1e6, description="Highest allowed reward and task reward.")
+    max_abs_advantage: float = Field(100.0, gt=0, le=1e6, description="Largest allowed |advantage|.")
+    max_abs_length_penalty: float = Field(100.0, ge=0, le=1e6, description="Largest allowed |length penalty|.")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "RolloutLimits":
+        if self.reward_min >= self.reward_max:
+            raise ValueError(f"reward_min ({self.reward_min}) must be < reward_max ({self.reward_max})")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One sample: a row of a rollout file (columns as in the module docstring)."""
+
+    run: str
+    step: int
+    policy_step: int
+    worker: str
+    submission: int
+    seed: int
+    prompt_id: str
+    group_id: int
+    prompt_tokens: tuple[int, ...]
+    output_tokens: tuple[int, ...]
+    finish_reason: str
+    reward: float
+    task_reward: float
+    length_penalty: float
+    advantage: float
+    target_length: int | None = None
+    proof: bytes = b""
+
+    @property
+    def content_hash(self) -> str:
+        return content_hash(self.prompt_tokens, self.output_tokens, self.seed)
+
+
+assert [f.name for f in fields(Rollout)] == SCHEMA.names
+
+
+def content_hash(prompt_tokens: Sequence[int], output_tokens: Sequence[int], seed: int) -> str:
+    """Hex sha256 of what a sample *is*: its seed, prompt and output tokens, nothing about who sent it.
+
+    Two submissions with the same content hash are copies (honest workers draw different seeds);
+    changing the seed to disguise a copy is the sampling check's job, not this hash's.
+    """
+    h = hashlib.sha256(b"intellect/rollout-content/v1\0")
+    h.update(int(seed).to_bytes(8, "big"))
+    for tokens in (prompt_tokens, output_tokens):
+        arr = np.asarray(tokens, dtype="<i4")
+        h.update(len(arr).to_bytes(8, "big"))
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------- paths
+
+
+def submission_path(step: int, worker: str, k: int) -> str:
+    """``rollouts/step_{step}/{worker}-{k}.parquet`` with the canonical worker id."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 10**18:
+        raise ValueError(f"submission index must be an int in [0, 1e18), got {k!r}")
+    return f"{KIND}/step_{step}/{canonical_worker(worker)}-{k}.parquet"
+
+
+def parse_submission_path(rel: str) -> tuple[int, str, int]:
+    """``(step, worker, k)`` of a path made by :func:`submission_path`; ``ValueError`` otherwise."""
+    m = re.fullmatch(rf"{KIND}/step_(0|[1-9][0-9]*)/([^/]+)", rel)
+    name = _NAME_RE.fullmatch(m.group(2)) if m else None
+    if name is None:
+        raise ValueError(f"{rel!r} is not a rollout file path ({KIND}/step_N/WORKER-K.parquet)")
+    return int(m.group(1)), name["worker"], int(name["k"])
+
+
+def list_submissions(storage: RunStorage, step: int) -> list[str]:
+    """Relative paths of the well-named submission files of ``step``, sorted (others are ignored)."""
+    folder = storage.step_path(step, KIND)
+    return [f"{folder}/{n}" for n in storage.listdir(folder) if _NAME_RE.fullmatch(n)]
+
+
+# --------------------------------------------------------------------- rows <-> tables
+
+
+def rows_to_table(rows: Sequence[Rollout]) -> pa.Table:
+    """The rows as a table of :data:`SCHEMA` (``TypeError``/``ArrowInvalid`` on ill-typed values)."""
+    cols = [pa.array([getattr(r, f.name) for r in rows], type=f.type) for f in SCHEMA]
+    return pa.Table.from_arrays(cols, schema=SCHEMA)
+
+
+def table_to_rows(table: pa.Table) -> list[Rollout]:
+    out = []
+    for d in table.to_pylist():
+        d["prompt_tokens"] = tuple(d["prompt_tokens"])
+        d["output_tokens"] = tuple(d["output_tokens"])
+        out.append(Rollout(**d))
+    return out
+
+
+# --------------------------------------------------------------------- validation
+
+
+def _reject(reason: Reason, detail: str) -> NoReturn:
+    raise RolloutRejected(reason, detail)
+
+
+def _check_schema(schema: pa.Schema) -> None:
+    version = (schema.metadata or {}).get(VERSION_KEY)
+    if version is None:
+        _reject("version", f"no {VERSION_KEY.decode()} in the schema metadata")
+    if version != str(SCHEMA_VERSION).encode():
+        _reject("version", f"schema version {version[:32]!r}, this reader knows {SCHEMA_VERSION}")
+    names = schema.names
+    if len(set(names)) != len(names):
+        _reject("schema", "duplicate column names")
+    missing, extra = set(SCHEMA.names) - set(names), set(names) - set(SCHEMA.names)
+    if missing or extra:
+        _reject("schema", f"missing columns {sorted(missing)}, unexpected columns {sorted(extra)[:8]}")
+    for want in SCHEMA:
+        got = schema.field(want.name).type
+        # list child names differ between writers ("item", "element"); only the value type matters
+        same = (
+            pa.types.is_list(got) and got.value_type == want.type.value_type
+            if pa.types.is_list(want.type)
+            else got == want.type
+        )
+        if not same:
+            _reject("schema", f"column {want.name} is {got}, expected {want.type}")
+
+
+def _min_max(arr: pa.ChunkedArray | pa.Array) -> tuple:
+    mm = pc.min_max(arr)
+    return mm["min"].as_py(), mm["max"].as_py()
+
+
+def _check_range(table: pa.Table, name: str, lo: float, hi: float, values=None) -> None:
+    vmin, vmax = _min_max(table[name] if values is None else values)
+    if vmin is not None and (vmin < lo or vmax > hi):
+        _reject("range", f"{name} spans [{vmin}, {vmax}], allowed [{lo}, {hi}]")
+
+
+def _single(table: pa.Table, name: str):
+    if pc.count_distinct(table[name]).as_py() != 1:
+        _reject("identity", f"rows disagree on {name}")
+    return table[name][0].as_py()
+
+
+def validate_table(
+    table: pa.Table,
+    limits: RolloutLimits,
+    *,
+    step: int | None = None,
+    worker: str | None = None,
+    submission: int | None = None,
+    run: str | None = None,
+    async_level: int | None = None,
+) -> pa.Table:
+    """Check a decoded submission and return it as exactly :data:`SCHEMA`; :class:`RolloutRejected` if bad.
+
+    ``step``, ``worker``, ``submission`` and ``run``, when given, are what the file must claim (e.g.
+    from its path); ``async_level``, when given, rejects samples the lag bound calls stale.
+    """
+    _check_schema(table.schema)
+    if table.num_rows == 0:
+        _reject("empty", "no rows")
+    if table.num_rows > limits.max_rows:
+        _reject("too_large", f"{table.num_rows} rows, at most {limits.max_rows} allowed")
+    for f in SCHEMA:
+        if not f.nullable and table[f.name].null_count:
+            _reject("schema", f"nulls in column {f.name}")
+    table = table.select(SCHEMA.names).cast(SCHEMA)
+    flat = {name: pc.list_flatten(table[name]) for name in ("prompt_tokens", "output_tokens")}
+    if any(v.null_count for v in flat.values()):
+        _reject("schema", "null token ids")
+
+    for name in ("reward", "task_reward", "length_penalty", "advantage"):
+        if not pc.all(pc.is_finite(table[name])).as_py():
+            _reject("nan", f"non-finite values in {name}")
+    # bounds rounded to float32 like the values, so a reward of exactly reward_max=0.1 still passes
+    lo, hi, adv, pen = np.float32([limits.reward_min, limits.reward_max, limits.max_abs_advantage,
+                                   limits.max_abs_length_penalty]).tolist()
+    _check_range(table, "reward", lo, hi)
+    _check_range(table, "task_reward", lo, hi)
+    _check_range(table, "advantage", -adv, adv)
+    _check_range(table, "length_penalty", -pen, pen)
+    for name, most in (("prompt_tokens", limits.max_prompt_tokens), ("output_tokens", limits.max_output_tokens)):
+        _check_range(table, f"{name} length", 1, most, pc.list_value_length(table[name]))
+        _check_range(table, name, 0, limits.vocab_size - 1, flat[name])
+    _check_range(table, "proof bytes", 0, limits.max_proof_bytes, pc.binary_length(table["proof"]))
+    _check_range(table, "prompt_id length", 1, MAX_ID_CHARS, pc.utf8_length(table["prompt_id"]))
+    _check_range(table, "group_id", 0, limits.max_rows - 1)
+    _check_range(table, "target_length", 1, 2**31 - 1)
+    for name in ("step", "policy_step", "submission"):
+        _check_range(table, name, 0, 2**63 - 1)
+    if not pc.all(pc.is_in(table["finish_reason"], pa.array(FINISH_REASONS))).as_py():
+        _reject("range", f"finish_reason outside {FINISH_REASONS}")
+
+    got = {name: _single(table, name) for name in ("run", "step", "policy_step", "worker", "submission")}
+    if not _RUN_RE.fullmatch(got["run"]):
+        _reject("identity", f"invalid run name {got['run'][:80]!r}")
+    try:
+        if canonical_worker(got["worker"]) != got["worker"]:
+            raise ValueError("not lowercase")
+    except ValueError:
+        _reject("identity", f"worker {got['worker'][:140]!r} is not a canonical worker id")
+    if step is not None and got["step"] != step:
+        _reject("wrong_step", f"rows are for step {got['step']}, file is for step {step}")
+    if worker is not None and got["worker"] != canonical_worker(worker):
+        _reject("identity", f"rows are from worker {got['worker']!r}, file is from {worker!r}")
+    if submission is not None and got["submission"] != submission:
+        _reject("identity", f"rows are submission {got['submission']}, file is submission {submission}")
+    if run is not None and got["run"] != run:
+        _reject("identity", f"rows are for run {got['run']!r}, not {run!r}")
+    if async_level is not None and not is_fresh(got["step"], got["policy_step"], async_level):
+        _reject("stale", f"policy {got['policy_step']} is outside the lag bound {async_level} of step {got['step']}")
+    return table
+
+
+# --------------------------------------------------------------------- files
+
+
+def encode_submission(rows: Sequence[Rollout], limits: RolloutLimits | None = None) -> bytes:
+    """The Parquet bytes of one submission; with ``limits`` they are validated as a reader would."""
+    table = rows_to_table(rows)
+    if limits is not None:
+        validate_table(table, limits)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def write_submission(
+    storage: RunStorage,
+    step: int,
+    worker: str,
+    k: int,
+    rows: Sequence[Rollout],
+    *,
+    limits: RolloutLimits | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Atomically write submission ``k`` of ``worker`` for ``step``; returns its relative path.
+
+    The rows must claim this step, worker and ``k``. An existing submission is not replaced unless
+    ``overwrite`` (the ledger keys verdicts by file and row, so a validated file must not change);
+    a step already marked ``STABLE`` is never written to (``FileExistsError``).
+    """
+    rel = submission_path(step, worker, k)
+    if not rows:
+        raise ValueError("a submission needs at least one row")
+    want = (step, canonical_worker(worker), k)
+    bad = [i for i, r in enumerate(rows) if (r.step, r.worker, r.submission) != want]
+    if bad:
+        raise ValueError(f"rows {bad[:8]} do not claim (step, worker, submission) = {want}")
+    if storage.is_stable(step, KIND):
+        raise FileExistsError(f"{storage.uri(storage.step_path(step, KIND))} is already stable")
+    if not overwrite and storage.exists(rel):
+        raise FileExistsError(f"{storage.uri(rel)} exists: use the next submission index")
+    storage.write_bytes(rel, encode_submission(rows, limits))
+    return rel
+
+
+def read_submission_table(
+    source: bytes | bytearray | memoryview | str | os.PathLike,
+    limits: RolloutLimits,
+    **expect,
+) -> pa.Table:
+    """Decode and validate one submission from bytes or a local path (``expect`` as in :func:`validate_table`)."""
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            size = os.path.getsize(source)
+            if size > limits.max_file_bytes:
+                _reject("too_large", f"{size} bytes, at most {limits.max_file_bytes} allowed")
+            with open(source, "rb") as f:
+                source = f.read()
+        except OSError as e:
+            _reject("unreadable", f"{type(e).__name__}: {e}")
+    data = bytes(source)
+    if len(data) > limits.max_file_bytes:
+        _reject("too_large", f"{len(data)} bytes, at most {limits.max_file_bytes} allowed")
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        meta, schema = pf.metadata, pf.schema_arrow
+        declared = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    except Exception as e:  # noqa: BLE001 - any parser failure on untrusted bytes is a rejection
+        _reject("unreadable", f"not a Parquet file ({type(e).__name__}: {str(e)[:200]})")
+    if meta.num_rows > limits.max_rows:
+        _reject("too_large", f"{meta.num_rows} rows, at most {limits.max_rows} allowed")
+    if declared > limits.max_decoded_bytes:
+        _reject("too_large", f"declares {declared} decoded bytes, at most {limits.max_decoded_bytes} allowed")
+    _check_schema(schema)  # before decoding: a wrong file costs no decompression
+    batches, decoded = [], 0
+    try:
+        # in small batches: dictionary and RLE encodings can expand far beyond the declared size
+        for batch in pf.iter_batches(batch_size=64):
+            decoded += batch.nbytes
+            if decoded > limits.max_decoded_bytes:
+                break
+            batches.append(batch)
+        table = pa.Table.from_batches(batches, schema=schema)
+    except Exception as e:  # noqa: BLE001
+        _reject("unreadable", f"corrupt Parquet data ({type(e).__name__}: {str(e)[:200]})")
+    if decoded > limits.max_decoded_bytes:
+        _reject("too_large", f"decodes to over {limits.max_decoded_bytes} bytes")
+    return validate_table(table, limits, **expect)
+
+
+def read_submission(
+    source: bytes | bytearray | memoryview | str | os.PathLike, limits: RolloutLimits, **expect
+) -> list[Rollout]:
+    """:func:`read_submission_table` as :class:`Rollout` rows."""
+    return table_to_rows(read_submission_table(source, limits, **expect))
+
+
+def load_submission(
+    storage: RunStorage,
+    rel: str,
+    limits: RolloutLimits,
+    *,
+    run: str | None = None,
+    async_level: int | None = None,
+) -> list[Rollout]:
+    """Read a submission from run storage; its path fixes the step, worker and ``k`` it must claim."""
+    try:
+        step, worker, k = parse_submission_path(rel)
+    except ValueError as e:
+        _reject("identity", str(e))
+    try:
+        data = storage.read_bytes(rel)
+    except OSError as e:
+        _reject("unreadable", f"{type(e).__name__}: {e}")
+    return read_submission(data, limits, step=step, worker=worker, submission=k, run=run, async_level=async_level)
