@@ -1,0 +1,365 @@
+"""The GRPO trainer: one RL step turns the accepted samples of a step into the next checkpoint.
+
+As in INTELLECT-2 (prime-rl I2 ``train.py``, which loads ``batch_size x step_per_rollout``
+samples per rollout step), the step's samples are split in order into ``steps_per_rollout``
+mini-batches and each mini-batch is one AdamW step. The old log-probs of *all* mini-batches are
+computed once, with no grad, before the first update: the ratio is exactly 1 on the first
+mini-step and measures only the drift of the later ones. ``loss.old_logprobs = "behaviour"``
+takes the inference engine's log-probs instead (each :class:`Sample` must carry them), which
+also importance-corrects the async lag.
+
+A sequence is ``prompt + output``, right-padded; logits at position ``t`` predict token
+``t + 1``, so a prompt of ``P`` tokens has its ``O`` output tokens predicted at positions
+``P - 1 .. P + O - 2``, and only those positions are in the loss mask. Logits are divided by
+the sampling temperature. A mini-batch is cut into micro-batches of ``micro_batch_size``
+samples (length-sorted, to pad less) whose gradients are accumulated so that their sum equals
+the gradient of the whole mini-batch in every normalization: ``token`` divides every
+micro-batch by the mini-batch's completion-token count, ``constant`` and ``sequence`` weigh a
+micro-batch of ``b`` rows by ``b / B``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+import torch
+from pydantic import Field
+
+from intellect.config import StrictModel, TrainConfig
+from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
+from intellect.train import lr_at
+
+if TYPE_CHECKING:
+    from intellect.rl.rollouts import Rollout, RolloutLimits
+    from intellect.storage import RunStorage
+
+
+class RLTrainerConfig(StrictModel):
+    """The GRPO trainer: AdamW, schedule, batching and the loss."""
+
+    lr: float = Field(3e-4, gt=0, le=1.0, description="Peak AdamW learning rate.")
+    min_lr_ratio: float = Field(1.0, ge=0, le=1, description="Final lr as a fraction of the peak (1: constant).")
+    warmup_steps: int = Field(10, ge=0, le=1_000_000, description="Linear warmup, in optimizer steps.")
+    total_steps: int = Field(
+        1000, ge=1, le=10_000_000, description="Optimizer steps the cosine decay spans (RL steps x steps_per_rollout)."
+    )
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay (matrices only).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global gradient norm of each optimizer step.")
+    steps_per_rollout: int = Field(
+        8, ge=1, le=1024,
+        description="Optimizer steps per RL step; the step's samples are split into this many mini-batches "
+        "(INTELLECT-2: 8). A step with fewer samples takes one optimizer step per sample.",
+    )
+    micro_batch_size: int = Field(32, ge=1, le=65536, description="Samples per forward/backward pass.")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature; logits are divided by it.")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=1 << 22,
+        description="Per-sequence token budget of constant normalization (the sampler's max tokens); "
+        "None: the longest completion of each mini-batch.",
+    )
+    loss: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """What the trainer needs of one completion."""
+
+    prompt_tokens: Sequence[int]
+    output_tokens: Sequence[int]
+    advantage: float
+    behaviour_logprobs: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_tokens) == 0:
+            raise ValueError("a sample needs at least one prompt token to predict its first output token")
+        if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != len(self.output_tokens):
+            raise ValueError(
+                f"{len(self.behaviour_logprobs)} behaviour log-probs for {len(self.output_tokens)} output tokens"
+            )
+
+
+def _field(row: Any, name: str, default: Any = None) -> Any:
+    return row.get(name, default) if isinstance(row, Mapping) else getattr(row, name, default)
+
+
+def samples_from_rows(rows: Iterable[Rollout | Mapping[str, Any]]) -> list[Sample]:
+    """Samples from :class:`~intellect.rl.rollouts.Rollout` rows or mappings with token lists.
+
+    Ledger rows (:meth:`intellect.ledger.Ledger.accepted`) hold token *counts*; load them with
+    :func:`load_accepted` first.
+    """
+    out = []
+    for row in rows:
+        prompt, output = _field(row, "prompt_tokens"), _field(row, "output_tokens")
+        if isinstance(prompt, int) or isinstance(output, int):
+            raise TypeError("row holds token counts, not tokens (a ledger row?): load it with load_accepted")
+        out.append(Sample(tuple(prompt), tuple(output), float(_field(row, "advantage")),
+                          _field(row, "behaviour_logprobs")))
+    return out
+
+
+def load_accepted(
+    storage: RunStorage, rows: Iterable[Mapping[str, Any]], limits: RolloutLimits
+) -> list[Rollout]:
+    """The rollouts of ledger rows, read from their files; each must still hash as the ledger says."""
+    from intellect.rl.rollouts import load_submission  # noqa: PLC0415 - keeps pyarrow off the import path
+
+    files: dict[str, list[Rollout]] = {}
+    out = []
+    for row in rows:
+        if row["file"] not in files:
+            files[row["file"]] = load_submission(storage, row["file"], limits)
+        loaded = files[row["file"]]
+        i = row["row_index"]
+        if not 0 <= i < len(loaded) or loaded[i].content_hash != row["content_hash"]:
+            raise ValueError(f"{row['file']} row {i} is not what the ledger accepted (file overwritten?)")
+        out.append(loaded[i])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class MiniStepStats:
+    """One optimizer step. Token means are over completion tokens; ``grad_norm`` is before clipping."""
+
+    loss: float
+    clip_fraction: float
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    samples: int
+    kl: float | None = None
+    entropy: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats(MiniStepStats):
+    """One RL step: token-weighted means over its mini-steps (``loss``, ``grad_norm``: plain means;
+    ``lr``: the last), extremes of the ratio, sums of tokens and samples."""
+
+    seconds: float = 0.0
+    mini_steps: tuple[MiniStepStats, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def of(cls, minis: Sequence[MiniStepStats], seconds: float) -> StepStats:
+        n = sum(m.tokens for m in minis)
+
+        def tmean(key: str) -> float | None:
+            vals = [(getattr(m, key), m.tokens) for m in minis]
+            if any(v is None for v, _ in vals):
+                return None
+            return sum(v * t for v, t in vals) / n if n else math.nan
+
+        return cls(
+            loss=sum(m.loss for m in minis) / len(minis),
+            clip_fraction=tmean("clip_fraction"),
+            ratio_mean=tmean("ratio_mean"),
+            ratio_min=min(m.ratio_min for m in minis),
+            ratio_max=max(m.ratio_max for m in minis),
+            grad_norm=sum(m.grad_norm for m in minis) / len(minis),
+            lr=minis[-1].lr,
+            tokens=n,
+            samples=sum(m.samples for m in minis),
+            kl=tmean("kl"),
+            entropy=tmean("entropy"),
+            seconds=seconds,
+            mini_steps=tuple(minis),
+        )
+
+
+@dataclass
+class _Micro:
+    ids: torch.Tensor  # [b, L] prompt + output, right-padded
+    targets: torch.Tensor  # [b, L - 1] ids shifted left: what each position predicts
+    mask: torch.Tensor  # [b, L - 1] True where the target is an output token
+    advantages: torch.Tensor  # [b]
+    behaviour: torch.Tensor | None  # [b, L - 1], set on the mask
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+
+def _split(items: Sequence, n: int) -> list[Sequence]:
+    """``n`` contiguous near-equal chunks (the first ones one longer)."""
+    q, r = divmod(len(items), n)
+    bounds = [i * q + min(i, r) for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+class GRPOTrainer:
+    """AdamW and the GRPO loss over ``model``; optimizer state and step count persist across RL steps.
+
+    ``ref_model`` (never updated) is required by ``loss.kl_coef > 0``; whenever given, the KL to
+    it is logged.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, cfg: RLTrainerConfig, ref_model: torch.nn.Module | None = None
+    ):
+        if cfg.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError("loss.kl_coef > 0 needs a ref_model")
+        self.model, self.tokenizer, self.cfg, self.ref_model = model, tokenizer, cfg, ref_model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False,
+        )
+        self._schedule = TrainConfig(
+            steps=cfg.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio
+        )
+        self.step = 0  # optimizer steps taken
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    # ------------------------------------------------------------------ batches
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _collate(self, samples: Sequence[Sample]) -> _Micro:
+        seqs = [list(s.prompt_tokens) + list(s.output_tokens) for s in samples]
+        width = max(len(q) for q in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+        behaviour = None
+        if all(s.behaviour_logprobs is not None for s in samples):
+            behaviour = torch.zeros((len(seqs), width - 1), dtype=torch.float64)
+        for i, (s, q) in enumerate(zip(samples, seqs)):
+            ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
+            out = slice(len(s.prompt_tokens) - 1, len(q) - 1)
+            mask[i, out] = True
+            if behaviour is not None:
+                behaviour[i, out] = torch.tensor(s.behaviour_logprobs, dtype=torch.float64)
+        dev = self._device()
+        return _Micro(
+            ids=ids.to(dev), targets=ids[:, 1:].to(dev), mask=mask.to(dev),
+            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float64, device=dev),
+            behaviour=None if behaviour is None else behaviour.to(dev),
+        )
+
+    def _micro_batches(self, samples: Sequence[Sample]) -> list[_Micro]:
+        order = sorted(samples, key=lambda s: len(s.prompt_tokens) + len(s.output_tokens))
+        size = self.cfg.micro_batch_size
+        return [self._collate(order[i : i + size]) for i in range(0, len(order), size)]
+
+    def _logprobs(self, model: torch.nn.Module, mb: _Micro, entropy_grad: bool = False):
+        # Right padding needs no attention mask: causal attention never lets a real token see the pads.
+        logits = model(input_ids=mb.ids).logits[:, :-1]
+        return token_logprobs(logits, mb.targets, self.cfg.temperature, entropy_grad=entropy_grad)
+
+    @torch.no_grad()
+    def _prepare(self, minis: list[list[_Micro]]) -> None:
+        """Old (and reference) log-probs of every micro-batch, from the weights before any update."""
+        behaviour = self.cfg.loss.old_logprobs == "behaviour"
+        for mb in (mb for mini in minis for mb in mini):
+            if behaviour:
+                if mb.behaviour is None:
+                    raise ValueError("loss.old_logprobs='behaviour' needs behaviour_logprobs on every sample")
+                mb.old = mb.behaviour
+            else:
+                mb.old = self._logprobs(self.model, mb)[0]
+            if self.ref_model is not None:
+                mb.ref = self._logprobs(self.ref_model, mb)[0]
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Each sample's output-token log-probs under the current weights (1-d, float)."""
+        out = []
+        for s in samples:
+            mb = self._collate([s])
+            out.append(self._logprobs(self.model, mb)[0][mb.mask])
+        return out
+
+    # ------------------------------------------------------------------ steps
+
+    def _accumulate(self, mini: list[_Micro]) -> dict[str, float]:
+        """Backward over one mini-batch; ``.grad`` ends up holding its full-batch gradient."""
+        cfg = self.cfg.loss
+        rows = sum(mb.rows for mb in mini)
+        tokens = int(sum(int(mb.mask.sum()) for mb in mini))
+        max_len = self.cfg.max_completion_tokens or max(int(mb.mask.sum(-1).max()) for mb in mini)
+        max_len = max(max_len, 1)
+        acc = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "kl": 0.0, "entropy": 0.0}
+        lo, hi = math.inf, -math.inf
+        for mb in mini:
+            logp, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
+            dt = logp.dtype
+            loss, st = grpo_loss(
+                logp, mb.old.to(dt), mb.advantages.to(dt), mb.mask, cfg,
+                ref_logp=None if mb.ref is None else mb.ref.to(dt), entropy=entropy, max_len=max_len,
+                token_count=tokens,
+            )
+            scale = 1.0 if cfg.normalization == "token" else mb.rows / rows
+            (loss * scale).backward()
+            n = int(mb.mask.sum())
+            acc["loss"] += loss.item() * scale
+            for key in ("clip_fraction", "ratio_mean", "kl", "entropy"):
+                if key in st:
+                    acc[key] += st[key].item() * n
+            if n:
+                lo, hi = min(lo, st["ratio_min"].item()), max(hi, st["ratio_max"].item())
+        for key in ("clip_fraction", "ratio_mean", "kl", "entropy"):
+            acc[key] = acc[key] / tokens if tokens else (0.0 if key == "clip_fraction" else math.nan)
+        acc.update(ratio_min=lo if tokens else math.nan, ratio_max=hi if tokens else math.nan,
+                   tokens=tokens, samples=rows)
+        if self.ref_model is None:
+            acc["kl"] = None
+        return acc
+
+    def accumulate_gradients(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The gradient one optimizer step would take on ``samples`` as one mini-batch, left in
+        ``.grad`` without stepping (old log-probs as in :meth:`train_step`). For checks and probes."""
+        self.model.train()
+        mini = self._micro_batches(samples)
+        self._prepare([mini])
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._accumulate(mini)
+
+    def train_step(self, samples: Sequence[Sample]) -> StepStats:
+        """One RL step: ``steps_per_rollout`` optimizer steps over ``samples``, split in order."""
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        t0 = time.perf_counter()
+        self.model.train()
+        minis = [self._micro_batches(chunk) for chunk in _split(samples, min(self.cfg.steps_per_rollout, len(samples)))]
+        self._prepare(minis)
+        stats = []
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for mini in minis:
+            lr = lr_at(self.step, self._schedule)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            acc = self._accumulate(mini)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            stats.append(MiniStepStats(grad_norm=grad_norm, lr=lr, **acc))
+        return StepStats.of(stats, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+    def publish(self, storage: RunStorage, step: int, extra: dict | None = None) -> str:
+        """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``); returns its URI."""
+        from intellect.pretrain import publish_checkpoint  # noqa: PLC0415 - pulls in the data and eval stack
+
+        self.model.eval()
+        return publish_checkpoint(self.model, self.tokenizer, storage, step, extra)
