@@ -133,13 +133,19 @@ class Coordinator:
     def progress(self) -> int | None:
         return int(self.store.get("progress")) if self.store.check(["progress"]) else None
 
-    def metrics(self, step: int) -> list[dict]:
-        out = []
-        for w in self.handles:
-            key = f"metrics/{step}/{w}"
-            if self.store.check([key]):
-                out.append(json.loads(self.store.get(key)))
-        return out
+    def metrics(self, step: int, wait: float = 0.0) -> list[dict]:
+        """Metrics of the members of ``step``, waiting up to ``wait`` s for all of them to report."""
+        deadline = time.monotonic() + wait
+        while True:
+            out = {}
+            for w in self.handles:
+                key = f"metrics/{step}/{w}"
+                if self.store.check([key]):
+                    out[w] = json.loads(self.store.get(key))
+            members = next(iter(out.values()), {}).get("members", [])
+            if (members and set(members) <= set(out)) or time.monotonic() >= deadline:
+                return [out[w] for w in members if w in out] or list(out.values())
+            time.sleep(0.05)
 
     def watch(self, timeout: float, on_commit: Callable[[int, list[dict]], None] | None = None,
               poll: float = 0.2) -> dict[str, int | None]:
@@ -150,8 +156,8 @@ class Coordinator:
             now = self.progress()
             while on_commit and now is not None and seen < now:
                 seen += 1
-                time.sleep(0.05)  # members write their metrics right after the commit
-                on_commit(seen, self.metrics(seen - 1))
+                # members write their metrics right after the commit; a dead one never will
+                on_commit(seen, self.metrics(seen - 1, wait=self.run.diloco.heartbeat_timeout))
             if all(h.poll() is not None for h in self.handles.values()):
                 break
             time.sleep(poll)
