@@ -1,0 +1,69 @@
+"""What every inference engine takes and returns.
+
+Hidden-state convention (TOPLOC commits to these): row ``i`` of
+``hidden_states`` is the final, post-norm hidden state (the input of the LM
+head) at the position whose logits produced token ``i``; that is position
+``len(prompt) - 1 + i`` of ``prompt + tokens``. A validator gets the same rows
+from one prefill of ``prompt + tokens[:-1]``, and the logits of those rows are
+the ones each token was sampled from. This is prime-rl's convention (a
+pre-hook on the logits processor; validation prefills ``prompt + output[:-1]``
+from position ``len(prompt) - 1``), and it needs no decode step beyond the
+last sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, Sequence
+
+import torch
+
+from intellect.inference.sampling import MAX_SEED, SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    seed: int  # all randomness of this request's sampling; see sampling.uniforms
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("every prompt needs at least one token (BOS)")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: list[int]  # generated ids; a final EOS is included (finish_reason "stop")
+    finish_reason: FinishReason
+    hidden_states: torch.Tensor | None  # bf16 [len(tokens), hidden] on CPU, see module docstring
+    logprobs: torch.Tensor  # fp32 [len(tokens)], sampling.chosen_logprobs of the engine's logits
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A validator's prefill of ``prompt + output`` (rows as in ``Completion``)."""
+
+    hidden_states: torch.Tensor  # bf16 [n_out, hidden]
+    logprobs: torch.Tensor  # fp32 [n_out] of the claimed output tokens
+    resampled: torch.Tensor  # int64 [n_out]: the token sampling.sample picks from these logits and the seed
+    logits: torch.Tensor | None = None  # fp32 [n_out, vocab] when asked for
+
+
+class InferenceEngine(Protocol):
+    def generate(
+        self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """One completion per request, in order; one ``SamplingParams`` for all or one per request."""
+        ...
+
+
+def per_request(sampling: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    if len(sampling) != n:
+        raise ValueError(f"{len(sampling)} SamplingParams for {n} requests")
+    return list(sampling)

@@ -1,0 +1,139 @@
+"""Seeded, batch-independent sampling that a validator can recompute token by token.
+
+The rule, for generated position ``t`` (0 for the first generated token) of a
+request with seed ``s``, given that position's logits ``l`` (a vocab row):
+
+1. ``temperature == 0``: the token is ``argmax(l)`` (lowest id on ties).
+2. otherwise ``z = float32(l) / temperature``. If ``top_p < 1``, sort the
+   float64 probabilities ``softmax(z)`` in descending order (stable, so
+   equal probabilities keep id order) and keep a token iff the mass of the
+   tokens ranked strictly above it, ``cumsum(p) - p``, is ``< top_p``; the
+   top token is always kept. Dropped tokens get ``z = -inf``.
+3. the token is ``argmax(z + g)`` with Gumbel noise ``g = -log(-log(u))``
+   and ``u = uniforms(s, t, vocab)`` (Gumbel-max: an exact draw from
+   ``softmax(z)`` over the kept set).
+
+``u`` comes from a counter-based integer hash of ``(seed, position, token
+id)``, not from a stateful generator: it is the same on every device and for
+every batch size, order or padding, and a validator can produce the noise of
+any single position without replaying the ones before it. Only the float
+steps (logits, ``log``) can differ between machines, so a recomputed choice
+disagrees only when two candidates are within rounding of each other.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from intellect.config import StrictModel
+
+MAX_SEED = (1 << 63) - 1  # seeds live in int64 tensors
+_M32 = 0xFFFFFFFF
+_SALT = (0x9E3779B9, 0x85EBCA6B)
+
+
+class SamplingParams(StrictModel):
+    """How one request is decoded."""
+
+    temperature: float = Field(1.0, ge=0, le=100, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass kept before sampling; 1 keeps every token.")
+    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated, EOS included.")
+    stop_at_eos: bool = Field(True, description="End the completion when an EOS token is sampled.")
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # x * c mod 2**32 in 16-bit halves, so no int64 product overflows (overflow is UB in C++ kernels)
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # "lowbias32" (C. Wellons): a bijection on uint32 with near-ideal avalanche
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seed, position, vocab: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Uniform(0, 1) float32 noise of shape ``broadcast(seed, position) + (vocab,)``.
+
+    A pure function of ``(seed, position, token id)`` for seeds in [0, 2**63)
+    and positions in [0, 2**32); values are multiples of 2**-24 offset by
+    2**-25, so never 0 or 1.
+
+    >>> u = uniforms(7, 3, 5)
+    >>> u.shape, bool(((0 < u) & (u < 1)).all())
+    (torch.Size([5]), True)
+    >>> torch.equal(uniforms([7, 8], [3, 0], 5)[0], u), torch.equal(uniforms(7, 3, 9)[:5], u)
+    (True, True)
+    """
+    if not isinstance(seed, torch.Tensor) and min(torch.tensor(seed).view(-1).tolist(), default=0) < 0:
+        raise ValueError("seeds must be in [0, 2**63)")  # tensors are trusted: checking would sync a GPU every step
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=device)
+    position = torch.as_tensor(position, dtype=torch.int64, device=seed.device)
+    lo, hi = seed & _M32, seed >> 32
+    # two 32-bit keys so distinct (seed, position) pairs share noise only with probability 2**-64
+    k1 = _mix32(_mix32(_mix32(lo ^ _SALT[0]) ^ hi) ^ position)[..., None]
+    k2 = _mix32(_mix32(_mix32(hi ^ _SALT[1]) ^ lo) ^ position)[..., None]
+    h = _mix32(_mix32(k1 ^ torch.arange(vocab, device=seed.device)) ^ k2)
+    return ((h >> 8).float() + 0.5) * 2.0**-24
+
+
+def top_p_mask(z: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``z`` [B, V] with tokens outside each row's nucleus set to ``-inf`` (rule 2 above).
+
+    Probabilities are float64 so that the cut differs between devices only
+    for masses within ~1e-16 of ``top_p``.
+
+    >>> top_p_mask(torch.tensor([[0.0, 1.0, 2.0, 0.0]]), torch.tensor([0.7])).tolist()
+    [[-inf, 1.0, 2.0, -inf]]
+    """
+    top_p = top_p.to(z.device, torch.float64)[:, None]
+    p, order = torch.softmax(z.double(), -1).sort(stable=True, dim=-1, descending=True)
+    drop = ((p.cumsum(-1) - p) >= top_p) & (top_p < 1)
+    return z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor | None
+) -> torch.Tensor:
+    """Tokens [B] for logits [B, V], per-row temperature and top_p [B], noise ``u`` [B, V].
+
+    ``u`` may be None when every row is greedy.
+    """
+    logits = logits.float()
+    temperature = temperature.to(logits.device, torch.float32)
+    hot = temperature > 0
+    tokens = logits.argmax(-1)
+    if bool(hot.any()):
+        z = logits / torch.where(hot, temperature, 1.0)[:, None]
+        if bool((top_p < 1).any()):  # the sort is the costly part; rule 2 skips it at top_p == 1 anyway
+            z = top_p_mask(z, top_p)
+        gumbel = -torch.log(-torch.log(u.to(logits.device)))
+        tokens = torch.where(hot, (z + gumbel).argmax(-1), tokens)
+    return tokens
+
+
+def sample_token(logits_row: torch.Tensor, temperature: float, top_p: float, uniform_row: torch.Tensor) -> int:
+    """The validator's recomputation of one choice: :func:`sample` on a batch of one.
+
+    >>> logits = torch.tensor([0.0, 3.0, 1.0])
+    >>> sample_token(logits, 0.0, 1.0, uniforms(0, 0, 3))
+    1
+    >>> sample_token(logits, 1.0, 0.5, uniforms(123, 4, 3))   # top-p 0.5 keeps only id 1
+    1
+    """
+    t = torch.tensor([temperature])
+    return int(sample(logits_row[None], t, torch.tensor([top_p]), uniform_row[None])[0])
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """float32 ``log softmax(logits / T)`` at ``tokens`` (T = 1 for greedy rows), before top-p.
+
+    Same scaling as a GRPO trainer that divides its logits by the sampling temperature.
+    """
+    t = temperature.to(logits.device, torch.float32)
+    z = logits.float() / torch.where(t > 0, t, 1.0)[:, None]
+    return torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)

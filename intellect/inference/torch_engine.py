@@ -1,0 +1,227 @@
+"""The inference engine in plain torch, for any HF causal LM, on CPU or CUDA.
+
+Batches of left-padded prompts decode with a KV cache (positions from the
+attention mask, so padding never shifts RoPE). Each row samples with
+:mod:`intellect.inference.sampling`, whose noise depends only on the row's
+seed and position, so a request decodes the same alone or in any batch up to
+floating-point rounding of the logits. The final hidden states are taken by a
+forward pre-hook on the LM head: its input is the post-norm state for every
+HF causal LM, whatever the model calls its norm, and it is already cut to the
+positions that get logits.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+from intellect.inference.protocol import Completion, Request, Scored, per_request
+from intellect.inference.sampling import SamplingParams, chosen_logprobs, sample, uniforms
+from intellect.model.generate import _cache_kwarg, _cache_of, left_pad
+
+
+class TorchEngine:
+    """``generate`` for the protocol, and ``prefill`` for the validator.
+
+    ``eos_token_id`` may be one id or several; ``max_batch_size`` bounds the
+    rows of one forward pass. With ``capture_hidden=False`` completions carry
+    no hidden states (and skip the hook).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        max_batch_size: int = 64,
+        capture_hidden: bool = True,
+    ):
+        if model.get_output_embeddings() is None:
+            raise ValueError("the model has no LM head (get_output_embeddings() is None)")
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.model = model.eval()
+        self.eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        self.pad = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.capture_hidden = capture_hidden
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def for_tokenizer(cls, model: torch.nn.Module, tokenizer, **kwargs) -> "TorchEngine":
+        """EOS ids from the tokenizer and the model's generation config (chat models often list several)."""
+        eos = {tokenizer.eos_token_id}
+        extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return cls(model, eos_token_id=sorted(e for e in eos if e is not None), pad_token_id=pad, **kwargs)
+
+    # ------------------------------------------------------------------ helpers
+
+    @contextmanager
+    def _lm_head_inputs(self, enabled: bool) -> Iterator[list[torch.Tensor]]:
+        seen: list[torch.Tensor] = []
+        if not enabled:
+            yield seen
+            return
+        head = self.model.get_output_embeddings()
+        # bf16 at once: that is what TOPLOC commits to, and it halves what a long decode holds
+        handle = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].to(torch.bfloat16)))
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    def _batches(self, lengths: Sequence[int]) -> Iterator[list[int]]:
+        # similar lengths together to waste less on padding; results do not depend on the grouping
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        for start in range(0, len(order), self.max_batch_size):
+            yield order[start : start + self.max_batch_size]
+
+    def _row_params(self, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+        return temperature, top_p
+
+    # ------------------------------------------------------------------ generate
+
+    @torch.no_grad()
+    def generate(
+        self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        params = per_request(sampling, len(requests))
+        out: list[Completion | None] = [None] * len(requests)
+        for rows in self._batches([len(r.prompt_ids) for r in requests]):
+            for i, c in zip(rows, self._generate_batch([requests[i] for i in rows], [params[i] for i in rows])):
+                out[i] = c
+        return out  # type: ignore[return-value]
+
+    def _generate_batch(self, requests: list[Request], params: list[SamplingParams]) -> list[Completion]:
+        dev, batch = self.device, len(requests)
+        ids, mask = left_pad([r.prompt_ids for r in requests], self.pad)
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_pos = positions[:, -1:] + 1
+        temperature, top_p = self._row_params(params)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev)
+        limit = torch.tensor([p.max_tokens for p in params], device=dev)
+        stops = torch.tensor([p.stop_at_eos for p in params], device=dev)
+        eos = torch.tensor(self.eos, device=dev)
+        any_hot = any(p.temperature > 0 for p in params)
+        cache_kw = _cache_kwarg(self.model)
+
+        done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        stopped = torch.zeros_like(done)
+        length = limit.clone()
+        tokens, logprobs = [], []
+        with self._lm_head_inputs(self.capture_hidden) as hidden:
+            fwd = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            for t in range(max(p.max_tokens for p in params)):
+                logits = fwd.logits[:, -1, :]
+                u = uniforms(seeds, t, logits.shape[-1]) if any_hot else None
+                nxt = sample(logits, temperature, top_p, u)
+                tokens.append(nxt)
+                logprobs.append(chosen_logprobs(logits, nxt, temperature))
+                hit_eos = stops & torch.isin(nxt, eos)
+                ends = ~done & (hit_eos | (limit == t + 1))
+                length = torch.where(ends, t + 1, length)
+                stopped |= ends & hit_eos
+                done |= ends
+                if bool(done.all()):
+                    break
+                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+                fwd = self.model(
+                    input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: _cache_of(fwd)},
+                )
+                next_pos = next_pos + 1
+            # one hook call per forward and every forward's logits produced a token: no extra decode step
+            states = torch.cat([h[:, -1:] for h in hidden], 1).cpu() if self.capture_hidden else None
+
+        tokens_cpu, logprobs_cpu = torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu()
+        length, stopped = length.cpu().tolist(), stopped.cpu().tolist()
+        return [
+            Completion(
+                tokens=tokens_cpu[i, : length[i]].tolist(),
+                finish_reason="stop" if stopped[i] else "length",
+                hidden_states=None if states is None else states[i, : length[i]].clone(),
+                logprobs=logprobs_cpu[i, : length[i]].clone(),
+            )
+            for i in range(batch)
+        ]
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        requests: Sequence[Request],
+        outputs: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        *,
+        keep_logits: bool = False,
+    ) -> list[Scored]:
+        """Score claimed ``outputs`` in one forward per batch: what a validator recomputes.
+
+        ``resampled[i] != outputs[i]`` marks a position where the claimed token is
+        not what this engine's logits and the request's seed select.
+        """
+        if len(outputs) != len(requests):
+            raise ValueError(f"{len(outputs)} outputs for {len(requests)} requests")
+        params = per_request(sampling, len(requests))
+        out: list[Scored | None] = [None] * len(requests)
+        todo = [i for i in range(len(requests)) if outputs[i]]
+        for i in set(range(len(requests))) - set(todo):
+            out[i] = self._empty_score(keep_logits)
+        for rows in self._batches([len(requests[i].prompt_ids) + len(outputs[i]) for i in todo]):
+            idx = [todo[j] for j in rows]
+            scored = self._prefill_batch(
+                [requests[i] for i in idx], [list(outputs[i]) for i in idx], [params[i] for i in idx], keep_logits
+            )
+            for i, s in zip(idx, scored):
+                out[i] = s
+        return out  # type: ignore[return-value]
+
+    def _empty_score(self, keep_logits: bool) -> Scored:
+        head = self.model.get_output_embeddings().weight
+        return Scored(
+            hidden_states=torch.empty(0, head.shape[1], dtype=torch.bfloat16),
+            logprobs=torch.empty(0), resampled=torch.empty(0, dtype=torch.int64),
+            logits=torch.empty(0, head.shape[0]) if keep_logits else None,
+        )
+
+    def _prefill_batch(
+        self, requests: list[Request], outputs: list[list[int]], params: list[SamplingParams], keep_logits: bool
+    ) -> list[Scored]:
+        dev = self.device
+        # the last output token produces nothing we check, so it is not fed
+        ids, mask = left_pad([r.prompt_ids + o[:-1] for r, o in zip(requests, outputs)], self.pad)
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        n = [len(o) for o in outputs]
+        keep = max(n)  # sequences end in the last column, so each row's producing positions are its last n
+        with self._lm_head_inputs(True) as hidden:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
+        rows = [(r, c) for r in range(len(outputs)) for c in range(keep - n[r], keep)]
+        r_idx, c_idx = (torch.tensor(x, device=dev) for x in zip(*rows))
+        flat_logits = logits[r_idx, c_idx].float()
+        flat_hidden = hidden[0][r_idx, c_idx]
+        claimed = torch.tensor([tok for o in outputs for tok in o], device=dev)
+        temperature, top_p = self._row_params([p for p, k in zip(params, n) for _ in range(k)])
+        seeds = torch.tensor([r.seed for r, k in zip(requests, n) for _ in range(k)], device=dev)
+        pos = torch.tensor([t for k in n for t in range(k)], device=dev)
+        u = uniforms(seeds, pos, flat_logits.shape[-1]) if bool((temperature > 0).any()) else None
+        resampled = sample(flat_logits, temperature, top_p, u).cpu()
+        logprobs = chosen_logprobs(flat_logits, claimed, temperature).cpu()
+        flat_hidden, flat_logits = flat_hidden.cpu(), flat_logits.cpu()
+        bounds = torch.tensor([0] + n).cumsum(0).tolist()
+        return [
+            Scored(
+                hidden_states=flat_hidden[a:b].clone(), logprobs=logprobs[a:b].clone(),
+                resampled=resampled[a:b].clone(), logits=flat_logits[a:b].clone() if keep_logits else None,
+            )
+            for a, b in zip(bounds, bounds[1:])
+        ]

@@ -1,0 +1,124 @@
+"""The untrusted worker side of an RL step: answer the assigned prompts and package the rollouts.
+
+A worker's submission ``k`` for step ``n`` answers the prompts :func:`assign_prompts` picks for it
+(group ``j`` answers the ``j``-th), ``group_size`` samples each. Sample ``i`` of group ``j`` is
+drawn with the seed
+
+    first 8 bytes, big-endian, of sha256(b"intellect/sample-seed/v1\\0" + a + j + i), top bit cleared
+
+where ``a`` is :func:`~intellect.rl.assignment.assignment_seed` of ``(worker, n, k)`` and ``a``,
+``j``, ``i`` are 8-byte big-endian unsigned ints (the top bit is cleared because engine seeds live
+in int64). The seeds are a public function of the assignment, so a validator can tell a worker
+that re-rolled samples until it liked them (:func:`sample_seed`, and the ``seed`` check of the
+validator), and two honest workers never share a seed, so their samples never share a content hash.
+
+Rewards here are only the worker's *claim*: the validator recomputes every one of them
+(:mod:`intellect.rl.validator`) with the same :data:`RewardFn`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+from pydantic import Field
+
+from intellect.config import StrictModel
+from intellect.inference.protocol import Request
+from intellect.inference.sampling import MAX_SEED, SamplingParams
+from intellect.rl.advantages import group_advantages
+from intellect.rl.assignment import assign_prompts, assignment_seed, canonical_worker
+from intellect.rl.rewards.math import math_reward
+from intellect.rl.rollouts import Rollout
+
+if TYPE_CHECKING:
+    from intellect.data.loaders import MathTask
+    from intellect.inference.protocol import InferenceEngine
+
+_SEED_DOMAIN = b"intellect/sample-seed/v1\0"
+
+#: ``reward_fn(completion_text, task) -> reward``: what workers claim and validators recompute.
+RewardFn = Callable[[str, "MathTask"], float]
+
+
+def math_task_reward(completion: str, task: MathTask) -> float:
+    """The default task reward: :func:`~intellect.rl.rewards.math.math_reward` against ``task.answer``."""
+    return math_reward(completion, task.answer).reward
+
+
+class SubmissionConfig(StrictModel):
+    """What one submission holds and how it is sampled (workers and validators must agree)."""
+
+    prompts_per_submission: int = Field(4, ge=1, le=4096, description="Assigned prompts (GRPO groups) per file.")
+    group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (INTELLECT-2: 16).")
+    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass kept before sampling.")
+    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most completion tokens, EOS included.")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
+
+
+def sample_seed(worker: str, step: int, k: int, group: int, i: int) -> int:
+    """Seed of sample ``i`` of group ``group`` of submission ``k`` (see the module docstring)."""
+    a = assignment_seed(worker, step, k)
+    msg = _SEED_DOMAIN + a.to_bytes(8, "big") + group.to_bytes(8, "big") + i.to_bytes(8, "big")
+    return int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & MAX_SEED
+
+
+def prompt_tokens(tokenizer, task: MathTask) -> list[int]:
+    """The token ids a task's prompt is asked with (the tokenizer adds BOS)."""
+    return list(tokenizer(task.prompt)["input_ids"])
+
+
+def completion_text(tokenizer, output_tokens: Sequence[int]) -> str:
+    """The text a reward sees: the completion without its final EOS and without special tokens."""
+    tokens = list(output_tokens)
+    eos = tokenizer.eos_token_id
+    if tokens and tokens[-1] == eos:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def advantages_of(rewards: Sequence[float], group_ids: Sequence[int]) -> list[float]:
+    """GRPO advantages of flat rewards, computed in float32 like the stored column."""
+    if not rewards:
+        return []
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_ids))
+    return adv.tolist()
+
+
+def generate_submission(
+    engine: InferenceEngine,
+    tokenizer,
+    tasks: Sequence[MathTask],
+    worker: str,
+    step: int,
+    k: int,
+    policy_step: int,
+    cfg: SubmissionConfig,
+    *,
+    run: str,
+    reward_fn: RewardFn = math_task_reward,
+) -> list[Rollout]:
+    """Submission ``k`` of ``worker`` for ``step``, sampled by checkpoint ``policy_step``, every column filled."""
+    worker = canonical_worker(worker)
+    assigned = assign_prompts(len(tasks), worker, step, k, cfg.prompts_per_submission)
+    plan = []  # (group, i, task, prompt ids, seed), in row order
+    for j, t in enumerate(assigned):
+        ids = prompt_tokens(tokenizer, tasks[t])
+        plan += [(j, i, tasks[t], ids, sample_seed(worker, step, k, j, i)) for i in range(cfg.group_size)]
+    completions = engine.generate([Request(ids, seed) for _, _, _, ids, seed in plan], cfg.sampling())
+    rewards = [float(reward_fn(completion_text(tokenizer, c.tokens), task)) for (_, _, task, _, _), c in
+               zip(plan, completions)]
+    advantages = advantages_of(rewards, [j for j, *_ in plan])
+    return [
+        Rollout(
+            run=run, step=step, policy_step=policy_step, worker=worker, submission=k, seed=seed,
+            prompt_id=task.id, group_id=j, prompt_tokens=tuple(ids), output_tokens=tuple(c.tokens),
+            finish_reason=c.finish_reason, reward=r, task_reward=r, length_penalty=0.0, advantage=a,
+            target_length=None, proof=b"",
+        )
+        for (j, _, task, ids, seed), c, r, a in zip(plan, completions, rewards, advantages)
+    ]

@@ -1,0 +1,143 @@
+"""The validator: turn one untrusted submission file into one verdict per sample, never raising on it.
+
+Checks, in order (the first failing one is the recorded reason):
+
+1. **The file** (:func:`~intellect.rl.rollouts.load_submission`): unreadable, too large, wrong schema
+   or version, NaN, out-of-range values, an identity or step that disagrees with its path, or a
+   policy step outside the lag bound (``stale``): one file-level verdict (``row = -1``) with the
+   :class:`~intellect.rl.rollouts.RolloutRejected` reason.
+2. **The assignment** (:func:`~intellect.rl.assignment.check_assignment`, with group sizes and
+   prompt tokens): every row of a file that answers other prompts than its assigned ones is
+   rejected as ``assignment``.
+3. **Extra checks** (``extra_checks``: e.g. TOPLOC proofs, or :func:`seed_check`): each returns one
+   reason or ``None`` per row.
+4. **The reward**: the validator decodes each output and recomputes its reward with the same
+   :data:`~intellect.rl.submission.RewardFn` as the workers; a row whose claimed ``task_reward`` or
+   ``reward`` differs, or that claims a length penalty (no length shaping here yet), is rejected as
+   ``reward_mismatch``.
+
+Advantages are never taken from the worker: each group's are recomputed from the validator's
+rewards of the rows that passed the extra checks (the samples it believes the policy drew;
+rows with a lying reward claim still count at their true reward), and an accepted verdict carries
+the validator's reward and advantage. The trainer must take both from the ledger, not the file.
+
+Duplicates are the ledger's job: :meth:`~intellect.ledger.Ledger.record_verdicts` turns an accepted
+verdict whose content hash is already recorded elsewhere into ``rejected`` / ``duplicate``, in the
+same transaction that records it, so no check-then-write race exists and it is not repeated here.
+The verdicts are returned, not recorded: the caller records them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from intellect.ledger import Verdict
+from intellect.rl.assignment import check_assignment
+from intellect.rl.rollouts import Rollout, RolloutLimits, RolloutRejected, load_submission, parse_submission_path
+from intellect.rl.submission import (
+    RewardFn,
+    SubmissionConfig,
+    advantages_of,
+    completion_text,
+    math_task_reward,
+    prompt_tokens,
+    sample_seed,
+)
+
+if TYPE_CHECKING:
+    from intellect.data.loaders import MathTask
+    from intellect.storage import RunStorage
+
+log = logging.getLogger("intellect.rl.validator")
+
+#: ``check(rows) -> reasons``: one ledger reason (or ``None`` to pass) per row of one submission.
+RowCheck = Callable[[Sequence[Rollout]], Sequence["str | None"]]
+
+ASSIGNMENT = "assignment"
+REWARD_MISMATCH = "reward_mismatch"
+SEED = "seed"
+
+
+def seed_check(rows: Sequence[Rollout]) -> list[str | None]:
+    """``seed`` for rows whose seed is not the public one of their position (:func:`sample_seed`).
+
+    Off by default: a copy of another worker's rows carries that worker's seeds, so with this check
+    on, copies are rejected as ``seed`` before the ledger could call them ``duplicate``.
+    """
+    seen: dict[int, int] = {}
+    out: list[str | None] = []
+    for r in rows:
+        i = seen[r.group_id] = seen.get(r.group_id, -1) + 1
+        ok = r.seed == sample_seed(r.worker, r.step, r.submission, r.group_id, i)
+        out.append(None if ok else SEED)
+    return out
+
+
+def _same(claimed: float, truth: float) -> bool:
+    # the column is float32: a claim equal to the truth may differ from it by float32 rounding
+    return math.isclose(claimed, truth, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def validate_submission(
+    storage: RunStorage,
+    rel_path: str,
+    *,
+    tasks: Sequence[MathTask],
+    tokenizer,
+    step: int,
+    async_level: int,
+    limits: RolloutLimits,
+    cfg: SubmissionConfig,
+    run: str | None = None,
+    reward_fn: RewardFn = math_task_reward,
+    extra_checks: Sequence[RowCheck] = (),
+) -> list[Verdict]:
+    """Verdicts on every sample of the submission at ``rel_path`` of ``step`` (see the module docstring).
+
+    ``rel_path`` is the caller's (from :func:`~intellect.rl.rollouts.list_submissions`): one that is
+    not a submission path of ``step`` is a ``ValueError``. Nothing in the file's content raises.
+    """
+    file_step, worker, k = parse_submission_path(rel_path)
+    if file_step != step:
+        raise ValueError(f"{rel_path} is not a submission of step {step}")
+    try:
+        rows = load_submission(storage, rel_path, limits, run=run, async_level=async_level)
+    except RolloutRejected as e:
+        log.info("rejected %s: %s", rel_path, e)
+        return [Verdict.file_rejected(rel_path, step, worker, k, e.reason)]
+
+    by_id = {t.id: t for t in tasks}
+    why = check_assignment(
+        rows, [t.id for t in tasks], cfg.prompts_per_submission, group_size=cfg.group_size,
+        prompt_tokens=lambda task_id: prompt_tokens(tokenizer, by_id[task_id]),
+    )
+    if why is not None:
+        log.info("rejected %s: assignment: %s", rel_path, why)
+        return [Verdict.of(r, rel_path, i, ASSIGNMENT) for i, r in enumerate(rows)]
+
+    reasons: list[str | None] = [None] * len(rows)
+    for check in extra_checks:
+        got = list(check(rows))
+        if len(got) != len(rows):
+            raise ValueError(f"check {check!r} returned {len(got)} reasons for {len(rows)} rows")
+        reasons = [old or new for old, new in zip(reasons, got)]
+    believed = [reason is None for reason in reasons]
+
+    rewards = [float(reward_fn(completion_text(tokenizer, r.output_tokens), by_id[r.prompt_id])) for r in rows]
+    for i, (r, truth) in enumerate(zip(rows, rewards)):
+        if reasons[i] is None and not (
+            _same(r.task_reward, truth) and _same(r.reward, truth) and r.length_penalty == 0
+        ):
+            reasons[i] = REWARD_MISMATCH
+
+    kept = [i for i in range(len(rows)) if believed[i]]
+    advantages = dict(zip(kept, advantages_of([rewards[i] for i in kept], [rows[i].group_id for i in kept])))
+    verdicts = []
+    for i, r in enumerate(rows):
+        if reasons[i] is None:
+            r = dataclasses.replace(r, reward=rewards[i], task_reward=rewards[i], advantage=advantages[i])
+        verdicts.append(Verdict.of(r, rel_path, i, reasons[i]))
+    return verdicts
