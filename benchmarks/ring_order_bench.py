@@ -120,7 +120,7 @@ def heuristic_table(trials: int) -> None:
             hits += h == opt
             ratios.append(h / opt)
         print(f"{n:>3} {hits:>5}/{trials:<2} {min(ratios):>12.4f} {statistics.median(ts):>9.3f} {max(ts):>7.3f}")
-    print(f"\n## heuristic above the exact limit (default ring_order), vs identity order")
+    print("\n## heuristic above the exact limit (default ring_order), vs identity order")
     print(f"{'n':>3} {'kind':>10} {'seconds':>8} {'bottleneck':>11} {'identity':>9}")
     for n in (24, 32, 48):
         for kind in ("asymmetric", "symmetric"):

@@ -21,7 +21,6 @@ def tiny_cfg(tmp_path, **over) -> SmokeConfig:
 
 
 def test_smoke_flow_trains_publishes_and_reports(prefect_harness, tmp_path):
-    from prefect.client.orchestration import get_client  # noqa: F401 - harness is live
     from flows.smoke import smoke
 
     cfg = tiny_cfg(tmp_path)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from intellect.config import DilocoRunConfig, load_config
-from intellect.diloco.coordinator import EXIT_DONE, EXIT_STORE_LOST, Coordinator, LocalLauncher
+from intellect.diloco.coordinator import EXIT_DONE, Coordinator, LocalLauncher
 from intellect.storage import RunStorage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -215,7 +215,7 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
 
 
 def _worker_pids(cfg_file) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"intellect.diloco.coordinator worker --config"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "intellect.diloco.coordinator worker --config"], capture_output=True, text=True)
     pids = []
     for pid in out.stdout.split():
         try:

@@ -10,14 +10,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from wan_fixtures import wan_caps, wan_testbed  # noqa: E402, F401
-
-from infra.wan.testbed import IFNAME, cleanup_stale  # noqa: E402
+from infra.wan.testbed import IFNAME, cleanup_stale  # repo root is on sys.path via the wan_fixtures plugin
 
 # TCP payload share of a tbf rate, which counts Ethernet/IP/TCP headers: 1448 / 1514
 GOODPUT = 0.956
