@@ -29,7 +29,7 @@ from intellect.config import DataConfig, SmokeConfig, load_config  # noqa: E402
 from intellect.data.arithmetic import heldout_problems, train_stream  # noqa: E402
 from intellect.ledger import Ledger  # noqa: E402
 from intellect.model.checkpoint import load_checkpoint  # noqa: E402
-from intellect.pretrain import CHECKPOINTS, fetch_checkpoint, init_checkpoint, pretrain, publish_checkpoint  # noqa: E402
+from intellect.pretrain import fetch_checkpoint, init_checkpoint, pretrain, publish_checkpoint  # noqa: E402
 from intellect.rl.loss import GRPOLossConfig  # noqa: E402
 from intellect.rl.step import RLRunConfig, run_rl_step  # noqa: E402
 from intellect.rl.submission import SubmissionConfig  # noqa: E402
