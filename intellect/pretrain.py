@@ -28,11 +28,15 @@ CHECKPOINTS = "checkpoints"
 
 
 def publish_checkpoint(model, tokenizer, storage: RunStorage, step: int, extra: dict | None = None) -> str:
-    """Write ``checkpoints/step_<step>`` (HF folder, plus ``extra`` JSON files) and mark it stable."""
+    """Write ``checkpoints/step_<step>`` (HF folder plus ``extra`` files) and mark it stable.
+
+    ``extra`` maps file names to bytes (written as they are) or to JSON-able objects.
+    """
     with tempfile.TemporaryDirectory(prefix="intellect-ckpt-") as tmp:
         folder = save_checkpoint(model, tokenizer, Path(tmp) / "model")
         files: dict[str, bytes | Path] = _folder_files(folder)
-        files.update({name: json.dumps(obj, indent=1).encode() for name, obj in (extra or {}).items()})
+        files.update({name: obj if isinstance(obj, bytes) else json.dumps(obj, indent=1).encode()
+                      for name, obj in (extra or {}).items()})
         storage.write_step(step, CHECKPOINTS, files)
     return storage.uri(storage.step_path(step, CHECKPOINTS))
 

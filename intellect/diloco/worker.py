@@ -29,10 +29,8 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -46,14 +44,14 @@ from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState
 from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group
-from intellect.model.checkpoint import build_model, save_checkpoint
-from intellect.pretrain import fetch_checkpoint
+from intellect.model.checkpoint import build_model
+from intellect.pretrain import CHECKPOINTS, fetch_checkpoint, publish_checkpoint
 from intellect.storage import RunStorage
 from intellect.train import Trainer
 
 log = logging.getLogger("intellect.diloco")
 
-CHECKPOINTS = "checkpoints"  # outer checkpoint n = theta_sync after n committed outer steps
+# outer checkpoint n (``CHECKPOINTS/step_<n>``) = theta_sync after n committed outer steps
 OUTER_STATE = "outer_state.pt"
 
 
@@ -98,16 +96,12 @@ def _inner_train_config(run: DilocoRunConfig) -> TrainConfig:
 
 def publish_outer_checkpoint(storage: RunStorage, n: int, model, tokenizer, outer: OuterState, members: list[str]) -> str:
     """``checkpoints/step_<n>``: HF folder of ``theta_sync`` plus the outer optimizer state."""
-    with tempfile.TemporaryDirectory(prefix="intellect-outer-") as tmp:
+    if not storage.is_stable(n, CHECKPOINTS):
         outer.load_into(model)
-        folder = save_checkpoint(model, tokenizer, Path(tmp) / "model")
         buf = io.BytesIO()
         torch.save({"momentum": outer.momentum_buffers(), "step": n, "members": members,
                     "has_momentum": outer.has_momentum()}, buf)
-        files: dict[str, bytes | Path] = {p.name: p for p in folder.iterdir() if p.is_file()}
-        files[OUTER_STATE] = buf.getvalue()
-        if not storage.is_stable(n, CHECKPOINTS):
-            storage.write_step(n, CHECKPOINTS, files)
+        publish_checkpoint(model, tokenizer, storage, n, {OUTER_STATE: buf.getvalue()})
     return storage.uri(storage.step_path(n, CHECKPOINTS))
 
 
