@@ -31,7 +31,8 @@ from intellect.ledger import Ledger  # noqa: E402
 from intellect.model.checkpoint import load_checkpoint  # noqa: E402
 from intellect.pretrain import fetch_checkpoint, init_checkpoint, pretrain, publish_checkpoint  # noqa: E402
 from intellect.rl.loss import GRPOLossConfig  # noqa: E402
-from intellect.rl.step import RLRunConfig, run_rl_step  # noqa: E402
+from intellect.rl.config import RLRunConfig  # noqa: E402
+from intellect.rl.step import run_rl_step  # noqa: E402
 from intellect.rl.submission import SubmissionConfig  # noqa: E402
 from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> None:
 
     loss_kw = {"normalization": args.normalization} if args.normalization else {}
     cfg = RLRunConfig(
-        run=args.tag.replace("/", "-")[:64],
+        run_name=args.tag.replace("/", "-")[:64],
         async_level=0,
         submission=SubmissionConfig(prompts_per_submission=args.prompts, group_size=args.group_size,
                                     temperature=args.temperature, max_tokens=args.max_tokens),

@@ -6,8 +6,10 @@ import argparse
 import sys
 
 from intellect.config import ConfigError, DilocoRunConfig, SmokeConfig, load_config
+from intellect.rl.config import FilterRunConfig, RLRunConfig
 
-RUNS = {"smoke": SmokeConfig, "diloco": DilocoRunConfig}
+RUNS = {"smoke": SmokeConfig, "diloco": DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig}
+EXAMPLES = {"smoke": "smoke", "diloco": "diloco-tiny", "rl": "rl-tiny", "filter": "filter-tiny"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -16,10 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     helps = {
         "smoke": "build the tiny model, pretrain it briefly, report accuracy",
         "diloco": "DiLoCo pretraining with N worker processes (int8 all-reduce, elastic membership)",
+        "rl": "asynchronous GRPO: inference worker processes, validator, DuckDB ledger, trainer",
+        "filter": "offline difficulty filter: pass@k of the current model, keep prompts in the window",
     }
     for name, text in helps.items():
         s = sub.add_parser(name, help=text)
-        s.add_argument("--config", help=f"TOML run file (e.g. configs/{'smoke' if name == 'smoke' else 'diloco-tiny'}.toml)")
+        s.add_argument("--config", help=f"TOML run file (e.g. configs/{EXAMPLES[name]}.toml)")
         s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=200 data.max_digits=2")
     return p
 
@@ -37,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
             from flows.diloco import diloco_train
 
             diloco_train(cfg)
+        elif args.command == "rl":
+            from flows.rl import rl_train
+
+            rl_train(cfg)
+        elif args.command == "filter":
+            from flows.filter import filter_pass_at_k
+
+            filter_pass_at_k(cfg)
     except ConfigError as e:
         print(f"intellect: {e}", file=sys.stderr)
         return 2

@@ -105,6 +105,15 @@ CREATE TABLE IF NOT EXISTS workers (
     last_seen TIMESTAMP NOT NULL,
     info TEXT
 );
+CREATE TABLE IF NOT EXISTS solve_rates (
+    prompt_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    k INTEGER NOT NULL,
+    solved INTEGER NOT NULL,
+    kept BOOLEAN NOT NULL,
+    recorded_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (prompt_id, model)
+);
 """
 
 _SAMPLE_FIELDS = (
@@ -400,6 +409,36 @@ class Ledger:
             return None
         rows[0]["timings"] = json.loads(rows[0]["timings"])
         return rows[0]
+
+    def record_solve_rates(self, model: str, k: int, rows: Iterable[tuple[str, int, bool]]) -> int:
+        """``(prompt_id, solved, kept)`` of the offline filter for ``model`` (a checkpoint's sha256), one
+        transaction; rows already recorded for that model are kept as they are. Returns rows inserted."""
+        rows = list(rows)
+        now = _now()
+        table = pa.table({
+            "prompt_id": pa.array([r[0] for r in rows], pa.string()), "model": pa.array([model] * len(rows)),
+            "k": pa.array([k] * len(rows), pa.int32()), "solved": pa.array([int(r[1]) for r in rows], pa.int32()),
+            "kept": pa.array([bool(r[2]) for r in rows]), "recorded_at": pa.array([now] * len(rows), pa.timestamp("us")),
+        })
+        with self._transaction() as con:
+            ((before,),) = con.execute("SELECT count(*) FROM solve_rates WHERE model = ?", [model]).fetchall()
+            con.register("_solve_rows", table)
+            try:
+                con.execute("INSERT INTO solve_rates SELECT * FROM _solve_rows ON CONFLICT DO NOTHING")
+            finally:
+                con.unregister("_solve_rows")
+            ((after,),) = con.execute("SELECT count(*) FROM solve_rates WHERE model = ?", [model]).fetchall()
+        return after - before
+
+    def solve_rates(self, model: str) -> list[dict[str, Any]]:
+        return self._query("SELECT * FROM solve_rates WHERE model = ? ORDER BY prompt_id", [model])
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Every committed step, in order (``timings`` decoded)."""
+        rows = self._query("SELECT * FROM steps ORDER BY step")
+        for r in rows:
+            r["timings"] = json.loads(r["timings"])
+        return rows
 
     def committed_steps(self) -> list[int]:
         return [r["step"] for r in self._query("SELECT step FROM steps ORDER BY step")]

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -20,6 +21,10 @@ from transformers.utils import logging as hf_logging
 
 from intellect.config import ModelConfig
 from intellect.model.tokenizer import build_tokenizer
+
+# transformers builds models under process-wide contexts (meta-device init, patched constructors):
+# two threads loading at once can leave one model with meta tensors, so loads take turns
+_LOAD_LOCK = threading.Lock()
 
 # transformers 5 writes its own class name, which transformers 4 (used by
 # many vLLM releases) does not know; the old name loads in both.
@@ -51,7 +56,7 @@ def build_model(cfg: ModelConfig):
         pad_token_id=tok.pad_token_id,
         use_cache=True,
     )
-    with torch.random.fork_rng(devices=[]):
+    with _LOAD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -64,8 +69,9 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an HF checkpoint folder (no config.json)")
     hf_logging.disable_progress_bar()  # per-shard bars drown the run's own progress output
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.eval(), tok
 
 

@@ -9,7 +9,8 @@ from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.pretrain import CHECKPOINTS, publish_checkpoint
 from intellect.rl.rollouts import list_submissions
-from intellect.rl.step import RLRunConfig, run_rl_step
+from intellect.rl.config import RLRunConfig
+from intellect.rl.step import run_rl_step
 from intellect.rl.submission import SubmissionConfig
 from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig
 from intellect.storage import RunStorage
@@ -20,7 +21,7 @@ TINY = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, in
 TASKS = [Problem(a, "+", b).to_task() for a in range(4) for b in range(3)]
 WORKERS = ["alice", "bob"]
 CFG = RLRunConfig(
-    run="t",
+    run_name="t",
     submission=SubmissionConfig(prompts_per_submission=2, group_size=4, max_tokens=4),
     trainer=RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2),
 )

@@ -1,0 +1,97 @@
+"""``filter-pass-at-k``: score a task pool with the current model and keep the prompts in the window.
+
+Tasks: one ``score-chunk`` per ``filter.chunk_size`` prompts (writes ``parts/part-NNNNN.parquet``,
+skipped when it exists, so a rerun resumes), then ``collect-scores`` (writes ``solve_rates.parquet``
+and ``tasks.jsonl`` at the run's root and the solve rates into the ledger). An RL run trains on the
+result with ``tasks.file = "<filter run>/tasks.jsonl"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pyarrow as pa
+import torch
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from intellect.ledger import Ledger
+from intellect.rl import filter as F
+from intellect.rl.config import FilterRunConfig
+from intellect.rl.setup import initial_weights, ledger_path, run_storage, task_pool
+from intellect.rl.step import torch_engine
+
+PARTS = "parts"
+
+
+class FilterReport(BaseModel):
+    model: str
+    prompts: int
+    kept: int
+    histogram: list[int]
+    tasks_file: str
+    solve_rates_file: str
+
+
+_MODELS: dict[str, tuple] = {}
+
+
+def _model(cfg: FilterRunConfig):
+    key = cfg.init.model_dump_json()
+    if key not in _MODELS:
+        model, tok, origin = initial_weights(cfg.init, cfg)
+        sha = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.state_dict().values())).hexdigest()
+        _MODELS[key] = (model, tok, origin, sha)
+    return _MODELS[key]
+
+
+@task(name="score-chunk", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
+def score_chunk(cfg: FilterRunConfig, index: int) -> int:
+    """Solve counts of prompts ``[index * chunk, (index + 1) * chunk)`` into ``parts/``; prompts scored."""
+    storage = run_storage(cfg)
+    rel = f"{PARTS}/part-{index:05d}.parquet"
+    tasks = task_pool(cfg.tasks, storage)[index * cfg.filter.chunk_size:(index + 1) * cfg.filter.chunk_size]
+    if not storage.exists(rel):
+        model, tok, _, _ = _model(cfg)
+        counts = F.solve_counts(torch_engine(model, tok), tok, tasks, cfg.filter)
+        storage.write_bytes(rel, F.to_parquet(F.scores_table(tasks, counts, cfg.filter)))
+    return len(tasks)
+
+
+@task(name="collect-scores", cache_policy=NO_CACHE, retries=1, timeout_seconds=1800)
+def collect_scores(cfg: FilterRunConfig, chunks: int) -> FilterReport:
+    storage = run_storage(cfg)
+    table = pa.concat_tables([F.from_parquet(storage.read_bytes(f"{PARTS}/part-{i:05d}.parquet"))
+                              for i in range(chunks)])
+    storage.write_bytes("solve_rates.parquet", F.to_parquet(table))
+    storage.write_text("tasks.jsonl", F.kept_tasks_jsonl(table))
+    _, _, origin, sha = _model(cfg)
+    solved, kept = table["solved"].to_pylist(), table["kept"].to_pylist()
+    with Ledger(ledger_path(cfg)) as ledger:
+        ledger.record_solve_rates(sha, cfg.filter.k, zip(table["prompt_id"].to_pylist(), solved, kept))
+    return FilterReport(model=origin, prompts=len(solved), kept=sum(kept), histogram=F.histogram(solved, cfg.filter.k),
+                        tasks_file=storage.uri("tasks.jsonl"), solve_rates_file=storage.uri("solve_rates.parquet"))
+
+
+@flow(name="filter-pass-at-k", log_prints=True)
+def filter_pass_at_k(config: FilterRunConfig | None = None) -> FilterReport:
+    cfg = config or FilterRunConfig()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    n = len(task_pool(cfg.tasks, run_storage(cfg)))
+    chunks = -(-n // cfg.filter.chunk_size)
+    for i in range(chunks):  # in turn: the chunks share the CPU, threads would only contend
+        score_chunk(cfg, i)
+    report = collect_scores(cfg, chunks)
+    f = cfg.filter
+    create_table_artifact(key=f"{cfg.run_name.lower().replace('_', '-').replace('.', '-')}-solve-histogram",
+                          table=[{"solved_of_k": i, "prompts": c} for i, c in enumerate(report.histogram)],
+                          description=f"Prompts by samples solved of {f.k}")
+    text = (f"# Difficulty filter `{cfg.run_name}`\n\nModel {report.model}: {report.kept} of {report.prompts} prompts "
+            f"kept (pass rate in [{f.min_rate:g}, {f.max_rate:g}] with k={f.k} at T={f.temperature}).\n\n"
+            f"Histogram of solves: {report.histogram}\n\nTasks: {report.tasks_file}")
+    create_markdown_artifact(markdown=text, description="pass@k filter")
+    get_run_logger().info(text)
+    return report

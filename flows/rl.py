@@ -1,0 +1,174 @@
+"""Asynchronous GRPO as Prefect flows: ``rl-step`` (one step's DAG) and ``rl-train`` (the run).
+
+One step is the DAG ``assign -> generate (a task per worker) -> validate (a task per worker) ->
+record -> grpo-update -> broadcast -> commit-step``. In ``rl-train`` the generation is done by
+worker processes (:mod:`intellect.rl.worker`) that run up to ``async_level`` steps ahead of the
+trainer, so the ``generate`` tasks mostly find their files already written: the pipelining of
+INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process (synchronous).
+
+A killed run is resumed by running it again: the ledger says which steps are committed, storage
+holds the files and checkpoints, and every task is idempotent.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from pydantic import BaseModel
+
+from intellect.rl.config import RLRunConfig
+from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
+from intellect.rl.rollouts import list_submissions, parse_submission_path
+from tasks import rl as T
+
+
+class StepSummary(BaseModel):
+    step: int
+    policy_steps: list[int]
+    accepted: int
+    rejected: int
+    reasons: dict[str, int]
+    mean_reward: float | None
+    trained_samples: int
+    loss: float | None
+    clip_fraction: float | None
+    tokens_per_second: float | None
+    missing_workers: list[str]
+    seconds: float
+    timings: dict[str, float]
+
+
+class RLReport(BaseModel):
+    run_name: str
+    first_step: int
+    steps: int
+    seconds: float
+    steps_per_hour: float
+    evals: list[dict]
+    worker_exit_codes: dict[str, int | None]
+    curve: str | None
+
+
+def _slug(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def run_step(cfg: RLRunConfig, step: int, local: bool) -> StepSummary:
+    """The tasks of one step (called inside a flow)."""
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    T.assign(cfg, step)
+    futures = [T.generate.submit(cfg, step, w, local) for w in cfg.workers.names]
+    results = [f.result() for f in futures]
+    timings["generate_wait"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    storage = T.session(cfg).storage
+    by_worker: dict[str, list[str]] = {}
+    for rel in list_submissions(storage, step):  # every file, also from workers this run did not start
+        by_worker.setdefault(parse_submission_path(rel)[1], []).append(rel)
+    futures = [T.validate.submit(cfg, step, files) for files in by_worker.values()]
+    verdicts = [v for f in futures for v in f.result()]
+    timings["validate"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    rec = T.record(cfg, step, verdicts)
+    policies = sorted({r.policy_step for r in results if r.policy_step is not None})
+    upd = T.grpo_update(cfg, step, policies[0] if policies else step)
+    timings["train"] = time.perf_counter() - t
+    t = time.perf_counter()
+    T.broadcast(cfg, step + 1)
+    T.commit_step(cfg, step, timings)
+    timings["commit"] = time.perf_counter() - t
+    return StepSummary(
+        step=step, policy_steps=policies, accepted=rec.accepted, rejected=rec.rejected, reasons=rec.reasons,
+        mean_reward=rec.mean_reward, trained_samples=upd.trained_samples, loss=upd.loss,
+        clip_fraction=upd.clip_fraction, tokens_per_second=upd.tokens_per_second,
+        missing_workers=[r.worker for r in results if r.missing], seconds=time.perf_counter() - t0,
+        timings={k: round(v, 4) for k, v in timings.items()},
+    )
+
+
+def _publish_step(cfg: RLRunConfig, s: StepSummary) -> None:
+    row = {"step": s.step, "policy_steps": str(s.policy_steps), "mean_reward": s.mean_reward,
+           "accepted": s.accepted, "rejected": s.rejected,
+           "rejected_by_reason": ", ".join(f"{k}: {v}" for k, v in sorted(s.reasons.items())) or "-",
+           "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction,
+           "train_tokens_per_s": s.tokens_per_second, "seconds": round(s.seconds, 3)}
+    create_table_artifact(key=f"{_slug(cfg.run_name)}-rl-step", table=[row],
+                          description=f"RL step {s.step} of {cfg.run_name}")
+
+
+@flow(name="rl-step", log_prints=True)
+def rl_step(config: RLRunConfig, step: int) -> StepSummary:
+    """Run (or resume) one step with every worker generating in this process."""
+    info = T.prepare_run(config)
+    if step < info.first_step:
+        raise ValueError(f"step {step} is already committed (next: {info.first_step})")
+    summary = run_step(config, step, local=True)
+    _publish_step(config, summary)
+    return summary
+
+
+def _evaluate(cfg: RLRunConfig, step: int) -> float:
+    acc = T.evaluate_step(cfg, step)
+    add_eval(T.session(cfg).storage, step, acc)
+    return acc
+
+
+@flow(name="rl-train", log_prints=True)
+def rl_train(config: RLRunConfig | None = None) -> RLReport:
+    """The run: checkpoint 0, worker processes, steps until ``config.steps``, evaluations, curve."""
+    cfg = config or RLRunConfig()
+    logger = get_run_logger()
+    info = T.prepare_run(cfg)
+    logger.info("run %s: from %s, %d prompts, ledger %s, first step %d", cfg.run_name, info.origin, info.pool,
+                info.ledger, info.first_step)
+    storage = T.session(cfg).storage
+    if info.first_step == 0 and not any(e["step"] == 0 for e in load_evals(storage)):
+        logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
+    progress = create_progress_artifact(progress=100.0 * info.first_step / cfg.steps,
+                                        description=f"RL {cfg.run_name}: steps committed")
+    pids = T.start_workers(cfg, info.first_step) if info.first_step < cfg.steps else {}
+    t0 = time.perf_counter()
+    codes: dict[str, int | None] = {}
+    try:
+        for n in range(info.first_step, cfg.steps):
+            s = run_step(cfg, n, local=False)
+            _publish_step(cfg, s)
+            logger.info("step %d: reward %s, accepted %d, rejected %d %s, trained %d, loss %s, %.2f s",
+                        n, None if s.mean_reward is None else round(s.mean_reward, 4), s.accepted, s.rejected,
+                        s.reasons or "", s.trained_samples, None if s.loss is None else round(s.loss, 5), s.seconds)
+            update_progress_artifact(artifact_id=progress, progress=100.0 * (n + 1) / cfg.steps)
+            if (cfg.eval.every and (n + 1) % cfg.eval.every == 0) or n + 1 == cfg.steps:
+                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
+    finally:
+        if pids:
+            codes = T.stop_workers(pids)
+    seconds = time.perf_counter() - t0
+    done = max(cfg.steps - info.first_step, 0)
+    evals = load_evals(storage)
+    curve = None
+    if evals:
+        storage.write_bytes(CURVE, plot_curve(T.session(cfg).ledger.steps(), evals,
+                                              f"GRPO {cfg.run_name} (async_level {cfg.async_level})"))
+        curve = storage.uri(CURVE)
+    lines = [f"# RL run `{cfg.run_name}`", "",
+             f"{done} steps in {seconds:.1f} s ({3600 * done / seconds if seconds else 0:.0f} steps/hour), "
+             f"async_level {cfg.async_level}, workers {cfg.workers.names}", "",
+             "| checkpoint | held-out greedy accuracy |", "|---|---|"]
+    lines += [f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals]
+    lines += ["", f"Curve: {curve}", f"Worker exit codes: {codes}"]
+    create_markdown_artifact(key=f"{_slug(cfg.run_name)}-rl-summary", markdown="\n".join(lines),
+                             description=f"RL run {cfg.run_name}")
+    T.close_session(cfg)
+    return RLReport(run_name=cfg.run_name, first_step=info.first_step, steps=done, seconds=seconds,
+                    steps_per_hour=3600 * done / seconds if seconds else 0.0, evals=evals,
+                    worker_exit_codes=codes, curve=curve)

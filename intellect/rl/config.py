@@ -1,0 +1,149 @@
+"""The run configs of RL: ``intellect rl`` (:class:`RLRunConfig`) and ``intellect filter`` (:class:`FilterRunConfig`).
+
+Components keep their own configs next to their code (:class:`SubmissionConfig`,
+:class:`RLTrainerConfig`, :class:`GRPOLossConfig`, :class:`RolloutLimits`); this module composes
+them with what a run needs besides: where the starting weights come from, which prompts it
+trains on, the inference workers, evaluation. Every field is bounded and documented, and
+unknown keys are errors (:class:`~intellect.config.StrictModel`).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from intellect.config import DataConfig, StorageConfig, StrictModel
+from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
+from intellect.rl.rollouts import RolloutLimits
+from intellect.rl.submission import SubmissionConfig
+from intellect.rl.trainer import RLTrainerConfig
+
+RUN_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+
+
+class InitConfig(StrictModel):
+    """The weights of checkpoint 0: the newest (or a given) checkpoint of another run in the same storage,
+    or any HF model folder."""
+
+    from_run: str | None = Field(
+        "smoke", pattern=RUN_NAME,
+        description="Run (in this storage) whose checkpoint starts RL, e.g. the smoke or DiLoCo run.",
+    )
+    step: int | None = Field(None, ge=0, description="Checkpoint step of from_run; None: its newest complete one.")
+    path: str | None = Field(None, description="A local HF model folder; when set, from_run is not used.")
+
+    @model_validator(mode="after")
+    def _a_source(self) -> "InitConfig":
+        if self.from_run is None and self.path is None:
+            raise ValueError("set from_run or path")
+        return self
+
+
+class TaskPoolConfig(StrictModel):
+    """The prompts RL trains on: a file (e.g. the output of ``intellect filter``) or generated arithmetic."""
+
+    file: str | None = Field(
+        None,
+        description="A .jsonl/.parquet math task file (prompt, answer, id), a path or a path relative to the "
+        "run storage root (e.g. 'filter/tasks.jsonl' of a filter run); None: generate arithmetic.",
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="The arithmetic generator (held-out excluded).")
+    size: int = Field(20000, ge=1, le=10_000_000, description="Distinct generated problems in the pool.")
+    seed: int = Field(1234, ge=0, description="Seed of the generated pool (not of the held-out split).")
+
+
+class WorkersConfig(StrictModel):
+    """The inference workers the flow starts (local processes) and how long the trainer waits for them."""
+
+    names: list[str] = Field(
+        default_factory=lambda: ["worker-a", "worker-b"], min_length=1, max_length=256,
+        description="Worker ids (one process each); prompts are assigned per id.",
+    )
+    threads: int = Field(1, ge=1, le=256, description="torch threads of each worker process.")
+    min_signal_samples: int = Field(
+        0, ge=0, le=1 << 20,
+        description="Online filter: a worker adds submissions for a step until its samples in groups with "
+        "unequal rewards reach this many (0: one submission per step).",
+    )
+    max_submissions: int = Field(4, ge=1, le=1024, description="Most submissions per worker and step.")
+    poll_interval: float = Field(0.05, gt=0, le=60, description="Seconds between looks for a new checkpoint.")
+    checkpoint_timeout: float = Field(
+        600.0, gt=0, le=86400, description="A worker gives up after waiting this long for a fresh checkpoint."
+    )
+    submission_timeout: float = Field(
+        600.0, gt=0, le=86400,
+        description="The trainer waits this long for a worker's submissions of a step, then goes on without it.",
+    )
+
+
+class EvalConfig(StrictModel):
+    """Held-out greedy exact-match accuracy of published checkpoints."""
+
+    every: int = Field(10, ge=0, le=1_000_000, description="Evaluate every N steps (0: only first and last).")
+    size: int = Field(512, ge=1, le=100_000, description="Held-out problems per evaluation.")
+
+
+class RLRunConfig(StrictModel):
+    """An RL run: ``intellect rl --config configs/rl-tiny.toml``."""
+
+    run_name: str = Field("rl", pattern=RUN_NAME, description="Folder of the run; written into every rollout.")
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    ledger: str | None = Field(
+        None, description="Local DuckDB file of the run; None: ledger.duckdb in the run folder (local storage) "
+        "or ./runs/<run_name>/ledger.duckdb (S3 storage).",
+    )
+    init: InitConfig = Field(default_factory=InitConfig)
+    tasks: TaskPoolConfig = Field(default_factory=TaskPoolConfig)
+    steps: int = Field(100, ge=1, le=10_000_000, description="RL steps (checkpoints 1..steps are written).")
+    async_level: int = Field(DEFAULT_ASYNC_LEVEL, ge=0, le=1024, description="Most policy lag of a sample.")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    submission: SubmissionConfig = Field(default_factory=SubmissionConfig)
+    trainer: RLTrainerConfig = Field(default_factory=RLTrainerConfig)
+    trainer_threads: int = Field(0, ge=0, le=1024, description="torch threads of the trainer (0: torch's default).")
+    limits: RolloutLimits | None = Field(None, description="Validator bounds; None: defaults, vocab from the model.")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    seed: int = Field(0, ge=0, description="Seed of the trainer's torch RNG.")
+
+
+class FilterConfig(StrictModel):
+    """Offline difficulty filter: keep prompts the current model solves sometimes, not always."""
+
+    k: int = Field(8, ge=1, le=1024, description="Samples per prompt.")
+    min_rate: float = Field(1 / 8, ge=0, le=1, description="Lowest kept pass rate (inclusive).")
+    max_rate: float = Field(4 / 8, ge=0, le=1, description="Highest kept pass rate (inclusive).")
+    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature.")
+    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most completion tokens.")
+    chunk_size: int = Field(256, ge=1, le=1 << 20, description="Prompts per Prefect task.")
+    seed: int = Field(0, ge=0, description="Base of the per-sample seeds.")
+
+    @model_validator(mode="after")
+    def _window(self) -> "FilterConfig":
+        if self.min_rate > self.max_rate:
+            raise ValueError(f"min_rate ({self.min_rate}) must be <= max_rate ({self.max_rate})")
+        return self
+
+    def keeps(self, solved: int) -> bool:
+        """Whether ``solved`` of ``k`` lies in the window (exact: 4/8 is 0.5, not 0.4999...).
+
+        >>> [FilterConfig(k=8).keeps(n) for n in range(9)]
+        [False, True, True, True, True, False, False, False, False]
+        """
+        rate = Fraction(solved, self.k)
+        lo = Fraction(self.min_rate).limit_denominator(1 << 20)
+        hi = Fraction(self.max_rate).limit_denominator(1 << 20)
+        return lo <= rate <= hi
+
+
+class FilterRunConfig(StrictModel):
+    """``intellect filter --config configs/filter-tiny.toml``: score a task pool with the current model."""
+
+    run_name: str = Field("filter", pattern=RUN_NAME, description="Folder of the filter's outputs.")
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    ledger: str | None = Field(None, description="Local DuckDB file for the solve rates; None: as RLRunConfig.ledger.")
+    init: InitConfig = Field(default_factory=InitConfig)
+    tasks: TaskPoolConfig = Field(default_factory=TaskPoolConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+    threads: int = Field(0, ge=0, le=1024, description="torch threads (0: torch's default).")
+    engine: Literal["torch"] = Field("torch", description="Inference engine (vLLM is its own issue).")

@@ -1,0 +1,276 @@
+"""Prefect tasks of an RL step: each one side effect on run storage, the ledger or the worker processes.
+
+Tasks take the run config and step numbers and return small pydantic reports; weights and rollouts
+travel through run storage. The trainer's model and optimizer stay in this process between steps
+(:class:`_Session`): reloading them each step would cost more than the step. A fresh process
+(a rerun after a crash) rebuilds the session from the newest checkpoint and its saved optimizer
+state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from intellect.ledger import Ledger, Verdict
+from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
+from intellect.rl import step as S
+from intellect.rl.assignment import assign_prompts
+from intellect.rl.config import RLRunConfig
+from intellect.rl.lag import policy_for
+from intellect.rl.rollouts import RolloutLimits
+from intellect.rl.setup import heldout_tasks, ledger_path, run_storage, seed_checkpoint, task_pool
+from intellect.storage import RunStorage
+from intellect.train import evaluate
+
+
+class RunInfo(BaseModel):
+    first_step: int  # the first step not committed in the ledger
+    origin: str
+    ledger: str
+    pool: int
+
+
+class WorkerResult(BaseModel):
+    worker: str
+    files: list[str]
+    policy_step: int | None
+    seconds: float
+    missing: bool = False  # no done marker within workers.submission_timeout
+
+
+class RecordReport(BaseModel):
+    accepted: int
+    rejected: int
+    reasons: dict[str, int]
+    mean_reward: float | None
+    inserted: int
+
+
+class UpdateReport(BaseModel):
+    step: int
+    policy_step: int
+    trained: bool  # False: checkpoint step + 1 existed (a rerun)
+    trained_samples: int
+    loss: float | None
+    clip_fraction: float | None
+    tokens: int
+    tokens_per_second: float | None
+    checkpoint: str
+
+
+@dataclass
+class _Session:
+    """What the trainer process keeps between steps of one run."""
+
+    storage: RunStorage
+    ledger: Ledger
+    tasks: list
+    tokenizer: object = None
+    limits: RolloutLimits | None = None
+    trainer: object = None  # GRPOTrainer holding checkpoint `trainer_step`
+    trainer_step: int = -1
+    heldout: list = field(default_factory=list)
+
+
+_SESSIONS: dict[str, _Session] = {}
+_PROCS: dict[int, subprocess.Popen] = {}  # worker processes this process started, by PID
+
+
+def _key(cfg: RLRunConfig) -> str:
+    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()
+
+
+def session(cfg: RLRunConfig) -> _Session:
+    key = _key(cfg)
+    if key not in _SESSIONS:
+        storage = run_storage(cfg)
+        _SESSIONS[key] = _Session(storage, Ledger(ledger_path(cfg)), task_pool(cfg.tasks, storage))
+    s = _SESSIONS[key]
+    if s.tokenizer is None and storage_has_checkpoint(s.storage):
+        _, s.tokenizer = fetch_checkpoint(s.storage, 0)
+        s.limits = cfg.limits or RolloutLimits(vocab_size=len(s.tokenizer))
+    return s
+
+
+def storage_has_checkpoint(storage: RunStorage) -> bool:
+    return storage.is_stable(0, CHECKPOINTS)
+
+
+def close_session(cfg: RLRunConfig) -> None:
+    s = _SESSIONS.pop(_key(cfg), None)
+    if s is not None:
+        s.ledger.close()
+
+
+@task(name="prepare-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=600)
+def prepare_run(cfg: RLRunConfig) -> RunInfo:
+    """Checkpoint 0 from ``cfg.init`` (kept when it exists) and the run's config beside it."""
+    storage = run_storage(cfg)
+    origin = seed_checkpoint(cfg, storage)
+    storage.write_text("run.json", cfg.model_dump_json(indent=1))
+    s = session(cfg)
+    committed = s.ledger.committed_steps()
+    first = max(committed) + 1 if committed else 0
+    return RunInfo(first_step=first, origin=origin, ledger=str(ledger_path(cfg)), pool=len(s.tasks))
+
+
+@task(name="start-workers", cache_policy=NO_CACHE, timeout_seconds=60)
+def start_workers(cfg: RLRunConfig, first_step: int) -> dict[str, int]:
+    """One ``python -m intellect.rl.worker`` process per worker name; their PIDs. Logs go to the run's
+    ``logs/`` folder (local storage) or the current directory."""
+    storage = run_storage(cfg)
+    local = Path(storage.url[len("file://"):]) if storage.scheme == "file" else Path("runs") / cfg.run_name
+    (local / "logs").mkdir(parents=True, exist_ok=True)
+    config = local / "worker-config.json"
+    config.write_text(cfg.model_dump_json())
+    pids = {}
+    for w in cfg.workers.names:
+        with open(local / "logs" / f"{w}.log", "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "intellect.rl.worker", "--config", str(config), "--worker", w,
+                 "--first", str(first_step)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                                  os.environ.get("PYTHONPATH", "")])},
+            )
+        pids[w] = proc.pid
+        _PROCS[proc.pid] = proc
+    return pids
+
+
+@task(name="stop-workers", cache_policy=NO_CACHE, timeout_seconds=60)
+def stop_workers(pids: dict[str, int], grace: float = 10.0) -> dict[str, int | None]:
+    """Wait up to ``grace`` seconds for the workers to finish, then SIGTERM, then SIGKILL; exit codes."""
+    procs = {w: _PROCS.pop(pid) for w, pid in pids.items() if pid in _PROCS}
+    deadline = time.monotonic() + grace
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        for p in procs.values():
+            if sig is not None and p.poll() is None:
+                p.send_signal(sig)
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+    return {w: p.poll() for w, p in procs.items()}
+
+
+@task(name="assign", cache_policy=NO_CACHE, timeout_seconds=60)
+def assign(cfg: RLRunConfig, step: int) -> dict[str, list[str]]:
+    """The prompt ids each worker must answer in its first submission of ``step`` (the validator
+    recomputes the same assignment for every submission)."""
+    s = session(cfg)
+    return {w: [s.tasks[i].id for i in assign_prompts(len(s.tasks), w, step, 0, cfg.submission.prompts_per_submission)]
+            for w in cfg.workers.names}
+
+
+# no timeout_seconds: these run in worker threads, where Prefect cannot interrupt them; the wait below
+# has its own deadline and every reward check its own time limit
+@task(name="generate", cache_policy=NO_CACHE, retries=1)
+def generate(cfg: RLRunConfig, step: int, worker: str, local: bool) -> WorkerResult:
+    """Worker ``worker``'s submissions of ``step``: generated here (``local``), or written by its
+    process, awaited up to ``workers.submission_timeout`` (then the step goes on without it)."""
+    s = session(cfg)
+    t0 = time.perf_counter()
+    marker = S.done_marker(step, worker)
+    if local and not s.storage.exists(marker):
+        policy = policy_for(step, cfg.async_level, s.storage.complete_steps(CHECKPOINTS))
+        if policy is None:
+            raise FileNotFoundError(f"no checkpoint within {cfg.async_level} of step {step}")
+        model, tok = fetch_checkpoint(s.storage, policy)
+        S.worker_step(cfg, s.storage, step, worker, s.tasks, S.torch_engine(model, tok), tok, policy,
+                      limits=s.limits)
+    deadline = time.monotonic() + cfg.workers.submission_timeout
+    while not s.storage.exists(marker):
+        if time.monotonic() > deadline:
+            get_run_logger().warning("worker %s sent nothing for step %d within %.0f s", worker, step,
+                                     cfg.workers.submission_timeout)
+            return WorkerResult(worker=worker, files=[], policy_step=None, seconds=time.perf_counter() - t0,
+                                missing=True)
+        time.sleep(cfg.workers.poll_interval)
+    info = json.loads(s.storage.read_text(marker))
+    return WorkerResult(worker=worker, files=info["files"], policy_step=info["policy_step"],
+                        seconds=time.perf_counter() - t0)
+
+
+@task(name="validate", cache_policy=NO_CACHE, retries=1)
+def validate(cfg: RLRunConfig, step: int, files: list[str]) -> list[Verdict]:
+    """Verdicts on every sample of ``files`` (rewards recomputed, every check of the validator)."""
+    s = session(cfg)
+    return S.validate_files(cfg, s.storage, step, files, s.tasks, s.tokenizer, limits=s.limits)
+
+
+@task(name="record", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, timeout_seconds=600)
+def record(cfg: RLRunConfig, step: int, verdicts: list[Verdict]) -> RecordReport:
+    """The verdicts of ``step`` into the ledger, one transaction, idempotent."""
+    s = session(cfg)
+    res = s.ledger.record_verdicts(step, verdicts)
+    accepted = s.ledger.accepted(step)
+    reasons = Counter(v.reason for v in verdicts if v.reason)
+    rewards = [a["reward"] for a in accepted]
+    return RecordReport(accepted=len(accepted), rejected=sum(reasons.values()), reasons=dict(reasons),
+                        mean_reward=sum(rewards) / len(rewards) if rewards else None, inserted=res.inserted)
+
+
+@task(name="grpo-update", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
+def grpo_update(cfg: RLRunConfig, step: int, policy_step: int) -> UpdateReport:
+    """Train on the step's accepted samples and publish checkpoint ``step + 1`` (skipped when it exists)."""
+    s = session(cfg)
+    uri = s.storage.uri(s.storage.step_path(step + 1, CHECKPOINTS))
+    trained = not s.storage.is_stable(step + 1, CHECKPOINTS)
+    if trained:
+        if s.trainer is None or s.trainer_step != step:
+            if cfg.trainer_threads:
+                torch.set_num_threads(cfg.trainer_threads)
+            torch.manual_seed(cfg.seed + step)
+            s.trainer = S.load_trainer(cfg, s.storage, step)
+        saved = S.train_and_publish(cfg, s.storage, s.ledger, step, policy_step, s.trainer, s.limits)
+        s.trainer_step = step + 1
+    else:
+        saved = S.saved_report(s.storage, step)
+    secs = saved.get("train_seconds") or 0.0
+    return UpdateReport(step=step, policy_step=saved["policy_step"], trained=trained,
+                        trained_samples=saved["trained_samples"], loss=saved["loss"],
+                        clip_fraction=saved["clip_fraction"], tokens=saved.get("tokens", 0),
+                        tokens_per_second=saved.get("tokens", 0) / secs if secs else None, checkpoint=uri)
+
+
+@task(name="broadcast", cache_policy=NO_CACHE, retries=2, timeout_seconds=600)
+def broadcast(cfg: RLRunConfig, step: int) -> str:
+    """Make checkpoint ``step`` known to the inference workers and record its hash in the ledger.
+
+    Workers read checkpoints straight from run storage (``STABLE`` is the signal); SHARDCAST's
+    relays plug in here."""
+    s = session(cfg)
+    uri = s.storage.uri(s.storage.step_path(step, CHECKPOINTS))
+    s.ledger.record_checkpoint(step, uri, S._checkpoint_sha256(s.storage, step))
+    return uri
+
+
+@task(name="commit-step", cache_policy=NO_CACHE, retries=2, timeout_seconds=600)
+def commit_step(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> bool:
+    s = session(cfg)
+    return S.commit(s.storage, s.ledger, step, S.saved_report(s.storage, step), timings)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
+def evaluate_step(cfg: RLRunConfig, step: int) -> float:
+    """Held-out greedy exact-match accuracy of checkpoint ``step``."""
+    s = session(cfg)
+    if not s.heldout:
+        s.heldout = heldout_tasks(cfg.tasks, cfg.eval.size)
+    model, tok = fetch_checkpoint(s.storage, step)
+    return evaluate(model, tok, s.heldout).accuracy
+

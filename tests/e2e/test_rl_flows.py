@@ -1,0 +1,161 @@
+"""The RL flows under a real (temporary) Prefect server: ``rl-train`` with worker processes,
+``rl-step``, a killed run resumed, and ``filter-pass-at-k``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from intellect.config import ModelConfig
+from intellect.ledger import Ledger
+from intellect.model.checkpoint import build_model
+from intellect.pretrain import CHECKPOINTS, publish_checkpoint
+from intellect.rl.config import FilterRunConfig, RLRunConfig
+from intellect.rl.report import CURVE, load_evals
+from intellect.rl.rollouts import list_submissions
+from intellect.rl.setup import ledger_path, run_storage
+from intellect.rl.step import OPTIMIZER
+from intellect.storage import RunStorage
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
+PROMPTS, GROUP = 2, 4
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A run ``base`` whose checkpoint 0 is an untrained tiny model: where RL starts."""
+    model, tok = build_model(TINY)
+    publish_checkpoint(model, tok, RunStorage(f"file://{tmp_path}/base"), 0)
+    return tmp_path
+
+
+def rl_cfg(root, **over) -> RLRunConfig:
+    data = {
+        "run_name": "rl", "storage": {"url": f"file://{root}"}, "init": {"from_run": "base"},
+        "tasks": {"size": 64, "data": {"max_digits": 1}}, "steps": 4, "async_level": 1,
+        "workers": {"names": ["alice", "bob"], "poll_interval": 0.02, "submission_timeout": 120,
+                    "checkpoint_timeout": 120},
+        "submission": {"prompts_per_submission": PROMPTS, "group_size": GROUP, "max_tokens": 4},
+        "trainer": {"lr": 1e-2, "warmup_steps": 0, "steps_per_rollout": 1},
+        "eval": {"every": 2, "size": 16}, "trainer_threads": 1,
+    }
+    for k, v in over.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) else v
+    return RLRunConfig.model_validate(data)
+
+
+def check_ledger(cfg: RLRunConfig, steps: int) -> None:
+    per_step = len(cfg.workers.names) * PROMPTS * GROUP
+    with Ledger(ledger_path(cfg)) as ledger:
+        assert ledger.committed_steps() == list(range(steps))
+        for n in range(steps):
+            acc = ledger.accepted(n)
+            assert len(acc) == per_step and len({a["content_hash"] for a in acc}) == per_step
+            assert len({(a["file"], a["row_index"]) for a in acc}) == per_step
+            assert {a["policy_step"] for a in acc} <= set(range(max(0, n - cfg.async_level), n + 1))
+        assert all(ledger.checkpoint(n + 1) is not None for n in range(steps))
+
+
+def test_rl_train_with_worker_processes(prefect_harness, base):
+    from flows.rl import rl_train
+
+    cfg = rl_cfg(base)
+    report = rl_train(cfg)
+    assert report.steps == 4 and report.first_step == 0
+    assert report.worker_exit_codes == {"alice": 0, "bob": 0}
+    storage = run_storage(cfg)
+    assert storage.complete_steps(CHECKPOINTS) == [0, 1, 2, 3, 4]
+    assert storage.exists(f"{storage.step_path(4, CHECKPOINTS)}/{OPTIMIZER}")
+    assert [e["step"] for e in load_evals(storage)] == [0, 2, 4]
+    assert storage.read_bytes(CURVE)[:8] == b"\x89PNG\r\n\x1a\n"
+    check_ledger(cfg, 4)
+    # a finished run run again has nothing left to do
+    assert rl_train(cfg).steps == 0
+
+
+def test_rl_step_flow_generates_in_process(prefect_harness, base):
+    from flows.rl import rl_step
+
+    cfg = rl_cfg(base, async_level=0, workers={"min_signal_samples": 10_000, "max_submissions": 2})
+    summary = rl_step(cfg, 0)
+    # the online filter: with no signal (an untrained model never solves a sum) each worker tries twice
+    assert len(list_submissions(run_storage(cfg), 0)) == 4
+    assert summary.accepted == 4 * PROMPTS * GROUP and summary.rejected == 0 and summary.policy_steps == [0]
+    with pytest.raises(ValueError, match="already committed"):
+        rl_step(cfg, 0)
+
+
+def _cli_env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def to_toml(data: dict, prefix: str = "") -> str:
+    """TOML of a config dump: scalars and lists first, then one table per nested dict."""
+    import json
+
+    flat = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    head = [f"[{prefix}]"] if prefix and flat else []
+    tables = [to_toml(v, f"{prefix}.{k}" if prefix else k) for k, v in data.items() if isinstance(v, dict)]
+    return "\n".join(head + flat + [""] + tables)
+
+
+def test_killed_run_resumes_and_counts_each_sample_once(prefect_harness, base, tmp_path):
+    cfg = rl_cfg(base, steps=8, eval={"every": 0})
+    config = tmp_path / "rl.toml"
+    config.write_text("# run: rl\n" + to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    cmd = [sys.executable, "-m", "flows.cli", "rl", "--config", str(config)]
+    log = open(tmp_path / "first.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_cli_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    storage = run_storage(cfg)
+    deadline = time.monotonic() + 240
+    while not storage.is_stable(3, CHECKPOINTS):  # mid-run: steps 0-2 done, later ones in flight
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # the orchestrating flow only; its workers notice and exit
+    proc.wait(timeout=30)
+    log.close()
+    with Ledger(ledger_path(cfg)) as ledger:
+        assert len(ledger.committed_steps()) < 8
+
+    second = subprocess.run(cmd, cwd=ROOT, env=_cli_env(), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert storage.complete_steps(CHECKPOINTS) == list(range(9))
+    check_ledger(cfg, 8)
+
+
+def test_filter_flow_scores_keeps_window_and_records(prefect_harness, base):
+    from flows.filter import filter_pass_at_k
+
+    cfg = FilterRunConfig.model_validate({
+        "storage": {"url": f"file://{base}"}, "init": {"from_run": "base"},
+        "tasks": {"size": 40, "data": {"max_digits": 1}},
+        "filter": {"k": 4, "min_rate": 0.0, "max_rate": 0.5, "max_tokens": 3, "chunk_size": 16},
+    })
+    report = filter_pass_at_k(cfg)
+    assert report.prompts == 40 and sum(report.histogram) == 40
+    assert report.kept == sum(report.histogram[:3])  # 0, 1 or 2 of 4 solved
+    storage = run_storage(cfg)
+    assert len(storage.listdir("parts")) == 3
+    from intellect.data.loaders import load_math_tasks
+
+    kept = load_math_tasks(Path(str(base)) / "filter" / "tasks.jsonl").tasks
+    assert len(kept) == report.kept
+    with Ledger(ledger_path(cfg)) as ledger:
+        (model,) = {r["model"] for r in ledger._query("SELECT model FROM solve_rates")}
+        rows = ledger.solve_rates(model)
+        assert len(rows) == 40 and sum(r["kept"] for r in rows) == report.kept
+    assert filter_pass_at_k(cfg).histogram == report.histogram  # a rerun reuses the parts
