@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
     ddp.config = model.config  # Trainer reads it; DDP does not forward attributes
     trainer = Trainer(ddp, tok, _inner_train_config(run))
     stream = shard_stream(run, rank)
-    batches = iter(lambda: [next(stream).text for _ in range(run.train.batch_size)], None)
+    batches = iter(lambda: [next(stream) for _ in range(run.train.batch_size)], None)
     snap = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()}  # noqa: E731
     snaps, tokens, seen = [snap()], [0], 0
     dist.barrier()

@@ -7,10 +7,10 @@ training on different machines). With ``async_level = 0`` a worker waits for
 checkpoint ``n`` before generating step ``n``, so generation and training alternate; with 2 the
 workers generate steps ``n + 1`` and ``n + 2`` while step ``n`` trains. The runs alternate order
 over ``--repeats`` rounds (the machine is shared and noisy); the speedup is the ratio of median
-steps per hour of the step loop, and the final held-out greedy accuracies are compared against
+steps per hour of the step loop (evaluations excluded), and the final held-out greedy accuracies are compared against
 their binomial standard error.
 
-    .venv/bin/python benchmarks/rl_async.py --from runs/smoke/checkpoints/step_1000 --steps 30 --repeats 3
+    .venv/bin/python benchmarks/rl_async.py --steps 150 --repeats 3
 
 Writes ``benchmarks/results/rl_async.json``.
 """
@@ -48,9 +48,10 @@ def config(args, level: int, root: Path, tag: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--from", dest="from_dir", default="runs/smoke/checkpoints/step_1000",
-                    help="HF checkpoint folder RL starts from (run `intellect smoke` first).")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--from", dest="from_dir", default="runs/smoke-slips/checkpoints/step_6000",
+                    help="HF checkpoint folder RL starts from (run `intellect smoke --config "
+                    "configs/smoke-slips.toml` first).")
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=1, help="Inference worker processes.")
     ap.add_argument("--prompts", type=int, default=64, help="Prompts per worker and step (x8 samples).")
@@ -60,10 +61,11 @@ def main() -> None:
     ap.add_argument("--worker-threads", type=int, default=1)
     args = ap.parse_args()
     if not (Path(args.from_dir) / "config.json").is_file():
-        sys.exit(f"{args.from_dir} is not a checkpoint folder: run `intellect smoke --config configs/smoke.toml` first")
+        sys.exit(f"{args.from_dir} is not a checkpoint folder: run `intellect smoke --config configs/smoke-slips.toml` first")
 
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="intellect-bench-prefect-"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.rl import rl_train
 
     work = Path(tempfile.mkdtemp(prefix="intellect-rl-async-"))

@@ -1,11 +1,13 @@
-"""Does GRPO raise held-out greedy accuracy of the pretrained tiny model on arithmetic?
+"""Does GRPO raise held-out greedy accuracy of a pretrained tiny model on arithmetic?
 
-Pretrains the smoke model (``configs/smoke.toml``) or reuses a checkpoint folder (``--from``), copies
-it as checkpoint 0 of a fresh RL run, then loops :func:`intellect.rl.step.run_rl_step` (2 workers,
-async level 0) on a pool of non-held-out 1-2 digit problems until a time budget runs out,
-evaluating held-out greedy exact-match accuracy of the published checkpoints every few steps.
+Pretrains the model of ``--pretrain-config`` (default ``configs/smoke-slips.toml``: the smoke
+model on a corpus where 60% of the answers carry a sign error) or reuses a checkpoint folder
+(``--from``), copies it as checkpoint 0 of a fresh RL run, then loops
+:func:`intellect.rl.step.run_rl_step` (2 workers, async level 0) on a pool of non-held-out 1-2 digit
+problems until a time budget runs out, evaluating held-out greedy exact-match accuracy of the
+published checkpoints every few steps. The pretraining is not part of the budget.
 
-    .venv/bin/python benchmarks/rl_learning.py --from runs/smoke/checkpoints/step_1000 --minutes 12
+    .venv/bin/python benchmarks/rl_learning.py --from runs/smoke-slips/checkpoints/step_3000 --minutes 12
 
 Writes ``benchmarks/results/rl_learning.{json,png}`` (``--tag`` changes the name).
 """
@@ -43,21 +45,21 @@ WORKERS = ("worker-a", "worker-b")
 
 
 def pretrained_model(args):
-    """(model, tokenizer, note) of the starting checkpoint: ``--from`` or a fresh smoke pretrain."""
+    """(model, tokenizer, note) of the starting checkpoint: ``--from`` or a fresh pretrain."""
     if args.from_dir:
         model, tok = load_checkpoint(Path(args.from_dir))
         for p in model.parameters():
             p.data = p.data.clone()
         return model, tok, f"reused {args.from_dir}"
-    cfg = load_config(SmokeConfig, ROOT / "configs" / "smoke.toml")
-    storage = RunStorage(f"file://{RESULTS / 'rl_learning_pretrain'}")
+    cfg = load_config(SmokeConfig, Path(args.pretrain_config))
+    storage = RunStorage(f"file://{RESULTS / 'rl_learning_pretrain' / cfg.run_name}")
     init_checkpoint(cfg, storage)
     t0 = time.perf_counter()
     out = pretrain(cfg, storage, 0)
-    print(f"pretrained {cfg.train.steps} steps in {time.perf_counter() - t0:.0f} s "
+    print(f"pretrained {cfg.run_name}: {cfg.train.steps} steps in {time.perf_counter() - t0:.0f} s "
           f"(loss {out.first_loss:.3f} -> {out.final_loss:.3f}, resumed={out.resumed})", flush=True)
     model, tok = fetch_checkpoint(storage, out.step)
-    return model, tok, f"pretrained smoke step {out.step} ({out.seconds:.0f} s)"
+    return model, tok, f"pretrained {args.pretrain_config} step {out.step} ({out.seconds:.0f} s)"
 
 
 def task_pool(n: int, seed: int):
@@ -72,6 +74,8 @@ def task_pool(n: int, seed: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="from_dir", default=None, help="HF checkpoint folder to start from.")
+    ap.add_argument("--pretrain-config", default=str(ROOT / "configs" / "smoke-slips.toml"),
+                    help="Smoke config to pretrain the starting model with when --from is not given.")
     ap.add_argument("--minutes", type=float, default=12.0, help="Time budget of the RL loop (evals included).")
     ap.add_argument("--max-steps", type=int, default=10_000)
     ap.add_argument("--threads", type=int, default=2)

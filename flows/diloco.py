@@ -14,6 +14,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from flows.artifacts import artifact_key
 from intellect.config import DilocoRunConfig
 from intellect.diloco.coordinator import Coordinator, LocalLauncher
 from intellect.diloco.worker import init_run
@@ -71,7 +72,7 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
             committed = coord.progress() or start
         finally:
             coord.close()
-    create_table_artifact(key=f"{cfg.run_name.lower().replace('_', '-').replace('.', '-')}-outer-steps",
+    create_table_artifact(key=artifact_key(cfg.run_name, "outer-steps"),
                           table=rows or [{"outer_step": start}], description="DiLoCo outer steps")
     create_markdown_artifact(markdown=f"# DiLoCo `{cfg.run_name}`\n\n{committed}/{cfg.diloco.outer_steps} outer steps "
                              f"committed; worker exit codes {codes}")

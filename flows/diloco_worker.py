@@ -12,6 +12,7 @@ from dataclasses import asdict
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from flows.artifacts import artifact_key
 from intellect.diloco.coordinator import main
 from intellect.diloco.worker import DilocoWorker
 from tasks.diloco import run_phase
@@ -22,7 +23,7 @@ def diloco_outer_step(worker_id: str, step: int, run_name: str) -> dict:
     w = _RESIDENT[worker_id]
     report = asdict(w.outer_step(run_phase))
     create_table_artifact(
-        key=f"{run_name.lower().replace('_', '-').replace('.', '-')}-{worker_id}-outer-step",
+        key=artifact_key(run_name, f"{worker_id}-outer-step"),
         table=[{k: v for k, v in report.items() if k != "members"} | {"members": ",".join(report["members"])}],
         description=f"DiLoCo outer step {report['step']} on {worker_id}",
     )

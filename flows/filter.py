@@ -17,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from flows.artifacts import artifact_key
 from intellect.ledger import Ledger
 from intellect.rl import filter as F
 from intellect.rl.config import FilterRunConfig
@@ -86,7 +87,7 @@ def filter_pass_at_k(config: FilterRunConfig | None = None) -> FilterReport:
         score_chunk(cfg, i)
     report = collect_scores(cfg, chunks)
     f = cfg.filter
-    create_table_artifact(key=f"{cfg.run_name.lower().replace('_', '-').replace('.', '-')}-solve-histogram",
+    create_table_artifact(key=artifact_key(cfg.run_name, "solve-histogram"),
                           table=[{"solved_of_k": i, "prompts": c} for i, c in enumerate(report.histogram)],
                           description=f"Prompts by samples solved of {f.k}")
     text = (f"# Difficulty filter `{cfg.run_name}`\n\nModel {report.model}: {report.kept} of {report.prompts} prompts "

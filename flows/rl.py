@@ -3,8 +3,10 @@
 One step is the DAG ``assign -> generate (a task per worker) -> validate (a task per worker) ->
 record -> grpo-update -> broadcast -> commit-step``. In ``rl-train`` the generation is done by
 worker processes (:mod:`intellect.rl.worker`) that run up to ``async_level`` steps ahead of the
-trainer, so the ``generate`` tasks mostly find their files already written: the pipelining of
-INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process (synchronous).
+trainer, so the ``generate`` tasks mostly find their files already written, and the flow ingests
+(generate-wait, validate, record) step ``n + 1`` in a second thread while step ``n`` trains: the
+pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process
+(synchronous).
 
 A killed run is resumed by running it again: the ledger says which steps are committed, storage
 holds the files and checkpoints, and every task is idempotent.
@@ -12,7 +14,10 @@ holds the files and checkpoints, and every task is idempotent.
 
 from __future__ import annotations
 
+import contextvars
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import (
@@ -23,6 +28,7 @@ from prefect.artifacts import (
 )
 from pydantic import BaseModel
 
+from flows.artifacts import BackgroundArtifacts, artifact_key
 from intellect.rl.config import RLRunConfig
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
 from intellect.rl.rollouts import list_submissions, parse_submission_path
@@ -49,19 +55,26 @@ class RLReport(BaseModel):
     run_name: str
     first_step: int
     steps: int
-    seconds: float
-    steps_per_hour: float
+    seconds: float  # the step loop, evaluations included
+    eval_seconds: float
+    steps_per_hour: float  # evaluations excluded
     evals: list[dict]
     worker_exit_codes: dict[str, int | None]
     curve: str | None
 
 
-def _slug(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
+class Ingested(BaseModel):
+    """A step's rollouts, validated and recorded: what its update needs."""
+
+    step: int
+    results: list[T.WorkerResult]
+    record: T.RecordReport
+    seconds: float
+    timings: dict[str, float]
 
 
-def run_step(cfg: RLRunConfig, step: int, local: bool) -> StepSummary:
-    """The tasks of one step (called inside a flow)."""
+def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
+    """``assign -> generate -> validate -> record`` of one step (called inside a flow)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     T.assign(cfg, step)
@@ -74,36 +87,56 @@ def run_step(cfg: RLRunConfig, step: int, local: bool) -> StepSummary:
     by_worker: dict[str, list[str]] = {}
     for rel in list_submissions(storage, step):  # every file, also from workers this run did not start
         by_worker.setdefault(parse_submission_path(rel)[1], []).append(rel)
-    futures = [T.validate.submit(cfg, step, files) for files in by_worker.values()]
-    verdicts = [v for f in futures for v in f.result()]
+    futures = [T.validate.submit(cfg, step, w, files) for w, files in by_worker.items()]
+    reports = [f.result() for f in futures]
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    rec = T.record(cfg, step, verdicts)
+    rec = T.record(cfg, step, [r.verdicts for r in reports])
+    timings["record"] = time.perf_counter() - t
+    return Ingested(step=step, results=results, record=rec, seconds=time.perf_counter() - t0, timings=timings)
+
+
+def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
+    """``grpo-update -> broadcast -> commit-step`` of an ingested step (called inside a flow)."""
+    t0 = time.perf_counter()
+    step, results, rec, timings = ing.step, ing.results, ing.record, dict(ing.timings)
     policies = sorted({r.policy_step for r in results if r.policy_step is not None})
     upd = T.grpo_update(cfg, step, policies[0] if policies else step)
-    timings["train"] = time.perf_counter() - t
+    timings["train"] = time.perf_counter() - t0
     t = time.perf_counter()
     T.broadcast(cfg, step + 1)
+    timings["broadcast"] = time.perf_counter() - t
     T.commit_step(cfg, step, timings)
-    timings["commit"] = time.perf_counter() - t
     return StepSummary(
         step=step, policy_steps=policies, accepted=rec.accepted, rejected=rec.rejected, reasons=rec.reasons,
         mean_reward=rec.mean_reward, trained_samples=upd.trained_samples, loss=upd.loss,
         clip_fraction=upd.clip_fraction, tokens_per_second=upd.tokens_per_second,
-        missing_workers=[r.worker for r in results if r.missing], seconds=time.perf_counter() - t0,
+        missing_workers=[r.worker for r in results if r.missing], seconds=ing.seconds + time.perf_counter() - t0,
         timings={k: round(v, 4) for k, v in timings.items()},
     )
 
 
-def _publish_step(cfg: RLRunConfig, s: StepSummary) -> None:
-    row = {"step": s.step, "policy_steps": str(s.policy_steps), "mean_reward": s.mean_reward,
-           "accepted": s.accepted, "rejected": s.rejected,
-           "rejected_by_reason": ", ".join(f"{k}: {v}" for k, v in sorted(s.reasons.items())) or "-",
-           "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction,
-           "train_tokens_per_s": s.tokens_per_second, "seconds": round(s.seconds, 3)}
-    create_table_artifact(key=f"{_slug(cfg.run_name)}-rl-step", table=[row],
-                          description=f"RL step {s.step} of {cfg.run_name}")
+def run_step(cfg: RLRunConfig, step: int, local: bool) -> StepSummary:
+    """The tasks of one step, in order (called inside a flow)."""
+    return update(cfg, ingest(cfg, step, local))
+
+
+def _step_row(s: StepSummary) -> dict:
+    return {
+        "step": s.step, "policy_steps": str(s.policy_steps), "mean_reward": s.mean_reward,
+        "accepted": s.accepted, "rejected": s.rejected,
+        "rejected_by_reason": ", ".join(f"{k}: {v}" for k, v in sorted(s.reasons.items())) or "-",
+        "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction,
+        "train_tokens_per_s": s.tokens_per_second, "seconds": round(s.seconds, 3),
+    }
+
+
+def _publish_step(cfg: RLRunConfig, s: StepSummary, publish: Callable[..., Any] | None = None) -> None:
+    """The step's keyed table artifact, created now or handed to ``publish`` (a background queue)."""
+    call = publish or (lambda fn, **kw: fn(**kw))
+    call(create_table_artifact, key=artifact_key(cfg.run_name, "rl-step"), table=[_step_row(s)],
+         description=f"RL step {s.step} of {cfg.run_name}")
 
 
 @flow(name="rl-step", log_prints=True)
@@ -138,20 +171,39 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
                                         description=f"RL {cfg.run_name}: steps committed")
     pids = T.start_workers(cfg, info.first_step) if info.first_step < cfg.steps else {}
     t0 = time.perf_counter()
+    eval_seconds = 0.0
     codes: dict[str, int | None] = {}
+    artifacts = BackgroundArtifacts(logger)
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="ingest")
+
+    def ingest_ahead(step: int) -> Future | None:
+        if step >= cfg.steps:
+            return None
+        return ahead.submit(contextvars.copy_context().run, ingest, cfg, step, False)
+
     try:
+        nxt = ingest_ahead(info.first_step)
         for n in range(info.first_step, cfg.steps):
-            s = run_step(cfg, n, local=False)
-            _publish_step(cfg, s)
+            ing = nxt.result()
+            # Step n + 1's rollouts are validated and recorded while step n trains: the lag rule makes
+            # them independent of this update (with async_level 0 its worker waits for the update).
+            nxt = ingest_ahead(n + 1)
+            s = update(cfg, ing)
+            _publish_step(cfg, s, artifacts.submit)
             logger.info("step %d: reward %s, accepted %d, rejected %d %s, trained %d, loss %s, %.2f s",
                         n, None if s.mean_reward is None else round(s.mean_reward, 4), s.accepted, s.rejected,
                         s.reasons or "", s.trained_samples, None if s.loss is None else round(s.loss, 5), s.seconds)
-            update_progress_artifact(artifact_id=progress, progress=100.0 * (n + 1) / cfg.steps)
+            artifacts.submit(update_progress_artifact, artifact_id=progress, progress=100.0 * (n + 1) / cfg.steps)
             if (cfg.eval.every and (n + 1) % cfg.eval.every == 0) or n + 1 == cfg.steps:
+                te = time.perf_counter()
                 logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
+                eval_seconds += time.perf_counter() - te
     finally:
+        T.stop_waiting(cfg)  # an ingest still waiting for a worker gives up at its next poll
+        ahead.shutdown(wait=True, cancel_futures=True)
         if pids:
             codes = T.stop_workers(pids)
+        artifacts.close()
     seconds = time.perf_counter() - t0
     done = max(cfg.steps - info.first_step, 0)
     evals = load_evals(storage)
@@ -160,15 +212,18 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
         storage.write_bytes(CURVE, plot_curve(T.session(cfg).ledger.steps(), evals,
                                               f"GRPO {cfg.run_name} (async_level {cfg.async_level})"))
         curve = storage.uri(CURVE)
+    step_seconds = seconds - eval_seconds
+    per_hour = 3600 * done / step_seconds if step_seconds > 0 else 0.0
     lines = [f"# RL run `{cfg.run_name}`", "",
-             f"{done} steps in {seconds:.1f} s ({3600 * done / seconds if seconds else 0:.0f} steps/hour), "
+             f"{done} steps in {step_seconds:.1f} s ({per_hour:.0f} steps/hour; evaluations took another "
+             f"{eval_seconds:.1f} s), "
              f"async_level {cfg.async_level}, workers {cfg.workers.names}", "",
              "| checkpoint | held-out greedy accuracy |", "|---|---|"]
     lines += [f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals]
     lines += ["", f"Curve: {curve}", f"Worker exit codes: {codes}"]
-    create_markdown_artifact(key=f"{_slug(cfg.run_name)}-rl-summary", markdown="\n".join(lines),
+    create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
                              description=f"RL run {cfg.run_name}")
     T.close_session(cfg)
     return RLReport(run_name=cfg.run_name, first_step=info.first_step, steps=done, seconds=seconds,
-                    steps_per_hour=3600 * done / seconds if seconds else 0.0, evals=evals,
-                    worker_exit_codes=codes, curve=curve)
+                    eval_seconds=eval_seconds, steps_per_hour=per_hour, evals=evals, worker_exit_codes=codes,
+                    curve=curve)

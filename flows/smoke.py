@@ -8,6 +8,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
+from flows.artifacts import artifact_key
 from intellect.config import SmokeConfig
 from tasks.pretrain import EvalReport, PassRateReport, PretrainReport, evaluate_checkpoint, init_checkpoint, pass_rates, pretrain
 
@@ -57,7 +58,7 @@ def smoke(config: SmokeConfig | None = None) -> SmokeReport:
     report = SmokeReport(run_name=cfg.run_name, before=before, after=after, pretrain=trained,
                          pass_rates=rates, seconds=time.perf_counter() - t0)
     create_table_artifact(
-        key=f"{cfg.run_name.lower().replace('_', '-').replace('.', '-')}-accuracy",
+        key=artifact_key(cfg.run_name, "accuracy"),
         table=[{"phase": "before", **before.model_dump()}, {"phase": "after", **after.model_dump()}],
         description="Held-out loss and greedy exact-match accuracy before and after pretraining",
     )

@@ -91,6 +91,11 @@ class DataConfig(StrictModel):
         5, ge=1, le=50,
         description="Share of all problems (by content hash) reserved for evaluation; training never sees them.",
     )
+    slip_rate: float = Field(
+        0.0, ge=0, le=0.95,
+        description="Share of pretraining documents whose answer carries a sign error (Problem.slip): a "
+        "corpus of mixed quality. Held-out answers and RL rewards are always exact.",
+    )
 
     @model_validator(mode="after")
     def _digits_ordered(self) -> "DataConfig":

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from intellect.rl.assignment import canonical_worker
 
@@ -119,13 +120,14 @@ CREATE TABLE IF NOT EXISTS solve_rates (
 _SAMPLE_FIELDS = (
     "content_hash", "policy_step", "prompt_id", "group_id", "reward", "advantage", "prompt_tokens", "output_tokens"
 )
-_VERDICT_SCHEMA = pa.schema(
+#: Columns of :func:`verdict_table`: the fields of :class:`Verdict`, in order.
+VERDICT_SCHEMA = pa.schema(
     [
         ("file", pa.string()), ("row", pa.int32()), ("step", pa.int64()), ("worker", pa.string()),
         ("submission", pa.int64()), ("status", pa.string()), ("reason", pa.string()),
         ("content_hash", pa.string()), ("policy_step", pa.int64()), ("prompt_id", pa.string()),
         ("group_id", pa.int32()), ("reward", pa.float64()), ("advantage", pa.float64()),
-        ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("ord", pa.int64()),
+        ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()),
     ]
 )
 _PATH_LOCKS: dict[str, threading.Lock] = {}
@@ -197,6 +199,19 @@ class Verdict:
     @classmethod
     def file_rejected(cls, file: str, step: int, worker: str, submission: int, reason: str) -> Verdict:
         return cls(file=file, row=-1, step=step, worker=worker, submission=submission, status="rejected", reason=reason)
+
+
+def verdict_table(verdicts: Iterable[Verdict]) -> pa.Table:
+    """Verdicts as an Arrow table with :data:`VERDICT_SCHEMA` (worker names canonical).
+
+    >>> t = verdict_table([Verdict("rollouts/step_0/a-0.parquet", -1, 0, "A", 0, "rejected", "schema")])
+    >>> t.num_rows, t["worker"][0].as_py(), t["reason"][0].as_py()
+    (1, 'a', 'schema')
+    """
+    vs = list(verdicts)
+    cols = {f.name: [getattr(v, f.name) for v in vs] for f in fields(Verdict)}
+    cols["worker"] = [canonical_worker(w) for w in cols["worker"]]
+    return pa.table(cols, schema=VERDICT_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,16 +311,19 @@ class Ledger:
 
     def record_verdicts(self, step: int, verdicts: Iterable[Verdict]) -> RecordResult:
         """Record the verdicts of ``step`` in one transaction, idempotently (see the module docstring)."""
-        vs = list(verdicts)
-        wrong = [v.file for v in vs if v.step != step]
-        if wrong:
-            raise ValueError(f"verdicts for other steps than {step}: {wrong[:4]}")
-        if not vs:
+        return self.record_table(step, verdict_table(verdicts))
+
+    def record_table(self, step: int, table: pa.Table) -> RecordResult:
+        """:meth:`record_verdicts` for verdicts already in a :func:`verdict_table` (e.g. read back from
+        the validator's verdict files); rows are taken in table order."""
+        if table.schema.remove_metadata() != VERDICT_SCHEMA:
+            raise ValueError(f"not a verdict table: schema {table.schema} is not {VERDICT_SCHEMA}")
+        wrong = table.filter(pc.not_equal(table["step"], step))
+        if wrong.num_rows:
+            raise ValueError(f"verdicts for other steps than {step}: {wrong['file'].to_pylist()[:4]}")
+        if not table.num_rows:
             return RecordResult(0, 0, 0, 0)
-        cols = {f.name: [getattr(v, f.name) for v in vs] for f in fields(Verdict)}
-        cols["worker"] = [canonical_worker(w) for w in cols["worker"]]
-        cols["ord"] = list(range(len(vs)))
-        incoming = pa.table(cols, schema=_VERDICT_SCHEMA)
+        incoming = table.append_column("ord", pa.array(range(table.num_rows), pa.int64()))
         now = _now()
         with self._transaction() as con:
             con.register("incoming", incoming)
@@ -447,6 +465,14 @@ class Ledger:
         """Sample counts by step, status and reason (``reason`` is ``None`` for accepted)."""
         return self._query(
             "SELECT step, status, reason, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY step, status, reason"
+        )
+
+    def step_verdicts(self, step: int) -> list[dict[str, Any]]:
+        """Sample counts and mean reward of ``step`` by status and reason."""
+        return self._query(
+            "SELECT status, reason, count(*) AS n, avg(reward) AS mean_reward FROM rollouts WHERE step = ? "
+            "GROUP BY ALL ORDER BY status, reason",
+            [step],
         )
 
     # ------------------------------------------------------------------ checkpoints and workers

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from intellect.config import SmokeConfig
-from intellect.data.arithmetic import heldout_problems, train_stream
+from intellect.data.arithmetic import documents, heldout_problems
 from intellect.model.checkpoint import build_model, load_checkpoint, save_checkpoint
 from intellect.storage import RunStorage
 from intellect.train import evaluate, pass_counts, train
@@ -103,8 +103,8 @@ def pretrain(
         saved = json.loads(storage.read_text(f"{storage.step_path(step, CHECKPOINTS)}/{TRAIN_REPORT}"))
         return PretrainOutcome(**{**saved, "resumed": True})
     model, tok = fetch_checkpoint(storage, from_step)
-    stream = train_stream(cfg.data)
-    batches = iter(lambda: [next(stream).text for _ in range(cfg.train.batch_size)], None)
+    docs = documents(cfg.data)
+    batches = iter(lambda: [next(docs) for _ in range(cfg.train.batch_size)], None)
     result = train(model, tok, cfg.train, batches, on_step)
     outcome = PretrainOutcome(
         step=step,

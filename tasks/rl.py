@@ -15,8 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from intellect.ledger import Ledger, Verdict
+from intellect.ledger import Ledger
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl import step as S
 from intellect.rl.assignment import assign_prompts
@@ -33,6 +33,7 @@ from intellect.rl.config import RLRunConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
 from intellect.rl.setup import heldout_tasks, ledger_path, run_storage, seed_checkpoint, task_pool
+from intellect.rl.verdicts import read_verdicts, write_verdicts
 from intellect.storage import RunStorage
 from intellect.train import evaluate
 
@@ -84,6 +85,7 @@ class _Session:
     trainer: object = None  # GRPOTrainer holding checkpoint `trainer_step`
     trainer_step: int = -1
     heldout: list = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)  # set: waits for workers give up
 
 
 _SESSIONS: dict[str, _Session] = {}
@@ -110,6 +112,13 @@ def storage_has_checkpoint(storage: RunStorage) -> bool:
     return storage.is_stable(0, CHECKPOINTS)
 
 
+def stop_waiting(cfg: RLRunConfig) -> None:
+    """Make ``generate`` tasks still waiting for a worker of this run fail at their next poll."""
+    s = _SESSIONS.get(_key(cfg))
+    if s is not None:
+        s.stopping.set()
+
+
 def close_session(cfg: RLRunConfig) -> None:
     s = _SESSIONS.pop(_key(cfg), None)
     if s is not None:
@@ -123,6 +132,7 @@ def prepare_run(cfg: RLRunConfig) -> RunInfo:
     origin = seed_checkpoint(cfg, storage)
     storage.write_text("run.json", cfg.model_dump_json(indent=1))
     s = session(cfg)
+    s.stopping.clear()
     committed = s.ledger.committed_steps()
     first = max(committed) + 1 if committed else 0
     return RunInfo(first_step=first, origin=origin, ledger=str(ledger_path(cfg)), pool=len(s.tasks))
@@ -167,7 +177,7 @@ def stop_workers(pids: dict[str, int], grace: float = 10.0) -> dict[str, int | N
     return {w: p.poll() for w, p in procs.items()}
 
 
-@task(name="assign", cache_policy=NO_CACHE, timeout_seconds=60)
+@task(name="assign", cache_policy=NO_CACHE)
 def assign(cfg: RLRunConfig, step: int) -> dict[str, list[str]]:
     """The prompt ids each worker must answer in its first submission of ``step`` (the validator
     recomputes the same assignment for every submission)."""
@@ -176,8 +186,10 @@ def assign(cfg: RLRunConfig, step: int) -> dict[str, list[str]]:
             for w in cfg.workers.names}
 
 
-# no timeout_seconds: these run in worker threads, where Prefect cannot interrupt them; the wait below
-# has its own deadline and every reward check its own time limit
+# No timeout_seconds on the tasks of a step's ingest (assign, generate, validate, record): they run in
+# worker threads (rl-train ingests the next step in a second thread), where Prefect cannot interrupt
+# them and warns at every call. Their bounds are their own: the wait below has a deadline, every
+# reward check a time limit, the ledger a lock timeout.
 @task(name="generate", cache_policy=NO_CACHE, retries=1)
 def generate(cfg: RLRunConfig, step: int, worker: str, local: bool) -> WorkerResult:
     """Worker ``worker``'s submissions of ``step``: generated here (``local``), or written by its
@@ -194,6 +206,8 @@ def generate(cfg: RLRunConfig, step: int, worker: str, local: bool) -> WorkerRes
                       limits=s.limits)
     deadline = time.monotonic() + cfg.workers.submission_timeout
     while not s.storage.exists(marker):
+        if s.stopping.is_set():
+            raise RuntimeError(f"run {cfg.run_name} is stopping: no longer waiting for {worker} (step {step})")
         if time.monotonic() > deadline:
             get_run_logger().warning("worker %s sent nothing for step %d within %.0f s", worker, step,
                                      cfg.workers.submission_timeout)
@@ -205,23 +219,33 @@ def generate(cfg: RLRunConfig, step: int, worker: str, local: bool) -> WorkerRes
                         seconds=time.perf_counter() - t0)
 
 
+class ValidationReport(BaseModel):
+    verdicts: str  # the verdict file, relative to run storage
+    accepted: int
+    rejected: int
+
+
 @task(name="validate", cache_policy=NO_CACHE, retries=1)
-def validate(cfg: RLRunConfig, step: int, files: list[str]) -> list[Verdict]:
-    """Verdicts on every sample of ``files`` (rewards recomputed, every check of the validator)."""
+def validate(cfg: RLRunConfig, step: int, worker: str, files: list[str]) -> ValidationReport:
+    """Verdicts on every sample of ``worker``'s ``files`` (rewards recomputed, every check of the
+    validator), written as its verdict file of ``step``."""
     s = session(cfg)
-    return S.validate_files(cfg, s.storage, step, files, s.tasks, s.tokenizer, limits=s.limits)
+    verdicts = S.validate_files(cfg, s.storage, step, files, s.tasks, s.tokenizer, limits=s.limits)
+    accepted = sum(v.status == "accepted" for v in verdicts)
+    return ValidationReport(verdicts=write_verdicts(s.storage, step, worker, verdicts), accepted=accepted,
+                            rejected=len(verdicts) - accepted)
 
 
-@task(name="record", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, timeout_seconds=600)
-def record(cfg: RLRunConfig, step: int, verdicts: list[Verdict]) -> RecordReport:
-    """The verdicts of ``step`` into the ledger, one transaction, idempotent."""
+@task(name="record", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def record(cfg: RLRunConfig, step: int, verdict_files: list[str]) -> RecordReport:
+    """The verdict files of ``step`` into the ledger, one transaction, idempotent; the step's counts."""
     s = session(cfg)
-    res = s.ledger.record_verdicts(step, verdicts)
-    accepted = s.ledger.accepted(step)
-    reasons = Counter(v.reason for v in verdicts if v.reason)
-    rewards = [a["reward"] for a in accepted]
-    return RecordReport(accepted=len(accepted), rejected=sum(reasons.values()), reasons=dict(reasons),
-                        mean_reward=sum(rewards) / len(rewards) if rewards else None, inserted=res.inserted)
+    res = s.ledger.record_table(step, read_verdicts(s.storage, verdict_files))
+    rows = s.ledger.step_verdicts(step)
+    accepted = next((r for r in rows if r["status"] == "accepted"), None)
+    reasons = {r["reason"]: r["n"] for r in rows if r["status"] == "rejected"}
+    return RecordReport(accepted=accepted["n"] if accepted else 0, rejected=sum(reasons.values()), reasons=reasons,
+                        mean_reward=accepted["mean_reward"] if accepted else None, inserted=res.inserted)
 
 
 @task(name="grpo-update", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
@@ -255,7 +279,7 @@ def broadcast(cfg: RLRunConfig, step: int) -> str:
     relays plug in here."""
     s = session(cfg)
     uri = s.storage.uri(s.storage.step_path(step, CHECKPOINTS))
-    s.ledger.record_checkpoint(step, uri, S._checkpoint_sha256(s.storage, step))
+    s.ledger.record_checkpoint(step, uri, S.checkpoint_sha256(s.storage, step))
     return uri
 
 

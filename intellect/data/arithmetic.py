@@ -37,6 +37,7 @@ __all__ = [
     "OPS",
     "Problem",
     "batch_texts",
+    "documents",
     "heldout_problems",
     "in_alphabet",
     "is_heldout",
@@ -124,6 +125,16 @@ class Problem:
     def text(self) -> str:
         """The pretraining document: prompt followed by answer, no BOS/EOS."""
         return self.prompt + self.answer
+
+    @property
+    def slip(self) -> str:
+        """The sign error: the result with its sign flipped. The magnitude is right, so a model that
+        learned both from a corpus computes the same digits either way and differs in one token.
+
+        >>> Problem(12, "+", 34).slip, Problem(12, "-", 34).slip, Problem(7, "*", 0).slip
+        ('-46', '22', '0')
+        """
+        return str(-self.value)
 
     def to_task(self) -> "MathTask":
         """This problem as a :class:`~intellect.data.loaders.MathTask` (id, prompt, answer)."""
@@ -260,6 +271,23 @@ def _train_stream(cfg: DataConfig, seed: int) -> Iterator[Problem]:
         p = sample_problem(rng, cfg)
         if not is_heldout(p, pct):
             yield p
+
+
+def documents(cfg: DataConfig, seed: int | None = None) -> Iterator[str]:
+    """Endless pretraining documents: :func:`train_stream` as text, a ``cfg.slip_rate`` share of
+    them answered with :attr:`Problem.slip` (the choice is seeded too).
+
+    >>> docs = documents(DataConfig(ops=["-"], seed=3, slip_rate=0.5))
+    >>> sorted({next(docs).startswith("-") for _ in range(50)})  # never a leading minus
+    [False]
+    >>> next(documents(DataConfig(seed=1))) == next(train_stream(DataConfig(seed=1))).text
+    True
+    """
+    seed = cfg.seed if seed is None else seed
+    stream, rate = train_stream(cfg, seed), cfg.slip_rate
+    rng = random.Random(f"slips-{seed}")
+    for p in stream:
+        yield p.prompt + p.slip if rate and rng.random() < rate else p.text
 
 
 def batch_texts(stream: Iterator[Problem], n: int) -> list[str]:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from intellect.config import DilocoRunConfig, TrainConfig
-from intellect.data.arithmetic import train_stream
+from intellect.data.arithmetic import documents
 from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
@@ -82,11 +82,11 @@ class StepReport:
 
 
 def shard_stream(run: DilocoRunConfig, index: int):
-    """The training problems of worker ``index``: its own seed, and its own ops when non-i.i.d."""
+    """The pretraining documents of worker ``index``: its own seed, and its own ops when non-i.i.d."""
     data = run.data
     if run.diloco.data_split == "non_iid":
         data = data.model_copy(update={"ops": [data.ops[index % len(data.ops)]]})
-    return train_stream(data, seed=data.seed * 1000 + index + 1)
+    return documents(data, seed=data.seed * 1000 + index + 1)
 
 
 def _inner_train_config(run: DilocoRunConfig) -> TrainConfig:
@@ -257,7 +257,7 @@ class DilocoWorker:
         """H inner steps; returns (mean loss, seconds)."""
         t0 = time.perf_counter()
         batch = self.run.train.batch_size
-        batches = iter(lambda: [next(self.stream).text for _ in range(batch)], None)
+        batches = iter(lambda: [next(self.stream) for _ in range(batch)], None)
         logs = self.trainer.train_steps(self.cfg.inner_steps, batches, lambda *_: self.m.check_store())
         return sum(l["loss"] for l in logs) / len(logs), time.perf_counter() - t0
 

@@ -49,7 +49,8 @@ def initial_weights(init: InitConfig, cfg: RLRunConfig | FilterRunConfig):
         what = "no complete checkpoint" if step is None else f"checkpoint {step} is not complete"
         raise FileNotFoundError(
             f"init.from_run: {what} in {source.uri(CHECKPOINTS)}; train one first "
-            f"(e.g. `intellect smoke --config configs/smoke.toml`) or set init.path"
+            f"(e.g. `intellect smoke --config configs/{init.from_run}.toml` when that config exists) "
+            "or set init.path"
         )
     model, tok = fetch_checkpoint(source, step)
     return model, tok, source.uri(source.step_path(step, CHECKPOINTS))

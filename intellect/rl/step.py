@@ -77,7 +77,7 @@ class StepReport:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def _checkpoint_sha256(storage: RunStorage, step: int) -> str:
+def checkpoint_sha256(storage: RunStorage, step: int) -> str:
     return hashlib.sha256(storage.read_bytes(f"{storage.step_path(step, CHECKPOINTS)}/model.safetensors")).hexdigest()
 
 
@@ -200,9 +200,11 @@ def saved_report(storage: RunStorage, step: int) -> dict:
 
 
 def commit(storage: RunStorage, ledger: Ledger, step: int, saved: dict, timings: dict[str, float]) -> bool:
-    """Record checkpoint ``step + 1`` and commit the step (idempotent: False when already committed)."""
-    ledger.record_checkpoint(step + 1, storage.uri(storage.step_path(step + 1, CHECKPOINTS)),
-                             _checkpoint_sha256(storage, step + 1))
+    """Record checkpoint ``step + 1`` (unless the broadcast did) and commit the step (idempotent: False
+    when already committed)."""
+    if ledger.checkpoint(step + 1) is None:
+        ledger.record_checkpoint(step + 1, storage.uri(storage.step_path(step + 1, CHECKPOINTS)),
+                                 checkpoint_sha256(storage, step + 1))
     return ledger.commit_step(step, StepMetrics(
         loss=saved["loss"], clip_fraction=saved["clip_fraction"], trained_samples=saved["trained_samples"],
         timings=timings,

@@ -2,9 +2,11 @@
 
 As in INTELLECT-2 (prime-rl I2 ``train.py``, which loads ``batch_size x step_per_rollout``
 samples per rollout step), the step's samples are split in order into ``steps_per_rollout``
-mini-batches and each mini-batch is one AdamW step. The old log-probs of *all* mini-batches are
-computed once, with no grad, before the first update: the ratio is exactly 1 on the first
-mini-step and measures only the drift of the later ones. ``loss.old_logprobs = "behaviour"``
+mini-batches and each mini-batch is one AdamW step. The old log-probs are those of the weights
+before the first update: for the later mini-batches they are computed once, with no grad, before
+it; for the first one they are its own log-probs, detached (no update has happened yet), which
+saves a forward pass. The ratio is exactly 1 on the first mini-step and measures only the drift of
+the later ones. ``loss.old_logprobs = "behaviour"``
 takes the inference engine's log-probs instead (each :class:`Sample` must carry them), which
 also importance-corrects the async lag.
 
@@ -259,17 +261,19 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _prepare(self, minis: list[list[_Micro]]) -> None:
-        """Old (and reference) log-probs of every micro-batch, from the weights before any update."""
+        """Old (and reference) log-probs of every micro-batch, from the weights before any update.
+        The first mini-batch's are left unset: :meth:`_accumulate` takes its own, detached."""
         behaviour = self.cfg.loss.old_logprobs == "behaviour"
-        for mb in (mb for mini in minis for mb in mini):
-            if behaviour:
-                if mb.behaviour is None:
-                    raise ValueError("loss.old_logprobs='behaviour' needs behaviour_logprobs on every sample")
-                mb.old = mb.behaviour
-            else:
-                mb.old = self._logprobs(self.model, mb)[0]
-            if self.ref_model is not None:
-                mb.ref = self._logprobs(self.ref_model, mb)[0]
+        for i, mini in enumerate(minis):
+            for mb in mini:
+                if behaviour:
+                    if mb.behaviour is None:
+                        raise ValueError("loss.old_logprobs='behaviour' needs behaviour_logprobs on every sample")
+                    mb.old = mb.behaviour
+                elif i > 0:
+                    mb.old = self._logprobs(self.model, mb)[0]
+                if self.ref_model is not None:
+                    mb.ref = self._logprobs(self.ref_model, mb)[0]
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -294,8 +298,9 @@ class GRPOTrainer:
         for mb in mini:
             logp, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
             dt = logp.dtype
+            old = logp.detach() if mb.old is None else mb.old.to(dt)
             loss, st = grpo_loss(
-                logp, mb.old.to(dt), mb.advantages.to(dt), mb.mask, cfg,
+                logp, old, mb.advantages.to(dt), mb.mask, cfg,
                 ref_logp=None if mb.ref is None else mb.ref.to(dt), entropy=entropy, max_len=max_len,
                 token_count=tokens,
             )

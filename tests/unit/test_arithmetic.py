@@ -18,6 +18,7 @@ from intellect.data import (
     MathTask,
     Problem,
     batch_texts,
+    documents,
     heldout_problems,
     in_alphabet,
     is_heldout,
@@ -288,3 +289,34 @@ def test_train_stream_in_a_space_that_is_all_held_out_is_an_error(monkeypatch):
             train_stream(DataConfig(max_digits=1))
     finally:
         arithmetic._has_train_problem.cache_clear()
+
+
+# --------------------------------------------------------------------- corpus with slips
+
+
+def test_documents_without_slips_are_the_stream():
+    cfg = DataConfig(seed=9)
+    assert take(documents(cfg), 300) == [p.text for p in take(train_stream(cfg), 300)]
+
+
+def test_slipped_documents_flip_the_sign_at_the_configured_rate():
+    cfg = DataConfig(seed=4, slip_rate=0.6)
+    docs, problems = take(documents(cfg), 4000), take(train_stream(cfg), 4000)
+    assert all(d.startswith(p.prompt) for d, p in zip(docs, problems))
+    answers = [d[len(p.prompt):] for d, p in zip(docs, problems)]
+    assert all(a in (p.answer, p.slip) for a, p in zip(answers, problems))
+    differ = [(a, p) for a, p in zip(answers, problems) if p.answer != p.slip]
+    share = sum(a == p.slip for a, p in differ) / len(differ)
+    assert abs(share - 0.6) < 0.03  # 4000 draws: s.e. ~0.008
+    assert take(documents(cfg), 100) == docs[:100]  # seeded
+    assert take(documents(cfg, seed=5), 100) != docs[:100]
+
+
+def test_a_slip_is_the_negated_result():
+    for p in (Problem(12, "+", 34), Problem(3, "-", 40), Problem(40, "-", 3), Problem(6, "*", 7), Problem(0, "*", 9)):
+        assert int(p.slip) == -p.value and verify_answer(p, p.slip) == (p.value == 0)
+
+
+def test_slip_rate_is_bounded():
+    with pytest.raises(ValueError, match="slip_rate"):
+        DataConfig(slip_rate=1.0)

@@ -11,7 +11,15 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from intellect.ledger import LEDGER_SCHEMA_VERSION, Ledger, LedgerError, RecordResult, StepMetrics, Verdict
+from intellect.ledger import (
+    LEDGER_SCHEMA_VERSION,
+    Ledger,
+    LedgerError,
+    RecordResult,
+    StepMetrics,
+    Verdict,
+    verdict_table,
+)
 from intellect.rl.rollouts import Rollout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -260,3 +268,22 @@ def test_many_instances_in_one_process_share_the_file(tmp_path):
     assert a.committed_steps() == [1]
     a.close()
     assert b.get_step(1)["accepted"] == 2
+
+
+def test_a_verdict_table_records_like_its_verdicts(ledger, tmp_path):
+    vs = verdicts(6, reject={1})
+    assert ledger.record_table(1, verdict_table(vs)) == RecordResult(6, 0, 0, 0)
+    with Ledger(tmp_path / "other.duckdb") as other:
+        other.record_verdicts(1, vs)
+        assert other.accepted(1) == ledger.accepted(1) and other.summary() == ledger.summary()
+    assert [(r["status"], r["reason"], r["n"]) for r in ledger.step_verdicts(1)] == [
+        ("accepted", None, 5), ("rejected", "toploc", 1)]
+
+
+def test_record_table_refuses_other_columns_and_steps(ledger):
+    table = verdict_table(verdicts(2))
+    with pytest.raises(ValueError, match="not a verdict table"):
+        ledger.record_table(1, table.drop_columns(["reward"]))
+    with pytest.raises(ValueError, match="other steps than 2"):
+        ledger.record_table(2, table)
+    assert ledger.summary() == []

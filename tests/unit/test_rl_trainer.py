@@ -98,6 +98,15 @@ def test_first_mini_step_has_ratio_one_and_later_ones_drift(tiny):
     assert stats.ratio_min < 1 < stats.ratio_max and stats.seconds > 0
 
 
+def test_old_logprobs_cost_one_forward_per_later_micro_batch(tiny):
+    """The first mini-batch's old log-probs are its own (detached); only later ones get a no-grad pass."""
+    t = trainer(tiny, steps_per_rollout=4, micro_batch_size=2)
+    calls = []
+    t.model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    t.train_step(make_samples(16, seed=3))  # 4 mini-batches of 4 samples, 2 micro-batches each
+    assert calls.count(True) == 8 and calls.count(False) == 6
+
+
 def test_behaviour_logprobs_are_the_ratio_denominator(tiny):
     t = trainer(tiny, steps_per_rollout=1, loss=GRPOLossConfig(old_logprobs="behaviour"))
     plain = make_samples(6, seed=3)
