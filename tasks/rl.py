@@ -86,6 +86,7 @@ class _Session:
     trainer_step: int = -1
     heldout: list = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)  # set: waits for workers give up
+    engines: S.CheckpointEngines | None = None  # the validator's TOPLOC prefill engines
 
 
 _SESSIONS: dict[str, _Session] = {}
@@ -100,7 +101,8 @@ def session(cfg: RLRunConfig) -> _Session:
     key = _key(cfg)
     if key not in _SESSIONS:
         storage = run_storage(cfg)
-        _SESSIONS[key] = _Session(storage, Ledger(ledger_path(cfg)), task_pool(cfg.tasks, storage))
+        _SESSIONS[key] = _Session(storage, Ledger(ledger_path(cfg)), task_pool(cfg.tasks, storage),
+                                  engines=S.CheckpointEngines(storage, keep=cfg.async_level + 2))
     s = _SESSIONS[key]
     if s.tokenizer is None and storage_has_checkpoint(s.storage):
         _, s.tokenizer = fetch_checkpoint(s.storage, 0)
@@ -202,7 +204,7 @@ def generate(cfg: RLRunConfig, step: int, worker: str, local: bool) -> WorkerRes
         if policy is None:
             raise FileNotFoundError(f"no checkpoint within {cfg.async_level} of step {step}")
         model, tok = fetch_checkpoint(s.storage, policy)
-        S.worker_step(cfg, s.storage, step, worker, s.tasks, S.torch_engine(model, tok), tok, policy,
+        S.worker_step(cfg, s.storage, step, worker, s.tasks, S.worker_engines(cfg)(model, tok), tok, policy,
                       limits=s.limits)
     deadline = time.monotonic() + cfg.workers.submission_timeout
     while not s.storage.exists(marker):
@@ -230,7 +232,8 @@ def validate(cfg: RLRunConfig, step: int, worker: str, files: list[str]) -> Vali
     """Verdicts on every sample of ``worker``'s ``files`` (rewards recomputed, every check of the
     validator), written as its verdict file of ``step``."""
     s = session(cfg)
-    verdicts = S.validate_files(cfg, s.storage, step, files, s.tasks, s.tokenizer, limits=s.limits)
+    verdicts = S.validate_files(cfg, s.storage, step, files, s.tasks, s.tokenizer, limits=s.limits,
+                                engines=s.engines)
     accepted = sum(v.status == "accepted" for v in verdicts)
     return ValidationReport(verdicts=write_verdicts(s.storage, step, worker, verdicts), accepted=accepted,
                             rejected=len(verdicts) - accepted)

@@ -19,6 +19,7 @@ from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
 from intellect.rl.rollouts import RolloutLimits
 from intellect.rl.submission import SubmissionConfig
 from intellect.rl.trainer import RLTrainerConfig
+from intellect.toploc.proofs import ToplocConfig
 
 RUN_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 
@@ -105,6 +106,10 @@ class RLRunConfig(StrictModel):
     limits: RolloutLimits | None = Field(None, description="Validator bounds; None: defaults, vocab from the model.")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     seed: int = Field(0, ge=0, description="Seed of the trainer's torch RNG.")
+    toploc: ToplocConfig | None = Field(
+        None, description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
+        "with one prefill per checkpoint (k must not exceed the model's hidden size). None: off.",
+    )
 
 
 class FilterConfig(StrictModel):

@@ -22,9 +22,11 @@ validator's), never from the workers' files.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -42,6 +44,7 @@ from intellect.rl.rollouts import (
 from intellect.rl.submission import RewardFn, generate_submission, math_task_reward
 from intellect.rl.trainer import GRPOTrainer, Sample, load_accepted
 from intellect.rl.validator import RowCheck, validate_submission
+from intellect.toploc.check import toploc_check
 
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask
@@ -56,9 +59,49 @@ OPTIMIZER = "optimizer.pt"  # the trainer's AdamW state and step count, so a res
 EngineFactory = Callable[[torch.nn.Module, Any], "InferenceEngine"]
 
 
-def torch_engine(model: torch.nn.Module, tokenizer) -> InferenceEngine:
-    # no TOPLOC proofs yet, so the hidden states would be thrown away
-    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=False)
+def torch_engine(model: torch.nn.Module, tokenizer, capture_hidden: bool = False) -> InferenceEngine:
+    """The worker's engine; hidden states are captured only when TOPLOC proofs are built from them."""
+    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden)
+
+
+def worker_engines(cfg: RLRunConfig) -> EngineFactory:
+    """The worker engine ``cfg`` needs: with hidden-state capture when ``cfg.toploc`` is set."""
+    return functools.partial(torch_engine, capture_hidden=cfg.toploc is not None)
+
+
+class _Serialized:
+    """An engine whose ``prefill`` runs one call at a time: the engine collects hidden states in
+    per-call hooks on the shared model, so two threads in one prefill would mix their rows."""
+
+    def __init__(self, engine: TorchEngine):
+        self.engine, self._lock = engine, threading.Lock()
+
+    def prefill(self, *args: Any, **kwargs: Any):
+        with self._lock:
+            return self.engine.prefill(*args, **kwargs)
+
+
+class CheckpointEngines:
+    """The validator's engines of recent checkpoints (hidden states captured), loaded on first use.
+
+    Calling it with a policy step returns an engine holding that checkpoint (``FileNotFoundError``
+    when it is not complete in storage); the ``keep`` most recently loaded stay in memory. Safe to
+    use from several validation threads: each engine's prefills are serialized.
+    """
+
+    def __init__(self, storage: RunStorage, keep: int = 4):
+        self.storage, self.keep = storage, keep
+        self._engines: dict[int, _Serialized] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, policy: int) -> _Serialized:
+        with self._lock:
+            if policy not in self._engines:
+                model, tok = fetch_checkpoint(self.storage, policy)  # FileNotFoundError if not STABLE
+                self._engines[policy] = _Serialized(TorchEngine.for_tokenizer(model, tok, capture_hidden=True))
+                for old in sorted(self._engines)[:-self.keep]:
+                    del self._engines[old]
+            return self._engines[policy]
 
 
 @dataclass(frozen=True)
@@ -138,7 +181,7 @@ def worker_step(
             rows = load_submission(storage, rel, limits)
         else:
             rows = generate_submission(engine, tokenizer, tasks, worker, step, k, policy, cfg.submission,
-                                       run=cfg.run_name, reward_fn=reward_fn)
+                                       run=cfg.run_name, reward_fn=reward_fn, proofs=cfg.toploc)
             write_submission(storage, step, worker, k, rows, limits=limits)
             written.append(rel)
         files.append(rel)
@@ -152,8 +195,14 @@ def worker_step(
 def validate_files(
     cfg: RLRunConfig, storage: RunStorage, step: int, files: Sequence[str], tasks: Sequence[MathTask], tokenizer,
     *, limits: RolloutLimits, reward_fn: RewardFn = math_task_reward, extra_checks: Sequence[RowCheck] = (),
+    engines: CheckpointEngines | None = None,
 ) -> list[Verdict]:
-    """The validator's verdicts on every sample of ``files`` (never raises on their content)."""
+    """The validator's verdicts on every sample of ``files`` (never raises on their content). With
+    ``cfg.toploc``, every row's proofs are checked too, by one prefill with the checkpoint it claims
+    (``engines``, by default loaded from ``storage``)."""
+    if cfg.toploc is not None:
+        extra_checks = [*extra_checks, toploc_check(engines or CheckpointEngines(storage), cfg.submission.sampling(),
+                                                    cfg.toploc)]
     return [v for rel in files for v in validate_submission(
         storage, rel, tasks=tasks, tokenizer=tokenizer, step=step, async_level=cfg.async_level,
         limits=limits, cfg=cfg.submission, run=cfg.run_name, reward_fn=reward_fn, extra_checks=extra_checks,
@@ -219,7 +268,7 @@ def run_rl_step(
     workers: Sequence[str],
     tasks: Sequence[MathTask],
     *,
-    engine_factory: EngineFactory = torch_engine,
+    engine_factory: EngineFactory | None = None,
     reward_fn: RewardFn = math_task_reward,
     extra_checks: Sequence[RowCheck] = (),
     trainer: GRPOTrainer | None = None,
@@ -246,7 +295,7 @@ def run_rl_step(
     generated = []
     todo = [w for w in workers if not storage.exists(done_marker(step, w))]
     if todo:
-        engine = engine_factory(policy_model, tokenizer)
+        engine = (engine_factory or worker_engines(cfg))(policy_model, tokenizer)
         for w in todo:
             generated += worker_step(cfg, storage, step, w, tasks, engine, tokenizer, policy, limits=limits,
                                      reward_fn=reward_fn)[1]

@@ -31,6 +31,8 @@ from intellect.rl.advantages import group_advantages
 from intellect.rl.assignment import assign_prompts, assignment_seed, canonical_worker
 from intellect.rl.rewards.math import math_reward
 from intellect.rl.rollouts import Rollout
+from intellect.toploc.check import completion_proofs
+from intellect.toploc.proofs import ToplocConfig
 
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask
@@ -101,8 +103,11 @@ def generate_submission(
     *,
     run: str,
     reward_fn: RewardFn = math_task_reward,
+    proofs: ToplocConfig | None = None,
 ) -> list[Rollout]:
-    """Submission ``k`` of ``worker`` for ``step``, sampled by checkpoint ``policy_step``, every column filled."""
+    """Submission ``k`` of ``worker`` for ``step``, sampled by checkpoint ``policy_step``, every column
+    filled; with ``proofs``, each row carries the TOPLOC proofs of its hidden states (the engine
+    must capture them)."""
     worker = canonical_worker(worker)
     assigned = assign_prompts(len(tasks), worker, step, k, cfg.prompts_per_submission)
     plan = []  # (group, i, task, prompt ids, seed), in row order
@@ -113,12 +118,13 @@ def generate_submission(
     rewards = [float(reward_fn(completion_text(tokenizer, c.tokens), task)) for (_, _, task, _, _), c in
                zip(plan, completions)]
     advantages = advantages_of(rewards, [j for j, *_ in plan])
+    blobs = completion_proofs(completions, proofs) if proofs is not None else [b""] * len(completions)
     return [
         Rollout(
             run=run, step=step, policy_step=policy_step, worker=worker, submission=k, seed=seed,
             prompt_id=task.id, group_id=j, prompt_tokens=tuple(ids), output_tokens=tuple(c.tokens),
             finish_reason=c.finish_reason, reward=r, task_reward=r, length_penalty=0.0, advantage=a,
-            target_length=None, proof=b"",
+            target_length=None, proof=proof,
         )
-        for (j, _, task, ids, seed), c, r, a in zip(plan, completions, rewards, advantages)
+        for (j, _, task, ids, seed), c, r, a, proof in zip(plan, completions, rewards, advantages, blobs)
     ]

@@ -35,7 +35,7 @@ from intellect.rl.config import RLRunConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
 from intellect.rl.setup import run_storage, task_pool
-from intellect.rl.step import EngineFactory, done_marker, torch_engine, worker_step
+from intellect.rl.step import EngineFactory, done_marker, worker_engines, worker_step
 from intellect.rl.submission import RewardFn, math_task_reward
 
 log = logging.getLogger("intellect.rl.worker")
@@ -67,7 +67,7 @@ def run_worker(
     worker: str,
     first: int = 0,
     *,
-    engine_factory: EngineFactory = torch_engine,
+    engine_factory: EngineFactory | None = None,
     reward_fn: RewardFn = math_task_reward,
     stop: Callable[[], bool] = lambda: False,
 ) -> list[dict]:
@@ -89,7 +89,7 @@ def run_worker(
         waited = time.perf_counter() - t0
         if policy != held:
             model, tok = fetch_checkpoint(storage, policy)
-            engine, held = engine_factory(model, tok), policy
+            engine, held = (engine_factory or worker_engines(cfg))(model, tok), policy
             limits = cfg.limits or RolloutLimits(vocab_size=len(tok))
         t1 = time.perf_counter()
         files, written = worker_step(cfg, storage, step, worker, tasks, engine, tok, policy, limits=limits,

@@ -94,3 +94,31 @@ def test_crash_rerun_counts_each_sample_once(run, monkeypatch):
     assert len({a["content_hash"] for a in accepted}) == PER_STEP
     assert ledger.get_step(0)["trained_samples"] == report.trained_samples > 0
     assert step(storage, ledger, 1).committed  # and the run goes on
+
+
+def test_steps_with_toploc_accept_honest_workers_and_reject_a_forger(run):
+    """With ``toploc`` on, workers attach proofs, the validator prefills each claimed checkpoint; a
+    worker that samples with other weights but claims the policy is rejected, row by row."""
+    from intellect.rl.step import torch_engine
+    from intellect.toploc.proofs import ToplocConfig
+
+    storage, ledger = run
+    cfg = CFG.model_copy(update={"toploc": ToplocConfig(k=16)})  # hidden 32: one token holds 32 values
+    forged, _ = build_model(TINY.model_copy(update={"init_seed": TINY.init_seed + 7}))
+    for n in (0, 1):
+        report = run_rl_step(cfg, storage, ledger, n, WORKERS, TASKS, reward_fn=parity_reward)
+        assert (report.accepted, report.rejected) == (PER_STEP, 0) and report.trained
+    rows = ledger.accepted(1)
+    assert rows and all(r["policy_step"] == 1 for r in rows)
+    # a forger: same prompts and seeds, another model's tokens and hidden states, the honest policy claimed
+    from intellect.rl.rollouts import write_submission
+    from intellect.rl.submission import generate_submission
+
+    _, tok = build_model(TINY)
+    fake = generate_submission(torch_engine(forged, tok, capture_hidden=True), tok, TASKS, "mallory", 2, 0, 2,
+                               cfg.submission, run=cfg.run_name, reward_fn=parity_reward, proofs=cfg.toploc)
+    write_submission(storage, 2, "mallory", 0, fake)
+    report = run_rl_step(cfg, storage, ledger, 2, WORKERS, TASKS, reward_fn=parity_reward)
+    reasons = {r["reason"] for r in ledger.summary() if r["step"] == 2 and r["status"] == "rejected"}
+    assert report.accepted == PER_STEP and report.rejected == len(fake)
+    assert reasons and all(x.startswith("toploc_") for x in reasons)
