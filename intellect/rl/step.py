@@ -201,8 +201,9 @@ def validate_files(
     ``cfg.toploc``, every row's proofs are checked too, by one prefill with the checkpoint it claims
     (``engines``, by default loaded from ``storage``)."""
     if cfg.toploc is not None:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         extra_checks = [*extra_checks, toploc_check(engines or CheckpointEngines(storage), cfg.submission.sampling(),
-                                                    cfg.toploc)]
+                                                    cfg.toploc, eos)]
     return [v for rel in files for v in validate_submission(
         storage, rel, tasks=tasks, tokenizer=tokenizer, step=step, async_level=cfg.async_level,
         limits=limits, cfg=cfg.submission, run=cfg.run_name, reward_fn=reward_fn, extra_checks=extra_checks,

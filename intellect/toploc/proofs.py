@@ -50,6 +50,17 @@ class ToplocConfig(StrictModel):
         0, ge=0, description="Most sign mismatches among positions whose exponents match (the reference has no "
         "sign check); the top magnitudes of honest recomputations never change sign.",
     )
+    max_resampled_fraction: float = Field(
+        0.01, ge=0, le=1,
+        description="Sampling check: largest share of a rollout's tokens that may differ from the token the "
+        "validator's logits and the request seed select (near-ties flip under bf16 nondeterminism: 0.1-0.3% "
+        "in INTELLECT-2; on CPU in fp32 none do).",
+    )
+    min_eos_prob: float = Field(
+        0.1, ge=0, le=1,
+        description="Termination check: an output shorter than max_tokens must end with EOS, and an EOS the "
+        "validator's seeded sampler does not pick there must have at least this probability (INTELLECT-2: 0.1).",
+    )
 
 
 def proof_size(k: int) -> int:

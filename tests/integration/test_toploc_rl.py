@@ -1,6 +1,7 @@
 """TOPLOC inside an RL step: honest workers' proofs pass the validator's prefill check, and each
-cheat (another model, weights perturbed by 20%, a copied or cut proof, an unknown checkpoint) is
-rejected with its reason, next to honest rows of the same submission."""
+cheat (another model, weights perturbed by 20%, an edited token, hybrid sampling, early
+truncation, a copied or cut proof, an unknown checkpoint) is rejected with its reason, next to
+honest rows of the same submission."""
 
 import copy
 import dataclasses
@@ -16,8 +17,9 @@ from intellect.rl.rollouts import RolloutLimits, write_submission
 from intellect.rl.submission import SubmissionConfig, generate_submission
 from intellect.rl.validator import validate_submission
 from intellect.storage import RunStorage
+from intellect.inference.protocol import Request
 from intellect.toploc.check import toploc_check
-from intellect.toploc.proofs import ToplocConfig
+from intellect.toploc.proofs import ToplocConfig, build_proofs
 
 TINY = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)
 CFG = SubmissionConfig(prompts_per_submission=4, group_size=4, max_tokens=40, temperature=1.0)
@@ -53,7 +55,7 @@ def checker(models):
             raise FileNotFoundError(f"checkpoint {policy}")
         return validator
 
-    return toploc_check(engine_for, CFG.sampling(), PROOFS)
+    return toploc_check(engine_for, CFG.sampling(), PROOFS, [models["tok"].eos_token_id])
 
 
 def test_honest_rows_carry_proofs_and_pass(models):
@@ -67,6 +69,35 @@ def test_honest_rows_carry_proofs_and_pass(models):
 def test_rows_of_another_model_fail(models, which):
     reasons = checker(models)(rows_from(models, which))
     assert all(r is not None and r.startswith("toploc_") for r in reasons), reasons
+
+
+def forged(models, row, tokens):
+    """``row`` claiming ``tokens``, with proofs built from the right model's hidden states of them: a
+    cheater who has the model but chose the tokens himself."""
+    scored = engine(models["model"], models["tok"]).prefill([Request(list(row.prompt_tokens), row.seed)], [tokens],
+                                                            CFG.sampling())[0]
+    return dataclasses.replace(row, output_tokens=tuple(tokens), proof=build_proofs(scored.hidden_states))
+
+
+def test_sampling_and_termination_cheats_are_caught(models):
+    rows = rows_from(models, "model")
+    tok = models["tok"]
+    long = [i for i, r in enumerate(rows) if r.finish_reason == "length"]
+    a, b, c, d = long[:4]
+    edited = list(rows[a].output_tokens)
+    edited[5] = (edited[5] + 1) % len(tok)
+    rows[a] = forged(models, rows[a], edited)  # one token edited, proofs rebuilt honestly for the edit
+    hybrid = rows_from(models, "other")[b]  # another model samples; the right one builds the proofs
+    rows[b] = forged(models, rows[b], list(hybrid.output_tokens))
+    rows[c] = forged(models, rows[c], list(rows[c].output_tokens[:20]))  # stopped early, no EOS
+    rows[d] = forged(models, rows[d], list(rows[d].output_tokens[:19]) + [tok.eos_token_id])  # an EOS slipped in
+    reasons = checker(models)(rows)
+    assert [reasons[i] for i in (a, b, c, d)] == ["toploc_sampling", "toploc_sampling", "toploc_truncated",
+                                                  "toploc_sampling"]
+    assert all(r is None for n, r in enumerate(reasons) if n not in (a, b, c, d))
+    lenient = toploc_check(lambda p: engine(models["model"], tok), CFG.sampling(),
+                           PROOFS.model_copy(update={"max_resampled_fraction": 0.1}), [tok.eos_token_id])
+    assert lenient([rows[d]]) == ["toploc_eos_unlikely"]  # past the sampling allowance, the EOS rule holds
 
 
 def test_copied_and_cut_proofs_are_caught_row_by_row(models):
