@@ -37,7 +37,8 @@ from intellect.toploc.field import MOD, evaluate, interpolate
 
 
 class ToplocConfig(StrictModel):
-    """Proof shape and the computation check's acceptance thresholds (defaults: the paper code's)."""
+    """Proof shape and the thresholds of the computation, sampling and termination checks (defaults:
+    the paper code's and INTELLECT-2's)."""
 
     chunk: int = Field(32, ge=1, le=4096, description="Generated tokens per proof.")
     k: int = Field(128, ge=1, le=4096, description="Top-k magnitudes committed per chunk.")
