@@ -258,22 +258,16 @@ def _check_rows(raw: torch.Tensor, m: torch.Tensor, c: torch.Tensor, cfg: Toploc
     median = ranked.gather(-1, (n_matched // 2).clamp(max=k - 1)[:, None])[:, 0].double()
     none = n_matched == 0
     mean, median = mean.masked_fill(none, 2.0**64), median.masked_fill(none, 2.0**64)
-    bad = (m < k) | (m > MOD) | (c >= MOD).any(-1)
-    reasons = []
-    for r in range(raw.shape[0]):
-        if int(m[r]) == 0:
-            reasons.append("null_proof")
-        elif bool(bad[r]):
-            reasons.append("malformed")
-        elif int(exp_n[r]) > cfg.max_exp_mismatches:
-            reasons.append("exponent")
-        elif float(mean[r]) > cfg.max_mant_err_mean or float(median[r]) > cfg.max_mant_err_median:
-            reasons.append("mantissa")
-        elif int(sign_n[r]) > cfg.max_sign_mismatches:
-            reasons.append("sign")
+    bad = ((m < k) | (m > MOD) | (c >= MOD).any(-1)).tolist()
+    out = []
+    for mod, b, e, mu, med, sg in zip(m.tolist(), bad, exp_n.tolist(), mean.tolist(), median.tolist(), sign_n.tolist()):
+        if mod == 0:
+            out.append(_reject("null_proof"))
+        elif b:
+            out.append(_reject("malformed"))
         else:
-            reasons.append(None)
-    return [
-        _reject(reason) if reason in ("null_proof", "malformed") else ChunkCheck(e, mu, med, sg, reason)
-        for reason, e, mu, med, sg in zip(reasons, exp_n.tolist(), mean.tolist(), median.tolist(), sign_n.tolist())
-    ]
+            reason = ("exponent" if e > cfg.max_exp_mismatches
+                      else "mantissa" if mu > cfg.max_mant_err_mean or med > cfg.max_mant_err_median
+                      else "sign" if sg > cfg.max_sign_mismatches else None)
+            out.append(ChunkCheck(e, mu, med, sg, reason))
+    return out

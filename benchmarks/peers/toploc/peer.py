@@ -2,7 +2,7 @@
 
     venv/bin/python peer.py build ACTS.pt OUT.json        # proofs of each activation set, hex
     venv/bin/python peer.py verify ACTS.pt PROOFS.json OUT.json
-    venv/bin/python peer.py speed TOKENS HIDDEN REPEATS OUT.json
+    venv/bin/python peer.py speed TOKENS HIDDEN REPEATS OUT.json [THREADS]
 
 ACTS.pt is a list of bf16 [tokens, hidden] tensors saved by the project side.
 """
@@ -43,6 +43,7 @@ def main() -> None:
         json.dump(out, open(args[2], "w"))
     elif cmd == "speed":
         tokens, hidden, repeats = int(args[0]), int(args[1]), int(args[2])
+        torch.set_num_threads(int(args[4]) if len(args) > 4 else 1)
         acts = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         proofs, tb = best(lambda: build_proofs_bytes(acts, CHUNK, K, skip_prefill=True), repeats)
         _, tv = best(lambda: verify_proofs_bytes(acts, proofs, CHUNK, K, skip_prefill=True), repeats)
