@@ -34,13 +34,11 @@ class BackgroundArtifacts:
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         ctx = contextvars.copy_context()  # the flow run context, so the artifact links to this run
-        self._pending = [f for f in self._pending if not f.done() or self._report(f)]
+        for fut in [f for f in self._pending if f.done()]:
+            self._pending.remove(fut)
+            if fut.exception() is not None:
+                self._logger.warning("publishing an artifact failed: %r", fut.exception())
         self._pending.append(self._pool.submit(ctx.run, fn, *args, **kwargs))
-
-    def _report(self, fut: Future) -> bool:
-        if fut.exception() is not None:
-            self._logger.warning("publishing an artifact failed: %r", fut.exception())
-        return False
 
     def close(self, timeout: float = 60.0) -> None:
         """Wait up to ``timeout`` seconds for queued artifacts, then stop the thread."""

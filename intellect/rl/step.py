@@ -137,9 +137,8 @@ def _signal_rows(rows: list[dict]) -> list[dict]:
 def step_counts(ledger: Ledger, step: int) -> tuple[int, int]:
     """(accepted, rejected) samples of ``step`` in the ledger."""
     n = {"accepted": 0, "rejected": 0}
-    for row in ledger.summary():
-        if row["step"] == step:
-            n[row["status"]] += row["n"]
+    for row in ledger.step_verdicts(step):
+        n[row["status"]] += row["n"]
     return n["accepted"], n["rejected"]
 
 
@@ -305,10 +304,11 @@ def run_rl_step(
 
     t0 = time.perf_counter()
     files = list_submissions(storage, step)
+    engines = CheckpointEngines(storage) if cfg.toploc is not None else None  # loaded once for every file
     for rel in files:
         # one transaction per file: a crash between files loses nothing recorded, and a rerun adds the rest
         ledger.record_verdicts(step, validate_files(cfg, storage, step, [rel], tasks, tokenizer, limits=limits,
-                                                    reward_fn=reward_fn, extra_checks=extra_checks))
+                                                    reward_fn=reward_fn, extra_checks=extra_checks, engines=engines))
     timings["validate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

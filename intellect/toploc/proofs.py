@@ -184,9 +184,10 @@ def _reject(reason: str) -> ChunkCheck:
 def decode_proofs(blob: bytes, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(moduli [n], coeffs [n, k])`` of a proof blob; ``ValueError`` if it is not whole proofs."""
     size = proof_size(k)
-    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) % size:
-        raise ValueError(f"proof blob of {len(blob) if hasattr(blob, '__len__') else '?'} bytes is not a "
-                         f"multiple of {size}")
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a proof blob is bytes, not {type(blob).__name__}")
+    if len(blob) % size:
+        raise ValueError(f"proof blob of {len(blob)} bytes is not a multiple of {size}")
     rows = np.frombuffer(bytes(blob), dtype=">u2").astype(np.int64).reshape(-1, 1 + k)
     t = torch.from_numpy(rows)
     return t[:, 0].clone(), t[:, 1:].clone()
