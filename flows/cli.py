@@ -25,10 +25,17 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("--config", help=f"TOML run file (e.g. configs/{EXAMPLES[name]}.toml)")
         s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=200 data.max_digits=2")
+    sub.add_parser("shardcast", add_help=False,
+                   help="SHARDCAST servers and client: origin | publish | relay | client (see `intellect shardcast -h`)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["shardcast"]:  # its own parser: servers and a client, not a run config
+        from intellect.shardcast.__main__ import main as shardcast_main
+
+        return shardcast_main(argv[1:], prog="intellect shardcast")
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(RUNS[args.command], args.config, args.overrides)

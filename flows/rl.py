@@ -29,6 +29,7 @@ from prefect.artifacts import (
 from pydantic import BaseModel
 
 from flows.artifacts import BackgroundArtifacts, artifact_key
+from intellect.pretrain import CHECKPOINTS
 from intellect.rl.config import RLRunConfig
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
 from intellect.rl.rollouts import list_submissions, parse_submission_path
@@ -169,7 +170,12 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
         logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
     progress = create_progress_artifact(progress=100.0 * info.first_step / cfg.steps,
                                         description=f"RL {cfg.run_name}: steps committed")
-    pids = T.start_workers(cfg, info.first_step) if info.first_step < cfg.steps else {}
+    relays = None
+    if cfg.shardcast is not None and info.first_step < cfg.steps:
+        relays = T.start_shardcast(cfg)
+        T.publish_weights(cfg, max(storage.complete_steps(CHECKPOINTS)))
+        logger.info("SHARDCAST: workers download from %s", relays)
+    pids = T.start_workers(cfg, info.first_step, relays) if info.first_step < cfg.steps else {}
     t0 = time.perf_counter()
     eval_seconds = 0.0
     codes: dict[str, int | None] = {}
@@ -203,6 +209,8 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
         ahead.shutdown(wait=True, cancel_futures=True)
         if pids:
             codes = T.stop_workers(pids)
+        if relays is not None:
+            T.stop_shardcast(cfg)
         artifacts.close()
     seconds = time.perf_counter() - t0
     done = max(cfg.steps - info.first_step, 0)

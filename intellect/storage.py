@@ -241,6 +241,10 @@ class RunStorage:
         rel = normalize_rel(rel, allow_empty=True)
         return f"{self.url}/{rel}" if rel else self.url
 
+    def local_path(self, rel: str) -> Path | None:
+        """``rel`` as a path on this machine (local storage), else None."""
+        return Path(self._path(rel, allow_empty=True)) if self._local else None
+
     @property
     def _local(self) -> bool:
         return self.scheme == "file"

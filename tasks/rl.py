@@ -32,8 +32,10 @@ from intellect.rl.assignment import assign_prompts
 from intellect.rl.config import RLRunConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
-from intellect.rl.setup import heldout_tasks, ledger_path, run_storage, seed_checkpoint, task_pool
+from intellect.rl.setup import heldout_tasks, ledger_path, local_run_dir, run_storage, seed_checkpoint, task_pool
 from intellect.rl.verdicts import read_verdicts, write_verdicts
+from intellect.rl.weights import publish_to_origin
+from intellect.shardcast.local import LocalCDN, start_local
 from intellect.storage import RunStorage
 from intellect.train import evaluate
 
@@ -87,6 +89,7 @@ class _Session:
     heldout: list = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)  # set: waits for workers give up
     engines: S.CheckpointEngines | None = None  # the validator's TOPLOC prefill engines
+    cdn: LocalCDN | None = None  # SHARDCAST origin and relays this process started
 
 
 _SESSIONS: dict[str, _Session] = {}
@@ -125,6 +128,38 @@ def close_session(cfg: RLRunConfig) -> None:
     s = _SESSIONS.pop(_key(cfg), None)
     if s is not None:
         s.ledger.close()
+        if s.cdn is not None:
+            s.cdn.stop()
+
+
+def _origin_dir(cfg: RLRunConfig) -> Path:
+    return local_run_dir(cfg) / "shardcast" / "origin"
+
+
+@task(name="start-shardcast", cache_policy=NO_CACHE, timeout_seconds=120)
+def start_shardcast(cfg: RLRunConfig) -> list[str]:
+    """Start the run's SHARDCAST origin, and ``local_relays`` relays unless ``shardcast.relays`` names
+    relays run elsewhere; the relay URLs workers download from."""
+    s = session(cfg)
+    sc = cfg.shardcast
+    if s.cdn is None:
+        local = sc if sc.relays is None else sc.model_copy(update={"local_relays": 0})
+        s.cdn = start_local(local, _origin_dir(cfg).parent)
+    return sc.relays or s.cdn.relay_urls
+
+
+@task(name="stop-shardcast", cache_policy=NO_CACHE, timeout_seconds=60)
+def stop_shardcast(cfg: RLRunConfig) -> None:
+    s = session(cfg)
+    if s.cdn is not None:
+        s.cdn.stop()
+        s.cdn = None
+
+
+@task(name="publish-weights", cache_policy=NO_CACHE, retries=2, timeout_seconds=600)
+def publish_weights(cfg: RLRunConfig, step: int) -> dict:
+    """Checkpoint ``step``'s inference files into the SHARDCAST origin (idempotent)."""
+    return publish_to_origin(cfg, session(cfg).storage, step, _origin_dir(cfg))
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=600)
@@ -141,13 +176,14 @@ def prepare_run(cfg: RLRunConfig) -> RunInfo:
 
 
 @task(name="start-workers", cache_policy=NO_CACHE, timeout_seconds=60)
-def start_workers(cfg: RLRunConfig, first_step: int) -> dict[str, int]:
+def start_workers(cfg: RLRunConfig, first_step: int, relays: list[str] | None = None) -> dict[str, int]:
     """One ``python -m intellect.rl.worker`` process per worker name; their PIDs. Logs go to the run's
-    ``logs/`` folder (local storage) or the current directory."""
-    storage = run_storage(cfg)
-    local = Path(storage.url[len("file://"):]) if storage.scheme == "file" else Path("runs") / cfg.run_name
+    ``logs/`` folder (local storage) or ``./runs/<run>``. ``relays``: the SHARDCAST relays they download from."""
+    local = local_run_dir(cfg)
     (local / "logs").mkdir(parents=True, exist_ok=True)
     config = local / "worker-config.json"
+    if cfg.shardcast is not None:
+        cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"relays": relays})})
     config.write_text(cfg.model_dump_json())
     pids = {}
     for w in cfg.workers.names:
@@ -278,11 +314,13 @@ def grpo_update(cfg: RLRunConfig, step: int, policy_step: int) -> UpdateReport:
 def broadcast(cfg: RLRunConfig, step: int) -> str:
     """Make checkpoint ``step`` known to the inference workers and record its hash in the ledger.
 
-    Workers read checkpoints straight from run storage (``STABLE`` is the signal); SHARDCAST's
-    relays plug in here."""
+    Without SHARDCAST workers read checkpoints straight from run storage (``STABLE`` is the signal);
+    with it the checkpoint is published to the origin, whose relays pick it up shard by shard."""
     s = session(cfg)
     uri = s.storage.uri(s.storage.step_path(step, CHECKPOINTS))
     s.ledger.record_checkpoint(step, uri, S.checkpoint_sha256(s.storage, step))
+    if cfg.shardcast is not None:
+        publish_to_origin(cfg, s.storage, step, _origin_dir(cfg))
     return uri
 
 

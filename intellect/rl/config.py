@@ -19,6 +19,7 @@ from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
 from intellect.rl.rollouts import RolloutLimits
 from intellect.rl.submission import SubmissionConfig
 from intellect.rl.trainer import RLTrainerConfig
+from intellect.shardcast.config import ShardcastConfig
 from intellect.toploc.proofs import ToplocConfig
 
 RUN_NAME = r"^[A-Za-z0-9._-]{1,64}$"
@@ -109,6 +110,11 @@ class RLRunConfig(StrictModel):
     toploc: ToplocConfig | None = Field(
         None, description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
         "with one prefill per checkpoint (k must not exceed the model's hidden size). None: off.",
+    )
+    shardcast: ShardcastConfig | None = Field(
+        None, description="SHARDCAST weight broadcast: the trainer publishes each checkpoint to an origin, "
+        "workers download it from relays (by default an origin and two relays the run starts on this "
+        "machine). None: workers read checkpoints from run storage.",
     )
 
 

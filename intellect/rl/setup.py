@@ -24,14 +24,17 @@ def run_storage(cfg: RLRunConfig | FilterRunConfig) -> RunStorage:
     return RunStorage.from_config(cfg.storage, cfg.run_name)
 
 
+def local_run_dir(cfg: RLRunConfig | FilterRunConfig) -> Path:
+    """The run folder (local storage) or ``./runs/<run>`` (S3): logs, worker configs, caches."""
+    storage = run_storage(cfg)
+    return storage.local_path("") or Path("runs") / cfg.run_name
+
+
 def ledger_path(cfg: RLRunConfig | FilterRunConfig) -> Path:
     """``cfg.ledger``, else ``ledger.duckdb`` in the local run folder, else ``./runs/<run>/ledger.duckdb``."""
     if cfg.ledger:
         return Path(cfg.ledger).expanduser()
-    storage = run_storage(cfg)
-    if storage.scheme == "file":
-        return Path(storage.url[len("file://"):]) / "ledger.duckdb"
-    return Path("runs") / cfg.run_name / "ledger.duckdb"
+    return local_run_dir(cfg) / "ledger.duckdb"
 
 
 def initial_weights(init: InitConfig, cfg: RLRunConfig | FilterRunConfig):

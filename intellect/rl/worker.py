@@ -1,7 +1,8 @@
 """An inference worker of an RL run: a process that turns published checkpoints into submissions.
 
 For each step ``n`` from ``first`` to ``cfg.steps - 1`` the worker waits until a checkpoint the lag
-rule allows for ``n`` is complete (:func:`~intellect.rl.lag.policy_for`: the newest of
+rule allows for ``n`` is complete (in run storage, or on the SHARDCAST relays when ``cfg.shardcast``
+is set: :mod:`intellect.rl.weights`) (:func:`~intellect.rl.lag.policy_for`: the newest of
 ``n - async_level .. n``), loads it if it is newer than the one it holds, and writes its
 submissions and done marker (:func:`~intellect.rl.step.worker_step`). With ``async_level = 2`` the
 worker runs up to two steps ahead of the trainer; with 0 it waits for every update. A step whose
@@ -13,7 +14,7 @@ is believed before the validator has checked it.
     python -m intellect.rl.worker --config run.json --worker worker-a --first 0
 
 exits 0 after the last step, 3 when no fresh checkpoint appears within
-``workers.checkpoint_timeout``, and on its own when the process that started it dies (so a killed
+``workers.checkpoint_timeout``, 4 when the relays cannot deliver one, and on its own when the process that started it dies (so a killed
 flow leaves no generator behind).
 """
 
@@ -30,29 +31,32 @@ from typing import Callable
 
 import torch
 
-from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
+from intellect.rl.assignment import canonical_worker
 from intellect.rl.config import RLRunConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
-from intellect.rl.setup import run_storage, task_pool
+from intellect.rl.setup import local_run_dir, run_storage, task_pool
 from intellect.rl.step import EngineFactory, done_marker, worker_engines, worker_step
 from intellect.rl.submission import RewardFn, math_task_reward
+from intellect.rl.weights import WeightSource, weight_source
+from intellect.shardcast.client import ShardcastError
 
 log = logging.getLogger("intellect.rl.worker")
 
 EXIT_NO_CHECKPOINT = 3
+EXIT_NO_WEIGHTS = 4
 
 
 class CheckpointTimeout(TimeoutError):
     pass
 
 
-def wait_for_policy(storage, step: int, async_level: int, timeout: float, poll: float,
+def wait_for_policy(weights: WeightSource, step: int, async_level: int, timeout: float, poll: float,
                     stop: Callable[[], bool] = lambda: False) -> int | None:
     """The checkpoint to generate ``step`` with, once one is complete (None when ``stop()`` says so)."""
     deadline = time.monotonic() + timeout
     while True:
-        policy = policy_for(step, async_level, storage.complete_steps(CHECKPOINTS))
+        policy = policy_for(step, async_level, weights.complete_steps())
         if policy is not None:
             return policy
         if stop():
@@ -74,30 +78,38 @@ def run_worker(
     """Generate steps ``first .. cfg.steps - 1`` as ``worker``; returns one record per step it generated."""
     storage = run_storage(cfg)
     tasks = task_pool(cfg.tasks, storage)
+    weights = weight_source(cfg, storage, local_run_dir(cfg) / "weights" / canonical_worker(worker))
     held, engine, tok, limits = None, None, None, None
     out = []
-    for step in range(first, cfg.steps):
-        if stop():
-            break
-        if storage.exists(done_marker(step, worker)):
-            continue
-        t0 = time.perf_counter()
-        policy = wait_for_policy(storage, step, cfg.async_level, cfg.workers.checkpoint_timeout,
-                                 cfg.workers.poll_interval, stop)
-        if policy is None:
-            break
-        waited = time.perf_counter() - t0
-        if policy != held:
-            model, tok = fetch_checkpoint(storage, policy)
-            engine, held = (engine_factory or worker_engines(cfg))(model, tok), policy
-            limits = cfg.limits or RolloutLimits(vocab_size=len(tok))
-        t1 = time.perf_counter()
-        files, written = worker_step(cfg, storage, step, worker, tasks, engine, tok, policy, limits=limits,
-                                     reward_fn=reward_fn)
-        rec = {"step": step, "policy_step": policy, "files": len(files), "written": len(written),
-               "waited": round(waited, 3), "seconds": round(time.perf_counter() - t1, 3)}
-        log.info("worker %s %s", worker, rec)
-        out.append(rec)
+    try:
+        for step in range(first, cfg.steps):
+            if stop():
+                break
+            if storage.exists(done_marker(step, worker)):
+                continue
+            t0 = time.perf_counter()
+            policy = wait_for_policy(weights, step, cfg.async_level, cfg.workers.checkpoint_timeout,
+                                     cfg.workers.poll_interval, stop)
+            if policy is None:
+                break
+            waited = time.perf_counter() - t0
+            loaded = 0.0
+            if policy != held:
+                t = time.perf_counter()
+                model, tok = weights.load(policy)
+                loaded = time.perf_counter() - t
+                engine, held = (engine_factory or worker_engines(cfg))(model, tok), policy
+                limits = cfg.limits or RolloutLimits(vocab_size=len(tok))
+            t1 = time.perf_counter()
+            files, written = worker_step(cfg, storage, step, worker, tasks, engine, tok, policy, limits=limits,
+                                         reward_fn=reward_fn)
+            rec = {"step": step, "policy_step": policy, "files": len(files), "written": len(written),
+                   "waited": round(waited, 3), "load_seconds": round(loaded, 3),
+                   "seconds": round(time.perf_counter() - t1, 3)}
+            log.info("worker %s %s", worker, rec)
+            out.append(rec)
+    finally:
+        weights.close()
     return out
 
 
@@ -121,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", type=int, default=0, help="First step to generate.")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per shard request otherwise
     _exit_with_parent()
     cfg = RLRunConfig.model_validate_json(Path(args.config).read_text())
     torch.set_num_threads(cfg.workers.threads)
@@ -129,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointTimeout as e:
         log.error("worker %s: %s", args.worker, e)
         return EXIT_NO_CHECKPOINT
+    except ShardcastError as e:
+        log.error("worker %s: %s", args.worker, e)
+        return EXIT_NO_WEIGHTS
     return 0
 
 

@@ -38,7 +38,30 @@ from intellect.toploc.field import MOD, evaluate, interpolate
 
 class ToplocConfig(StrictModel):
     """Proof shape and the thresholds of the computation, sampling and termination checks (defaults:
-    the paper code's and INTELLECT-2's)."""
+    the paper code's and INTELLECT-2's).
+
+    The distribution check's defaults were chosen with ``benchmarks/toploc_distribution.py`` (4,096
+    honest and 4,096 hybrid rollouts per setting, temperature 1; the statistic is the *surprise*,
+    ``-log10`` of the Chernoff bound, see :func:`~intellect.toploc.check.low_prob_surprise`):
+
+    * honest: the largest surprise of any rollout, or any submission pooled (16 or 256 rows), was
+      2.3 (the RL run's policy on arithmetic, 4.2 tokens a rollout: 2.1; the tests' confident and
+      near-uniform tiny models, 40 tokens: 1.8 and 2.3), so ``max_low_prob_surprise = 6`` leaves
+      3.7 decades of margin, and 0 of the 12,288 honest rollouts was rejected;
+    * hybrid (the right model proves what another one sampled): pooled over the RL run's
+      submissions (256 rows) the smallest surprise was 274 (arithmetic, the plain smoke model
+      sampling) and over 1,000 (the confident tiny model, its twin sampling): every row rejected.
+      Alone, an arithmetic rollout holds too few tokens (largest surprise 7.1, 0.1% rejected); a
+      rollout of the tiny pair (up to 40 tokens) is rejected 96% of the time (the rest have 1 to 6
+      tokens: the twin drew EOS early). At the tests' 16 rows a submission, 254 of 256 arithmetic
+      ones are rejected (smallest surprise 4.1);
+    * ``min_token_prob = 0.01`` gave the arithmetic hybrids the largest surprises (median 19.6 at
+      16 rows, against 17.8 at 0.001 and 14.9 at 0.05) at the same honest maximum (2.1);
+    * ``low_prob_floor = 0.001`` is not measured (at temperature 1 every position has some low
+      mass): it is what greedy or top-p decoding needs so that rounding flips do not reject; a
+      40-token greedy rollout needs 4 tokens off the validator's argmax (10%) to reach a surprise
+      of 6 (3 give 4.3), over 30 times the near-tie flip rate of bf16 GPUs (0.1-0.3%).
+    """
 
     chunk: int = Field(32, ge=1, le=4096, description="Generated tokens per proof.")
     k: int = Field(128, ge=1, le=4096, description="Top-k magnitudes committed per chunk.")
@@ -51,11 +74,36 @@ class ToplocConfig(StrictModel):
         0, ge=0, description="Most sign mismatches among positions whose exponents match (the reference has no "
         "sign check); the top magnitudes of honest recomputations never change sign.",
     )
+    seeded_check: bool = Field(
+        True, description="Sampling check, seeded layer: recompute every token from the validator's logits and the "
+        "request seed. Needs workers with the engine's reproducible seeded sampler (a vLLM worker has none: off).",
+    )
     max_resampled_fraction: float = Field(
         0.01, ge=0, le=1,
         description="Sampling check: largest share of a rollout's tokens that may differ from the token the "
         "validator's logits and the request seed select (near-ties flip under bf16 nondeterminism: 0.1-0.3% "
         "in INTELLECT-2; on CPU in fp32 none do).",
+    )
+    distribution_check: bool = Field(
+        True, description="Sampling check, distribution layer (INTELLECT-2's): reject rollouts, and submissions "
+        "pooled, whose tokens hold more low-probability draws under the validator's model than honest sampling "
+        "plausibly makes. Works without a reproducible sampler.",
+    )
+    min_token_prob: float = Field(
+        0.01, gt=0, le=1,
+        description="Distribution check: a chosen token is low-probability when the validator's sampling "
+        "distribution (temperature, top-p) gives it less than this.",
+    )
+    max_low_prob_surprise: float = Field(
+        6.0, gt=0, le=100,
+        description="Distribution check: reject when a Chernoff bound on honest sampling drawing at least the "
+        "observed number of low-probability tokens is below 10**-this (6: at most one honest rollout in a million).",
+    )
+    low_prob_floor: float = Field(
+        0.001, ge=0, le=1,
+        description="Distribution check: the least chance of an honest low-probability draw assumed at any "
+        "token, also where the validator's distribution says none (greedy, or a token outside the nucleus): "
+        "rounding can move an honest choice across min_token_prob, the top-p cut or a greedy tie.",
     )
     min_eos_prob: float = Field(
         0.1, ge=0, le=1,

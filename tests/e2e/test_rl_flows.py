@@ -21,6 +21,7 @@ from intellect.rl.report import CURVE, load_evals
 from intellect.rl.rollouts import list_submissions
 from intellect.rl.setup import ledger_path, run_storage
 from intellect.rl.step import OPTIMIZER
+from intellect.shardcast.store import VersionStore
 from intellect.storage import RunStorage
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def rl_cfg(root, **over) -> RLRunConfig:
         "eval": {"every": 2, "size": 16}, "trainer_threads": 1,
     }
     for k, v in over.items():
-        data[k] = {**data[k], **v} if isinstance(v, dict) else v
+        data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
     return RLRunConfig.model_validate(data)
 
 
@@ -80,6 +81,32 @@ def test_rl_train_with_worker_processes(prefect_harness, base):
     check_ledger(cfg, 4)
     # a finished run run again has nothing left to do
     assert rl_train(cfg).steps == 0
+
+
+def test_rl_train_with_shardcast_carrying_the_weights(prefect_harness, base):
+    """Checkpoints go trainer -> origin -> 2 relays -> worker caches; no server outlives the run."""
+    from flows.rl import rl_train
+
+    cfg = rl_cfg(base, shardcast={"shard_size": 8192, "local_relays": 2, "keep": 3})
+    report = rl_train(cfg)
+    assert report.steps == 4 and report.worker_exit_codes == {"alice": 0, "bob": 0}
+    check_ledger(cfg, 4)
+    run = base / "rl"
+    origin = VersionStore(run / "shardcast" / "origin")
+    assert origin.versions() == [2, 3, 4]
+    m = origin.manifest(4)
+    assert m.complete and len(m.shards) > 4 and "optimizer.pt" not in {f.name for f in m.files}
+    for relay in ("relay0", "relay1"):
+        assert VersionStore(run / "shardcast" / relay).versions() == [2, 3, 4]
+    for worker in ("alice", "bob"):
+        cached = sorted(p.name for p in (run / "weights" / worker).iterdir())
+        assert cached and all((run / "weights" / worker / c / "STABLE").exists() for c in cached)
+        # a worker generated with what it downloaded: its weights equal the trainer's checkpoint
+        newest = cached[-1]
+        assert (run / "weights" / worker / newest / "model.safetensors").read_bytes() == \
+            (run / "checkpoints" / newest / "model.safetensors").read_bytes()
+    leftover = subprocess.run(["pgrep", "-f", f"intellect.shardcast .*{run}"], capture_output=True, text=True)
+    assert leftover.stdout == "", leftover.stdout
 
 
 def test_rl_step_flow_generates_in_process(prefect_harness, base):

@@ -1,7 +1,9 @@
 """No false rejections under real nondeterminism: 1,024 honest rollouts generated in one batch
 layout and thread count are checked by a validator with other batch sizes, compositions (shuffled
-order, so other left padding) and thread count; hidden states differ in their last bits, and not
-one rollout is rejected by the computation, sampling or termination check."""
+order) and thread count, once with left-padded prefill batches (the engine's) and once with
+right-padded ones; hidden states differ in their last bits, and not one rollout is rejected by the
+computation, sampling (seeded re-check and distribution check, per rollout and pooled over all
+1,024) or termination check."""
 
 import random
 
@@ -14,24 +16,46 @@ from intellect.inference.sampling import SamplingParams
 from intellect.inference.torch_engine import TorchEngine
 from intellect.model.checkpoint import build_model
 from intellect.rl.rollouts import Rollout
-from intellect.toploc.check import completion_proofs, toploc_check
+from intellect.toploc.check import (
+    Draws,
+    completion_proofs,
+    engine_prefill,
+    low_prob_draws,
+    right_padded_prefill,
+    sampling_probs,
+    toploc_check,
+)
 from intellect.toploc.proofs import ToplocConfig
 
 pytestmark = pytest.mark.slow
 
 
+def surprises(done, scored, sampling, cfg):
+    """The distribution check's largest rollout surprise and the pooled one (what it compared)."""
+    tokens = torch.tensor([t for c in done for t in c.tokens])
+    full = torch.full((len(tokens),), sampling.temperature), torch.full((len(tokens),), sampling.top_p)
+    low, chance = low_prob_draws(sampling_probs(torch.cat([s.logits for s in scored]), *full), tokens,
+                                 cfg.min_token_prob, cfg.low_prob_floor)
+    n = [len(c.tokens) for c in done]
+    draws = [Draws(k, int(a.sum()), float(b.sum())) for k, a, b in zip(n, low.split(n), chance.split(n))]
+    return max(d.surprise for d in draws), sum(draws, Draws(0, 0, 0.0)).surprise
+
+
 def test_a_thousand_honest_rollouts_pass_a_differently_batched_validator():
     model, tok = build_model(ModelConfig(init_seed=3))
     sampling = SamplingParams(temperature=1.0, max_tokens=48)
+    cfg = ToplocConfig()
+    assert cfg.seeded_check and cfg.distribution_check
     rng = random.Random(0)
     requests = [Request([tok.bos_token_id] + [rng.randrange(3, len(tok)) for _ in range(rng.randrange(2, 12))],
                         seed=i) for i in range(1024)]
     threads = torch.get_num_threads()
+    seen = {}
     try:
         torch.set_num_threads(2)
         worker = TorchEngine.for_tokenizer(model, tok, capture_hidden=True, max_batch_size=64)
         done = worker.generate(requests, sampling)
-        proofs = completion_proofs(done, ToplocConfig())
+        proofs = completion_proofs(done, cfg)
         rows = [Rollout(run="t", step=0, policy_step=0, worker="w", submission=0, seed=r.seed, prompt_id=str(i),
                         group_id=i, prompt_tokens=tuple(r.prompt_ids), output_tokens=tuple(c.tokens),
                         finish_reason=c.finish_reason, reward=0.0, task_reward=0.0, length_penalty=0.0,
@@ -41,12 +65,18 @@ def test_a_thousand_honest_rollouts_pass_a_differently_batched_validator():
         rng.shuffle(order)
         torch.set_num_threads(1)
         validator = TorchEngine.for_tokenizer(model, tok, capture_hidden=True, max_batch_size=24)
-        check = toploc_check(lambda policy: validator, sampling, ToplocConfig(), [tok.eos_token_id])
-        reasons = check([rows[i] for i in order])
-        rescored = validator.prefill([requests[i] for i in order], [done[i].tokens for i in order], sampling)
+        for padding, prefill in (("left", engine_prefill), ("right", right_padded_prefill)):
+            check = toploc_check(lambda policy: validator, sampling, cfg, [tok.eos_token_id], prefill=prefill)
+            reasons = check([rows[i] for i in order])
+            rescored = prefill(validator, [requests[i] for i in order], [done[i].tokens for i in order], sampling, True)
+            differ = sum(not torch.equal(done[i].hidden_states, s.hidden_states) for i, s in zip(order, rescored))
+            seen[padding] = reasons, differ, surprises([done[i] for i in order], rescored, sampling, cfg)
     finally:
         torch.set_num_threads(threads)
-    differ = sum(not torch.equal(done[i].hidden_states, s.hidden_states) for i, s in zip(order, rescored))
     assert len(rows) == 1024 and sum(len(c.tokens) for c in done) > 1024 * 8
-    assert [r for r in reasons if r is not None] == []
-    print(f"{differ} of 1024 rollouts' hidden states differ bitwise between worker and validator; 0 rejected")
+    for padding, (reasons, differ, (most, pooled)) in seen.items():
+        assert len(reasons) == 1024 and [r for r in reasons if r is not None] == [], padding
+        assert differ > 0, padding  # the validator really recomputed under other rounding
+        print(f"{padding} padding: 1024 rollouts checked, {differ} with bitwise-different hidden states, "
+              f"0 rejected; distribution surprise: largest rollout {most:.2f}, all pooled {pooled:.2f} "
+              f"(limit {cfg.max_low_prob_surprise})")

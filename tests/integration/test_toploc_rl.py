@@ -1,10 +1,11 @@
 """TOPLOC inside an RL step: honest workers' proofs pass the validator's prefill check, and each
-cheat (another model, weights perturbed by 20%, an edited token, hybrid sampling, early
-truncation, a copied or cut proof, an unknown checkpoint) is rejected with its reason, next to
-honest rows of the same submission."""
+cheat (another model, weights perturbed by 20%, an edited token, hybrid sampling, also with the
+seeded re-check off, early truncation, a copied or cut proof, an unknown checkpoint, a checkpoint
+older than the lag bound) is rejected with its reason, next to honest rows of the same submission."""
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -39,12 +40,28 @@ def models():
     with torch.no_grad():
         for p in perturbed.parameters():
             p.mul_(1 + 0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
-    return {"model": model, "other": other, "perturbed": perturbed, "tok": tok}
+    # a confident model (logits x12: the final norm feeds only the LM head), for the distribution
+    # check: the random models above predict nearly uniformly, so any token is as likely as another
+    sharp = copy.deepcopy(model)
+    with torch.no_grad():
+        sharp.model.norm.weight.mul_(12.0)
+    return {"model": model, "other": other, "perturbed": perturbed, "sharp": sharp,
+            "updated": one_update(model, tok), "tok": tok}
 
 
-def rows_from(models, which, step=0, worker="w"):
-    return generate_submission(engine(models[which], models["tok"]), models["tok"], TASKS, worker, step, 0, 0, CFG,
-                               run="t", proofs=PROOFS)
+def one_update(model, tok):
+    """The checkpoint after ``model``: one AdamW step (lr 1e-2) of next-token loss on random tokens."""
+    new = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
+    ids = torch.randint(3, len(tok), (8, 24), generator=torch.Generator().manual_seed(5))
+    new(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return new.eval()
+
+
+def rows_from(models, which, step=0, worker="w", policy=0):
+    return generate_submission(engine(models[which], models["tok"]), models["tok"], TASKS, worker, step, 0, policy,
+                               CFG, run="t", proofs=PROOFS)
 
 
 def checker(models):
@@ -71,11 +88,11 @@ def test_rows_of_another_model_fail(models, which):
     assert all(r is not None and r.startswith("toploc_") for r in reasons), reasons
 
 
-def forged(models, row, tokens):
+def forged(models, row, tokens, right="model"):
     """``row`` claiming ``tokens``, with proofs built from the right model's hidden states of them: a
     cheater who has the model but chose the tokens himself."""
-    scored = engine(models["model"], models["tok"]).prefill([Request(list(row.prompt_tokens), row.seed)], [tokens],
-                                                            CFG.sampling())[0]
+    scored = engine(models[right], models["tok"]).prefill([Request(list(row.prompt_tokens), row.seed)], [tokens],
+                                                          CFG.sampling())[0]
     return dataclasses.replace(row, output_tokens=tuple(tokens), proof=build_proofs(scored.hidden_states))
 
 
@@ -126,3 +143,62 @@ def test_unknown_checkpoint_and_ledger_reasons(models, tmp_path):
 
     assert verdicts(files[0]) == [None] * len(honest)
     assert verdicts(files[1]) == ["toploc_no_checkpoint"] * len(unknown)
+
+
+def test_hybrid_sampling_is_caught_by_the_distribution_check_alone(models, caplog):
+    """Seed 002, section 4.4, with the seeded re-check off (a vLLM worker has no reproducible sampler):
+    a weak model (the near-uniform twin) samples, the confident right model builds the proofs. Every
+    row is rejected as ``toploc_sampling`` and the log says it was the distribution; the right model's
+    own rows pass under the same checks."""
+    tok = models["tok"]
+    cfg = PROOFS.model_copy(update={"seeded_check": False})
+    validator = engine(models["sharp"], tok)
+    check = toploc_check(lambda p: validator, CFG.sampling(), cfg, [tok.eos_token_id])
+    honest = rows_from(models, "sharp")
+    assert check(honest) == [None] * len(honest)
+    hybrid = [forged(models, row, list(row.output_tokens), right="sharp") for row in rows_from(models, "other")]
+    # without the distribution check every hybrid row passes: its proofs are the right model's
+    assert toploc_check(lambda p: validator, CFG.sampling(), cfg.model_copy(update={"distribution_check": False})
+                        )(hybrid) == [None] * len(hybrid)
+    with caplog.at_level(logging.INFO, logger="intellect.toploc.check"):
+        reasons = check(hybrid)
+    assert reasons == ["toploc_sampling"] * len(hybrid)
+    assert len(caplog.messages) == len(hybrid) and all("distribution" in m for m in caplog.messages)
+    assert any("distribution (rollout)" in m for m in caplog.messages)  # long rows fail alone, not only pooled
+
+
+COMPUTATION = {"toploc_exponent", "toploc_mantissa", "toploc_sign"}
+
+
+def test_a_checkpoint_older_than_the_lag_bound(models, tmp_path):
+    """Step 3 with ``async_level`` 2 takes checkpoints 1 to 3; a worker still holding checkpoint 0
+    (i) claims checkpoint 1: the validator prefills checkpoint 1, whose hidden states are not the
+    committed ones, and rejects every row by the computation check; or (ii) says 0: the whole file is
+    ``stale`` before any prefill. An honest worker of checkpoint 1 passes.
+
+    Checkpoint 1 here is one AdamW step at lr 1e-2 past 0. Only weights that moved beyond the
+    computation check's tolerance are caught this way: two checkpoints of the tiny RL run one update
+    apart (lr 1e-4) are not told apart by it (0 or 1 of 128 rows rejected)."""
+    tok = models["tok"]
+    storage = RunStorage(f"file://{tmp_path}")
+    checkpoints = {0: engine(models["model"], tok), 1: engine(models["updated"], tok)}
+
+    def engine_for(policy):
+        if policy not in checkpoints:
+            raise FileNotFoundError(f"checkpoint {policy}")
+        return checkpoints[policy]
+
+    check = toploc_check(engine_for, CFG.sampling(), PROOFS, [tok.eos_token_id])
+    honest = rows_from(models, "updated", step=3, worker="w", policy=1)
+    claimed = rows_from(models, "model", step=3, worker="v", policy=1)
+    labelled = rows_from(models, "model", step=3, worker="u", policy=0)
+    files = [write_submission(storage, 3, w, 0, rows) for w, rows in (("w", honest), ("v", claimed), ("u", labelled))]
+
+    def verdicts(rel):
+        return validate_submission(storage, rel, tasks=TASKS, tokenizer=tok, step=3, async_level=2,
+                                   limits=RolloutLimits(vocab_size=len(tok)), cfg=CFG, run="t", extra_checks=[check])
+
+    assert [v.reason for v in verdicts(files[0])] == [None] * len(honest)
+    got = [v.reason for v in verdicts(files[1])]
+    assert len(got) == len(claimed) and set(got) <= COMPUTATION, got
+    assert [(v.row, v.reason) for v in verdicts(files[2])] == [(-1, "stale")]

@@ -1,0 +1,206 @@
+"""SHARDCAST on loopback: ours, the ``shardcast`` 0.3.2 package, and one plain HTTP GET, side by side.
+
+One payload of ``--size-mib`` random bytes, origin -> 2 relays -> 1 client, each server its own
+process on 127.0.0.1. Per round:
+
+* **ours, end to end**: the clock starts when the trainer begins publishing the file into the
+  origin's store (shards appear as they are cut) and stops when the client holds the verified
+  file; relays and client start pulling as soon as the first shards appear.
+* **ours, client only**: a second client fetches the same version once both relays hold it.
+* **plain GET**: ``curl`` fetches the same file in one request from a uvicorn/Starlette server
+  (``FileResponse``), no hashing: the floor of any HTTP transfer on this machine.
+* **shardcast 0.3.2** (``benchmarks/peers/shardcast/peer.py`` in its own venv; ``setup.sh``
+  builds it): broadcast, relay sync, client download; end to end as ours.
+
+    bash benchmarks/peers/shardcast/setup.sh          # once
+    .venv/bin/python benchmarks/shardcast_bench.py --size-mib 1024 --rounds 3
+
+Medians over rounds and their ratios print; ``benchmarks/results/shardcast_bench.json`` keeps every
+round. The machine is shared and noisy, so rounds alternate the systems, and every system starts
+after the previous one's files are deleted and synced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from intellect.shardcast.client import ShardcastClient  # noqa: E402
+from intellect.shardcast.config import ClientConfig  # noqa: E402
+from intellect.shardcast.local import ServerProcess  # noqa: E402
+
+PEER = ROOT / "benchmarks" / "peers" / "shardcast"
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(8 * MIB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) -> dict:
+    procs = []
+    try:
+        origin = ServerProcess("origin", work / "origin")
+        procs.append(origin)
+        relays = [ServerProcess("relay", work / f"relay{i}", extra=["--upstream", origin.url, "--parallel", str(parallel)])
+                  for i in range(2)]
+        procs += relays
+        cfg = ClientConfig(parallel=parallel, deadline=600)
+        with ShardcastClient([r.url for r in relays], cfg) as client:
+            t0 = time.perf_counter()
+            # the trainer publishes from its own process, as in a run
+            pub = subprocess.Popen([sys.executable, "-m", "intellect.shardcast", "publish", "--data-dir",
+                                    str(work / "origin"), "--version", "1", "--src", str(payload),
+                                    "--shard-mib", str(shard_mib)], cwd=ROOT, stdout=subprocess.DEVNULL)
+            while 1 not in client.versions():
+                time.sleep(0.005)
+            t_listed = time.perf_counter()
+            client.fetch(1, work / "out1")
+            end_to_end = time.perf_counter() - t0
+            if pub.wait(600) != 0:
+                raise RuntimeError("publish failed")
+            published = time.perf_counter() - t0
+        ok = sha256_file(work / "out1" / payload.name) == digest
+        shutil.rmtree(work / "out1")
+        os.sync()
+        # the relays hold it now (the client's fetch finished from them); a fresh client alone
+        with ShardcastClient([r.url for r in relays], cfg) as client:
+            deadline = time.monotonic() + 60
+            while client.complete_versions() != [1] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t1 = time.perf_counter()
+            client.fetch(1, work / "out2")
+            client_only = time.perf_counter() - t1
+        ok = ok and sha256_file(work / "out2" / payload.name) == digest
+        return {"end_to_end_s": end_to_end, "first_listed_s": t_listed - t0, "publish_s": published,
+                "client_only_s": client_only, "ok": ok}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+_PLAIN_SERVER = """
+import sys, uvicorn
+from starlette.applications import Starlette
+from starlette.responses import FileResponse
+from starlette.routing import Route
+from intellect.shardcast.server import bind, write_port_file
+path, port_file = sys.argv[1], sys.argv[3]
+app = Starlette(routes=[Route("/file", lambda request: FileResponse(path))])
+sock = bind("127.0.0.1", 0)
+write_port_file(port_file, *sock.getsockname()[:2])
+uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+"""
+
+
+def plain_get(payload: Path, digest: str, work: Path) -> dict:
+    port_file = work / "plain.url"
+    server = subprocess.Popen([sys.executable, "-c", _PLAIN_SERVER, str(payload), "-", str(port_file)], cwd=ROOT,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the plain HTTP server did not start")
+            time.sleep(0.02)
+        out = work / "plain.bin"
+        t0 = time.perf_counter()
+        subprocess.run(["curl", "-sS", "--fail", "-o", str(out), f"{port_file.read_text().strip()}/file"],
+                       check=True, timeout=600)
+        seconds = time.perf_counter() - t0
+        return {"get_s": seconds, "ok": sha256_file(out) == digest}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+
+
+def peer(payload: Path, work: Path, shard_mib: int) -> dict | None:
+    py = PEER / "venv" / "bin" / "python"
+    if not py.exists():
+        return None
+    r = subprocess.run([str(py), str(PEER / "peer.py"), "--size-mib", str(payload.stat().st_size // MIB),
+                        "--payload", str(payload), "--workdir", str(work), "--relays", "2",
+                        "--shard-mib", str(shard_mib)],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        print(r.stderr[-2000:], file=sys.stderr)
+        return {"ok": False}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shard-mib", type=int, default=16, help="Our shard size (the peer uses its default 50 MB).")
+    ap.add_argument("--parallel", type=int, default=8, help="Shards our client and relays fetch at once.")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "shardcast_bench.json"))
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="shardcast-bench-"))
+    try:
+        payload = base / "payload.bin"
+        with open(payload, "wb") as f:
+            for _ in range(args.size_mib):
+                f.write(os.urandom(MIB))
+        digest = sha256_file(payload)
+        rounds = []
+        for r in range(args.rounds):
+            row = {}
+            for name, fn in (("ours", lambda w: ours(payload, digest, w, args.shard_mib, args.parallel)),
+                             ("plain", lambda w: plain_get(payload, digest, w)),
+                             ("peer", None if args.no_peer else lambda w: peer(payload, w, 50))):
+                if fn is None:
+                    continue
+                work = base / f"r{r}-{name}"
+                work.mkdir()
+                os.sync()  # no writeback of the previous system's files during this one
+                row[name] = fn(work)
+                shutil.rmtree(work, ignore_errors=True)
+            print(json.dumps(row), flush=True)
+            rounds.append(row)
+        med = {}
+        for name, key in (("ours", "end_to_end_s"), ("ours", "client_only_s"), ("plain", "get_s"),
+                          ("peer", "end_to_end_s"), ("peer", "client_s")):
+            vals = [row[name][key] for row in rounds if row.get(name) and row[name].get("ok") and key in row[name]]
+            if vals:
+                med[f"{name}_{key}"] = statistics.median(vals)
+        gib = args.size_mib / 1024
+        print(f"\n{args.size_mib} MiB, origin -> 2 relays -> 1 client on 127.0.0.1, median of {args.rounds} rounds:")
+        for k, v in med.items():
+            print(f"  {k:24s} {v:7.2f} s  ({gib * 8 * 1.073741824 / v:6.2f} Gbit/s)")
+        ratios = {}
+        if "peer_end_to_end_s" in med:
+            ratios["peer_e2e_over_ours_e2e"] = med["peer_end_to_end_s"] / med["ours_end_to_end_s"]
+        if "plain_get_s" in med:
+            ratios["ours_client_over_plain_get"] = med["ours_client_only_s"] / med["plain_get_s"]
+            ratios["ours_e2e_over_plain_get"] = med["ours_end_to_end_s"] / med["plain_get_s"]
+        for k, v in ratios.items():
+            print(f"  {k:28s} {v:6.2f}x")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"size_mib": args.size_mib, "rounds": rounds, "medians": med,
+                                              "ratios": ratios}, indent=1))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Configs of SHARDCAST's parts: the client, a relay, and what an RL run starts locally."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from intellect.config import StrictModel
+
+LOOPBACK = "127.0.0.1"
+
+
+class ClientConfig(StrictModel):
+    """How a client downloads a version from relays."""
+
+    parallel: int = Field(8, ge=1, le=256, description="Shards downloaded at once.")
+    attempts: int = Field(5, ge=1, le=100, description="Tries per shard (each from a relay picked afresh).")
+    deadline: float = Field(600.0, gt=0, le=86400, description="Seconds for a whole version, waiting included.")
+    connect_timeout: float = Field(5.0, gt=0, le=600, description="Seconds to open a connection to a relay.")
+    read_timeout: float = Field(
+        30.0, gt=0, le=3600, description="Seconds a relay may stay silent mid-request before the try fails."
+    )
+    poll_interval: float = Field(
+        0.05, gt=0, le=60, description="Seconds between looks at the relays' manifests while a version is incomplete."
+    )
+    alpha: float = Field(0.3, gt=0, le=1, description="EMA weight of the newest observation (INTELLECT-2: 0.3).")
+    heal: float = Field(
+        0.01, ge=0, le=1, description="Success-rate points every relay regains per observation, so a failed relay "
+        "is tried again over time (INTELLECT-2: 0.01)."
+    )
+    seed: int | None = Field(None, ge=0, description="Seed of the relay choice; None: random.")
+
+
+class RelayConfig(StrictModel):
+    """A relay: mirrors the newest versions of its upstreams and serves what it holds."""
+
+    upstreams: list[str] = Field(min_length=1, max_length=64, description="Base URLs of the origin or other relays.")
+    keep: int = Field(5, ge=1, le=1000, description="Newest versions kept; older ones are deleted.")
+    parallel: int = Field(8, ge=1, le=256, description="Shards fetched from upstream at once.")
+    poll_interval: float = Field(0.05, gt=0, le=60, description="Seconds between looks at the upstreams.")
+    connect_timeout: float = Field(5.0, gt=0, le=600, description="Seconds to open a connection upstream.")
+    read_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds an upstream may stay silent mid-request.")
+
+
+class ShardcastConfig(StrictModel):
+    """SHARDCAST in an RL run: the trainer publishes each checkpoint to an origin, workers download
+    it from relays. With ``relays`` unset the run starts an origin and ``local_relays`` relays on
+    ``host`` itself (the one-machine default)."""
+
+    shard_size: int = Field(16 << 20, ge=1 << 10, le=1 << 30, description="Bytes per shard.")
+    keep: int = Field(5, ge=1, le=1000, description="Newest versions the origin and relays keep.")
+    host: str = Field(LOOPBACK, description="Address the local origin and relays listen on.")
+    origin_port: int = Field(0, ge=0, le=65535, description="Port of the local origin (0: any free one).")
+    local_relays: int = Field(2, ge=0, le=64, description="Relays the run starts locally (when relays is unset).")
+    relays: list[str] | None = Field(
+        None, max_length=256, description="Base URLs of relays run elsewhere; the run then starts none and the "
+        "origin is expected to be reachable by them at http://host:origin_port."
+    )
+    client: ClientConfig = Field(default_factory=ClientConfig)

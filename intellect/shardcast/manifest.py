@@ -1,0 +1,124 @@
+"""What a SHARDCAST version is: a checkpoint's files, cut into shards, each with its SHA-256.
+
+A version is the concatenation of its files in manifest order (the *blob*), cut into shards of
+``shard_size`` bytes (the last one shorter). The manifest lists every file with its offset in the
+blob and every shard with its offset, size and SHA-256, plus the whole blob's SHA-256 once the
+version is ``complete``. The origin rewrites the manifest as each shard lands, so a reader may see
+a manifest that lists only the first shards and the files begun so far (``size`` None for the file
+still being written); every shard listed is final.
+
+Relays serve a manifest restricted to the shards they hold (:meth:`Manifest.holding`), so a
+manifest never advertises a byte the server cannot send.
+
+>>> m = Manifest(version=3, files=[FileEntry(name="config.json", offset=0, size=5),
+...                                FileEntry(name="model.safetensors", offset=5, size=7)],
+...              shards=[ShardEntry(index=0, offset=0, size=8, sha256="0" * 64),
+...                      ShardEntry(index=1, offset=8, size=4, sha256="1" * 64)],
+...              shard_size=8, total_size=12, sha256="2" * 64, complete=True)
+>>> [(f, o, n) for f, o, n in m.segments(m.shards[0])]
+[('config.json', 0, 5), ('model.safetensors', 0, 3)]
+>>> m.holding({1}).shards[0].index, m.holding({1}).complete
+(1, False)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SHA256_HEX = r"^[0-9a-f]{64}$"
+# A file name of a version: one path component, no hidden or temporary names, so a client can
+# never be steered into writing outside its target folder.
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Strict):
+    name: str = Field(pattern=FILE_NAME.pattern, description="File name inside the checkpoint folder.")
+    offset: int = Field(ge=0, description="Offset of the file's first byte in the blob.")
+    size: int | None = Field(None, ge=0, description="Bytes; None while the origin is still writing it.")
+
+
+class ShardEntry(_Strict):
+    index: int = Field(ge=0, le=10_000_000)
+    offset: int = Field(ge=0)
+    size: int = Field(ge=1)
+    sha256: str = Field(pattern=SHA256_HEX)
+
+
+class Manifest(_Strict):
+    version: int = Field(ge=0, description="The checkpoint's step.")
+    files: list[FileEntry] = Field(default_factory=list)
+    shards: list[ShardEntry] = Field(default_factory=list)
+    shard_size: int = Field(16 << 20, ge=1, description="Bytes per shard (the last one may be shorter).")
+    total_size: int | None = Field(None, ge=0, description="Blob bytes, once complete.")
+    sha256: str | None = Field(None, pattern=SHA256_HEX, description="SHA-256 of the blob, once complete.")
+    complete: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        pos = 0
+        for i, f in enumerate(self.files):
+            if f.offset != pos:
+                raise ValueError(f"file {f.name!r} starts at {f.offset}, expected {pos}")
+            if f.size is None:
+                if i != len(self.files) - 1 or self.complete:
+                    raise ValueError(f"file {f.name!r} has no size but is not the one being written")
+                pos = None
+                break
+            pos += f.size
+        if len({f.name for f in self.files}) != len(self.files):
+            raise ValueError("duplicate file names")
+        for s in self.shards:
+            if s.offset != s.index * self.shard_size or s.size > self.shard_size:
+                raise ValueError(f"shard {s.index} at {s.offset}+{s.size} does not fit shard_size {self.shard_size}")
+            if pos is not None and s.offset + s.size > pos:
+                raise ValueError(f"shard {s.index} ends past the files ({pos} bytes)")
+        if len({s.index for s in self.shards}) != len(self.shards):
+            raise ValueError("duplicate shard indices")
+        if self.complete:
+            if self.total_size is None or self.sha256 is None:
+                raise ValueError("a complete manifest needs total_size and sha256")
+            if pos != self.total_size:
+                raise ValueError(f"files hold {pos} bytes, total_size says {self.total_size}")
+            if sorted(s.index for s in self.shards) != list(range(shard_count(self.total_size, self.shard_size))):
+                raise ValueError("a complete manifest must list every shard")
+            for s in self.shards:
+                if s.size != min(self.shard_size, self.total_size - s.offset):
+                    raise ValueError(f"shard {s.index} has {s.size} bytes, the layout says otherwise")
+        return self
+
+    def shard(self, index: int) -> ShardEntry | None:
+        for s in self.shards:
+            if s.index == index:
+                return s
+        return None
+
+    def holding(self, indices: set[int]) -> "Manifest":
+        """The manifest a server holding only ``indices`` advertises (complete only when it holds all)."""
+        shards = [s for s in self.shards if s.index in indices]
+        return self.model_copy(update={"shards": shards,
+                                       "complete": self.complete and len(shards) == len(self.shards)})
+
+    def segments(self, shard: ShardEntry) -> Iterator[tuple[str, int, int]]:
+        """``(file name, offset in file, length)`` pieces of ``shard``, in order."""
+        start, end = shard.offset, shard.offset + shard.size
+        for f in self.files:
+            f_end = f.offset + f.size if f.size is not None else end
+            lo, hi = max(start, f.offset), min(end, f_end)
+            if lo < hi:
+                yield f.name, lo - f.offset, hi - lo
+
+
+def shard_count(total: int, shard_size: int) -> int:
+    """Shards of a ``total``-byte blob (an empty blob has none).
+
+    >>> shard_count(0, 4), shard_count(8, 4), shard_count(9, 4)
+    (0, 2, 3)
+    """
+    return -(-total // shard_size)

@@ -1,0 +1,155 @@
+"""A relay: mirrors the newest versions of its upstreams into its own store, shard by shard.
+
+Every ``poll_interval`` the relay lists its upstreams' versions, and for each of the newest
+``keep`` it does not hold completely it fetches the shards it lacks (several at once, each
+checked against the upstream manifest's SHA-256 before it is renamed into place). Its own
+manifest is rewritten after each shard and lists only what it holds, so it starts serving a
+version's first shards while the origin is still writing the last ones, and never advertises a
+byte it cannot send. A bad shard is discarded and fetched again on a later pass (one bad hop does
+not spread). When every upstream is down, it keeps serving what it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from intellect.shardcast.choice import RelayScore, observe, pick
+from intellect.shardcast.client import ShardError, _agrees, download_shard, get_json
+from intellect.shardcast.config import RelayConfig
+from intellect.shardcast.manifest import Manifest, ShardEntry
+from intellect.shardcast.store import VersionStore
+
+log = logging.getLogger("intellect.shardcast.relay")
+
+_EMA_ALPHA, _HEAL = 0.3, 0.01  # upstream choice: the client's defaults
+
+
+class Relay:
+    def __init__(self, store: VersionStore, cfg: RelayConfig, seed: int | None = None):
+        self.store, self.cfg = store, cfg
+        self.upstreams = [u.rstrip("/") for u in cfg.upstreams]
+        self.scores = {u: RelayScore() for u in self.upstreams}
+        self.rng = random.Random(seed)
+        self._timeout = httpx.Timeout(cfg.read_timeout, connect=cfg.connect_timeout)
+        self._http = httpx.Client(limits=httpx.Limits(max_connections=cfg.parallel * len(self.upstreams) + 8))
+        self._pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="relay-get")
+        self._lock = threading.Lock()
+        self._upstream: dict[int, Manifest] = {}  # newest upstream view of each version being mirrored
+        self._held: dict[int, set[int]] = {}
+        self._inflight: set[tuple[int, int]] = set()
+        self.bad_shards = 0
+        store.clean_temp()
+        for v in store.versions():
+            m = store.manifest(v)
+            self._held[v] = {s.index for s in m.shards if store.shard_path(v, s.index).is_file()}
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.sync_once()
+            except Exception:  # noqa: BLE001 - a relay must outlive any one bad pass
+                log.exception("relay sync pass failed")
+            stop.wait(self.cfg.poll_interval)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._http.close()
+
+    def sync_once(self) -> None:
+        listing = self._upstream_versions()
+        for v in sorted(listing)[-self.cfg.keep:]:
+            local = self.store.manifest(v)
+            if local is not None and local.complete:
+                continue
+            up = self._upstream_manifest(v, listing[v])
+            if up is None:
+                continue
+            with self._lock:
+                if local is not None and not _agrees(local, up):
+                    log.warning("version %d changed upstream; dropping the local copy", v)
+                    self.store.drop(v)
+                    self._held[v] = set()
+                self._upstream[v] = up
+                held = self._held.setdefault(v, set())
+                self._publish(v)
+                todo = [s for s in up.shards if s.index not in held and (v, s.index) not in self._inflight]
+                self._inflight.update((v, s.index) for s in todo)
+            for s in todo:
+                self._pool.submit(self._fetch, v, s, listing[v])
+        with self._lock:
+            for v in self.store.retain(self.cfg.keep):
+                self._held.pop(v, None)
+                self._upstream.pop(v, None)
+
+    # ------------------------------------------------------------------ parts
+
+    def _upstream_versions(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for u in self.upstreams:
+            try:
+                for item in get_json(self._http, f"{u}/versions", self._timeout)["versions"]:
+                    out.setdefault(int(item["version"]), []).append(u)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                log.debug("upstream %s: %s", u, e)
+        return out
+
+    def _upstream_manifest(self, version: int, upstreams: list[str]) -> Manifest | None:
+        best = None
+        for u in upstreams:
+            try:
+                m = Manifest.model_validate(get_json(self._http, f"{u}/v/{version}/manifest", self._timeout))
+            except (httpx.HTTPError, ValueError) as e:
+                log.debug("upstream %s manifest v%d: %s", u, version, e)
+                continue
+            if m.version == version and (best is None or (m.complete, len(m.shards)) > (best.complete, len(best.shards))):
+                best = m
+        return best
+
+    def _publish(self, version: int) -> None:
+        """Rewrite this relay's manifest of ``version`` to list exactly the shards it holds (under the lock)."""
+        up = self._upstream[version]
+        mine = up.holding(self._held[version])
+        if mine != self.store.manifest(version):
+            self.store.write_manifest(mine)
+
+    def _fetch(self, version: int, entry: ShardEntry, upstreams: list[str]) -> None:
+        tmp = self.store.temp_file(version)
+        upstream = None
+        t0 = time.monotonic()
+        try:
+            with self._lock:
+                upstream = pick(self.scores, upstreams, self.rng)
+            with open(tmp, "wb", buffering=0) as f:
+                def sink(pos: int, data: bytes) -> None:
+                    f.write(data)
+
+                download_shard(self._http, upstream, version, entry, sink, self._timeout, float("inf"))
+            with self._lock:
+                observe(self.scores, upstream, ok=True, nbytes=entry.size, seconds=time.monotonic() - t0,
+                        alpha=_EMA_ALPHA, heal=_HEAL)
+                if version not in self._upstream:  # retired while we fetched
+                    return
+                self.store.put_shard(version, entry.index, tmp)
+                self._held[version].add(entry.index)
+                self._publish(version)
+        except ShardError as e:
+            if "sha256" in str(e):
+                self.bad_shards += 1
+            log.warning("shard %d of v%d from %s: %s (will retry)", entry.index, version, upstream, e)
+            with self._lock:
+                if upstream is not None:
+                    observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_EMA_ALPHA, heal=_HEAL)
+        except Exception:  # noqa: BLE001 - e.g. the version folder deleted by retention mid-fetch
+            log.exception("shard %d of v%d", entry.index, version)
+        finally:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._inflight.discard((version, entry.index))

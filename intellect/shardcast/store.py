@@ -1,0 +1,229 @@
+"""The folder an origin or relay serves: ``v<N>/manifest.json`` and ``v<N>/shard_<i>.bin``.
+
+Files are the contract between the process that writes a version (the trainer's publish, a relay's
+sync thread) and the server that serves it: each shard is written to a temporary name, checked, and
+renamed into place before the manifest lists it, and the manifest itself is replaced atomically.
+So a server never advertises a shard it cannot send, and a crash leaves at most a ``.tmp-*`` file,
+which is ignored and removed.
+
+:class:`VersionWriter` is how the origin publishes: bytes go in as the checkpoint is written,
+shards come out as soon as they fill, so relays and clients start before the checkpoint is whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ShardEntry
+from intellect.storage import STABLE
+
+MANIFEST = "manifest.json"
+_VERSION_DIR = re.compile(r"^v(0|[1-9][0-9]{0,9})$")
+_TMP = ".tmp-"
+_COPY_CHUNK = 4 << 20
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class VersionStore:
+    """Versions under ``root``; every name is built from integers, never from a request path."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def version_dir(self, version: int) -> Path:
+        if not 0 <= version < 10**10:
+            raise ValueError(f"version out of range: {version}")
+        return self.root / f"v{version}"
+
+    def shard_path(self, version: int, index: int) -> Path:
+        if not 0 <= index < 10**7:
+            raise ValueError(f"shard index out of range: {index}")
+        return self.version_dir(version) / f"shard_{index:05d}.bin"
+
+    def versions(self) -> list[int]:
+        """Versions with a manifest, oldest first."""
+        out = []
+        for p in self.root.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m and (p / MANIFEST).exists():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def manifest(self, version: int) -> Manifest | None:
+        try:
+            raw = (self.version_dir(version) / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            return None
+        return Manifest.model_validate_json(raw)
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        d = self.version_dir(manifest.version)
+        d.mkdir(exist_ok=True)
+        _atomic_write(d / MANIFEST, manifest.model_dump_json().encode())
+
+    def put_shard(self, version: int, index: int, tmp: Path) -> Path:
+        """Rename a fully written and checked temporary file (made by :meth:`temp_file`) into place."""
+        dest = self.shard_path(version, index)
+        os.replace(tmp, dest)
+        return dest
+
+    def temp_file(self, version: int) -> Path:
+        d = self.version_dir(version)
+        d.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=d)
+        os.close(fd)
+        return Path(tmp)
+
+    def retain(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` versions (the manifest first, so none is served half-deleted)."""
+        versions = self.versions()
+        doomed = versions[:-keep] if keep > 0 else versions
+        for v in doomed:
+            self.drop(v)
+        return doomed
+
+    def drop(self, version: int) -> None:
+        """Delete one version, its manifest first so it stops being served before its shards go."""
+        d = self.version_dir(version)
+        (d / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def clean_temp(self) -> None:
+        """Remove what a crashed writer left behind."""
+        for p in self.root.glob(f"v*/{_TMP}*"):
+            p.unlink(missing_ok=True)
+
+
+class VersionWriter:
+    """Cut a checkpoint into shards while it is being written; each full shard is published at once.
+
+    >>> import tempfile
+    >>> store = VersionStore(tempfile.mkdtemp())
+    >>> with VersionWriter(store, version=1, shard_size=4) as w:
+    ...     w.begin_file("a.txt"); w.write(b"hello ")
+    ...     w.begin_file("b.txt"); w.write(b"world")
+    >>> m = store.manifest(1)
+    >>> m.complete, m.total_size, [s.size for s in m.shards], [(f.name, f.offset, f.size) for f in m.files]
+    (True, 11, [4, 4, 3], [('a.txt', 0, 6), ('b.txt', 6, 5)])
+    """
+
+    def __init__(self, store: VersionStore, version: int, shard_size: int):
+        if store.manifest(version) is not None:
+            raise FileExistsError(f"version {version} already exists in {store.root}")
+        self.store, self.version, self.shard_size = store, version, shard_size
+        self._files: list[FileEntry] = []
+        self._shards: list[ShardEntry] = []
+        self._whole = hashlib.sha256()
+        self._pos = 0  # bytes written so far
+        self._tmp: Path | None = None
+        self._fh = None
+        self._shard_hash = None
+        self._done = False
+
+    def begin_file(self, name: str) -> None:
+        if not FILE_NAME.match(name):
+            raise ValueError(f"file name {name!r} must be one plain path component ({FILE_NAME.pattern})")
+        if any(f.name == name for f in self._files):
+            raise ValueError(f"file {name!r} written twice")
+        if self._files:
+            last = self._files[-1]
+            self._files[-1] = last.model_copy(update={"size": self._pos - last.offset})
+        self._files.append(FileEntry(name=name, offset=self._pos))
+
+    def write(self, data: bytes | memoryview) -> None:
+        if not self._files:
+            raise RuntimeError("begin_file before write")
+        view = memoryview(data)
+        while view:
+            if self._fh is None:
+                self._tmp = self.store.temp_file(self.version)
+                self._fh = open(self._tmp, "wb")
+                self._shard_hash = hashlib.sha256()
+            in_shard = self._pos - len(self._shards) * self.shard_size
+            take = view[: self.shard_size - in_shard]
+            self._fh.write(take)
+            self._shard_hash.update(take)
+            self._whole.update(take)
+            self._pos += len(take)
+            view = view[len(take):]
+            if in_shard + len(take) == self.shard_size:
+                self._seal_shard()
+
+    def add_file(self, path: str | os.PathLike, name: str | None = None) -> None:
+        """Stream a file that already exists into the version."""
+        self.begin_file(name or Path(path).name)
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_COPY_CHUNK):
+                self.write(chunk)
+
+    def _seal_shard(self) -> None:
+        self._fh.close()
+        index = len(self._shards)
+        size = self._pos - index * self.shard_size
+        self.store.put_shard(self.version, index, self._tmp)
+        self._shards.append(ShardEntry(index=index, offset=index * self.shard_size, size=size,
+                                       sha256=self._shard_hash.hexdigest()))
+        self._fh = self._tmp = None
+        self._publish(complete=False)
+
+    def _publish(self, complete: bool) -> None:
+        self.store.write_manifest(Manifest(
+            version=self.version, files=self._files, shards=self._shards, shard_size=self.shard_size,
+            total_size=self._pos if complete else None, sha256=self._whole.hexdigest() if complete else None,
+            complete=complete))
+
+    def finish(self) -> Manifest:
+        if self._fh is not None:
+            self._seal_shard()
+        if self._files:
+            last = self._files[-1]
+            self._files[-1] = last.model_copy(update={"size": self._pos - last.offset})
+        self._publish(complete=True)
+        self._done = True
+        return self.store.manifest(self.version)
+
+    def abort(self) -> None:
+        """Withdraw a version that failed halfway: nobody may take its listed shards for a checkpoint."""
+        if self._fh is not None:
+            self._fh.close()
+            self._tmp.unlink(missing_ok=True)
+        self.store.drop(self.version)
+
+    def __enter__(self) -> "VersionWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        elif not self._done:
+            self.abort()
+
+
+def publish_folder(store: VersionStore, version: int, folder: str | os.PathLike, shard_size: int,
+                   keep: int, skip: frozenset[str] | set[str] = frozenset({STABLE})) -> Manifest:
+    """Publish the regular files of a checkpoint folder (sorted by name, but not those in ``skip``;
+    or one file) as ``version``, then keep the newest ``keep``."""
+    src = Path(folder)
+    files = [src] if src.is_file() else sorted(
+        p for p in src.iterdir() if p.is_file() and FILE_NAME.match(p.name) and p.name not in skip)
+    with VersionWriter(store, version, shard_size) as w:
+        for p in files:
+            w.add_file(p)
+    store.retain(keep)
+    return store.manifest(version)

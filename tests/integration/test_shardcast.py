@@ -1,0 +1,284 @@
+"""SHARDCAST with real processes on 127.0.0.1: an origin, relays and clients, and every fault the issue lists.
+
+Each server is ``python -m intellect.shardcast`` in its own process group, stopped (or killed) by PID.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from intellect.shardcast.client import ShardcastClient, ShardcastError
+from intellect.shardcast.config import ClientConfig, ShardcastConfig
+from intellect.shardcast.local import ServerProcess, start_local
+from intellect.shardcast.server import Server, bind
+from intellect.shardcast.store import VersionStore, VersionWriter, publish_folder
+
+MIB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def checkpoint(folder: Path, mib: int, seed: int = 0) -> dict[str, bytes]:
+    """A checkpoint-like folder: a small JSON, a big weights file, an empty file."""
+    folder.mkdir(parents=True)
+    rnd = __import__("random").Random(seed)
+    files = {"config.json": b'{"hidden_size": 128}', "model.safetensors": rnd.randbytes(mib * MIB), "empty.txt": b""}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def assert_same(dest: Path, files: dict[str, bytes]) -> None:
+    assert (dest / "STABLE").exists()
+    for name, data in files.items():
+        got = (dest / name).read_bytes()
+        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest(), name
+
+
+def wait_complete(client: ShardcastClient, version: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        vs = [ShardcastClient([r], client.cfg).versions().get(version) for r in client.relays]
+        if all(vs):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"relays did not complete version {version}")
+
+
+@pytest.fixture
+def cdn(tmp_path):
+    c = start_local(ShardcastConfig(local_relays=2), tmp_path / "cdn")
+    yield c
+    c.stop()
+    assert not c.origin.alive() and not any(r.alive() for r in c.relays)
+
+
+def fast(**kw) -> ClientConfig:
+    return ClientConfig(**{"deadline": 60.0, "read_timeout": 5.0, "connect_timeout": 2.0, "seed": 0, **kw})
+
+
+def test_a_client_starts_before_the_origin_finishes_and_gets_exact_bytes(cdn, tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 12)
+    store = VersionStore(cdn.origin_dir)
+    written = threading.Event()
+
+    def publish_slowly():  # a trainer writing its checkpoint over ~1.5 s
+        with VersionWriter(store, 1, shard_size=MIB) as w:
+            for name in sorted(files):
+                w.begin_file(name)
+                data = files[name]
+                for off in range(0, len(data), MIB):
+                    w.write(data[off:off + MIB])
+                    time.sleep(0.1)
+        written.set()
+
+    progress = []
+    with ShardcastClient(cdn.relay_urls, fast()) as client:
+        pub = threading.Thread(target=publish_slowly)
+        pub.start()
+        deadline = time.monotonic() + 30
+        while 1 not in client.versions():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        stats = client.fetch(1, tmp_path / "out" / "step_1",
+                             progress=lambda done, total: progress.append((written.is_set(), done, total)))
+        pub.join()
+    assert_same(tmp_path / "out" / "step_1", files)
+    before = [done for was_written, done, _ in progress if not was_written]
+    # pipelined: most shards arrived while the origin was still writing the rest
+    assert before and max(before) >= stats.shards // 2, progress
+    assert progress[-1][2] == stats.shards == 13
+    assert sum(stats.by_relay.values()) == 13 and len(stats.by_relay) == 2  # both relays served
+
+
+def test_a_relay_killed_mid_transfer_leaves_the_others_to_finish(cdn, tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 96)
+    publish_folder(VersionStore(cdn.origin_dir), 1, tmp_path / "ckpt", shard_size=MIB // 2, keep=5)
+    victim = cdn.relays[0]
+    with ShardcastClient(cdn.relay_urls, fast(parallel=2)) as client:
+        wait_complete(client, 1)
+        killed_at = []
+
+        def kill_after_first_shards(done, total):
+            if done == 8 and not killed_at:
+                victim.kill()
+                killed_at.append(done)
+
+        stats = client.fetch(1, tmp_path / "out", progress=kill_after_first_shards)
+        assert killed_at and stats.shards == 193
+        assert client.scores[victim.url].failures >= 1 or stats.by_relay.get(victim.url, 0) < 100
+    assert_same(tmp_path / "out", files)
+    assert stats.by_relay[cdn.relays[1].url] > 193 // 2
+
+
+def test_corrupt_shards_on_one_relay_are_detected_and_fetched_elsewhere(cdn, tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 8)
+    publish_folder(VersionStore(cdn.origin_dir), 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    with ShardcastClient(cdn.relay_urls, fast()) as client:
+        wait_complete(client, 1)
+        bad = VersionStore(cdn.relays[0].port_file.parent.parent / "relay0")
+        for i in range(9):  # same size, wrong bytes: only the hash can tell
+            p = bad.shard_path(1, i)
+            p.write_bytes(bytes(len(p.read_bytes())))
+        stats = client.fetch(1, tmp_path / "out")
+        assert client.scores[cdn.relays[0].url].failures >= 1 and stats.retries >= 1
+        assert stats.by_relay == {cdn.relays[1].url: 9}
+    assert_same(tmp_path / "out", files)
+
+
+def held(url: str, version: int = 1) -> list[int]:
+    r = httpx.get(f"{url}/v/{version}/manifest")
+    return [s["index"] for s in r.json()["shards"]] if r.status_code == 200 else []
+
+
+def test_a_relay_does_not_pass_on_a_bad_shard_from_upstream(tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 4)
+    origin_store = VersionStore(tmp_path / "origin")
+    publish_folder(origin_store, 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    good = origin_store.shard_path(1, 2).read_bytes()
+    origin_store.shard_path(1, 2).write_bytes(bytes(len(good)))  # bit rot on the origin's disk
+    origin = ServerProcess("origin", tmp_path / "origin")
+    relay = ServerProcess("relay", tmp_path / "relay", extra=["--upstream", origin.url])
+    try:
+        with ShardcastClient([relay.url], fast(deadline=3.0)) as client:
+            deadline = time.monotonic() + 30
+            while len(held(relay.url)) < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(0.5)
+            assert held(relay.url) == [0, 1, 3, 4]  # never advertises what it could not verify
+            with pytest.raises(ShardcastError, match="complete on no relay"):
+                client.fetch(1, tmp_path / "out")
+            assert not (tmp_path / "out").exists()
+            origin_store.shard_path(1, 2).write_bytes(good)  # repaired: the relay picks it up on its next pass
+            wait_complete(client, 1)
+            client.fetch(1, tmp_path / "out")
+        assert_same(tmp_path / "out", files)
+    finally:
+        relay.stop()
+        origin.stop()
+
+
+def test_relays_keep_serving_when_the_origin_stops(cdn, tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 4)
+    publish_folder(VersionStore(cdn.origin_dir), 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    with ShardcastClient(cdn.relay_urls, fast()) as client:
+        wait_complete(client, 1)
+        cdn.origin.stop()
+        time.sleep(0.5)  # several failed polls upstream
+        assert client.complete_versions() == [1]
+        client.fetch(1, tmp_path / "out")
+    assert_same(tmp_path / "out", files)
+
+
+def test_with_every_relay_down_the_client_fails_within_its_deadline_and_leaves_nothing(cdn, tmp_path):
+    checkpoint(tmp_path / "ckpt", 2)
+    publish_folder(VersionStore(cdn.origin_dir), 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    urls = cdn.relay_urls
+    cdn.stop()
+    out = tmp_path / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    with ShardcastClient(urls, fast(deadline=2.0)) as client:
+        with pytest.raises(ShardcastError) as e:
+            client.fetch(1, out / "step_1")
+    assert time.monotonic() - t0 < 4.0
+    assert "not fetched within 2 s" in str(e.value) and "no relay listed the version" in str(e.value)
+    assert "ConnectError" in str(e.value) or "connect" in str(e.value).lower()
+    assert list(out.iterdir()) == []  # not even a temporary folder
+
+
+def test_path_traversal_is_refused(cdn, tmp_path):
+    (tmp_path / "secret.txt").write_text("secret")
+    checkpoint(tmp_path / "ckpt", 1)
+    publish_folder(VersionStore(cdn.origin_dir), 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    for base in [cdn.origin.url, *cdn.relay_urls]:
+        for path in ["/v/1/shard/..%2F..%2F..%2Fsecret.txt", "/v/1/../../secret.txt", "/..%2F..%2Fsecret.txt",
+                     "/v/1/manifest.json", "/v/-1/manifest", "/v/1/shard/1e3", "/v/99999999999/manifest",
+                     "/v/1/shard/99999999", "/etc/passwd"]:
+            r = httpx.get(base + path)
+            assert r.status_code in (400, 404), (path, r.status_code)
+            assert b"secret" not in r.content
+
+
+def test_a_manifest_naming_a_file_outside_the_folder_is_rejected(tmp_path):
+    """A hostile relay cannot make a client write outside its target folder."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    evil = {"version": 1, "files": [{"name": "../escape", "offset": 0, "size": 4}], "shard_size": 4,
+            "shards": [{"index": 0, "offset": 0, "size": 4, "sha256": hashlib.sha256(b"evil").hexdigest()}],
+            "total_size": 4, "sha256": hashlib.sha256(b"evil").hexdigest(), "complete": True}
+    app = Starlette(routes=[Route("/v/1/manifest", lambda r: JSONResponse(evil))])
+    server = Server.__new__(Server)
+    server.__init__(VersionStore(tmp_path / "unused"), bind("127.0.0.1", 0))
+    server._server.config.app = app
+    server._server.config.loaded = False
+    server.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                httpx.get(server.url + "/v/1/manifest")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with ShardcastClient([server.url], fast(deadline=1.0)) as client:
+            with pytest.raises(ShardcastError, match="manifest"):
+                client.fetch(1, tmp_path / "dest" / "step_1")
+    finally:
+        server.stop()
+    assert not (tmp_path / "dest" / "escape").exists() and not (tmp_path / "escape").exists()
+
+
+def test_eight_clients_at_once_on_one_host(cdn, tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 16)
+    publish_folder(VersionStore(cdn.origin_dir), 3, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    relay_args = [a for url in cdn.relay_urls for a in ("--relay", url)]
+    procs = [subprocess.Popen([sys.executable, "-m", "intellect.shardcast", "client", *relay_args,
+                               "--dest", str(tmp_path / f"out{i}"), "--deadline", "120"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+             for i in range(8)]
+    try:
+        results = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    assert [p.returncode for p in procs] == [0] * 8, [r[1][-500:] for r in results]
+    for i in range(8):
+        assert_same(tmp_path / f"out{i}", files)
+
+
+def test_origin_and_relays_keep_the_newest_five_versions(cdn, tmp_path):
+    checkpoint(tmp_path / "ckpt", 1)
+    store = VersionStore(cdn.origin_dir)
+    with ShardcastClient(cdn.relay_urls, fast()) as client:
+        for v in range(1, 8):
+            publish_folder(store, v, tmp_path / "ckpt", shard_size=MIB // 4, keep=5)
+            wait_complete(client, v)
+        deadline = time.monotonic() + 10
+        while True:
+            listed = [sorted(ShardcastClient([u]).versions()) for u in cdn.relay_urls]
+            if listed == [[3, 4, 5, 6, 7]] * 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert listed == [[3, 4, 5, 6, 7]] * 2
+    assert store.versions() == [3, 4, 5, 6, 7]
+
+
+def test_the_intellect_command_runs_the_shardcast_client(capsys, tmp_path):
+    from flows.cli import main
+
+    assert main(["shardcast", "client", "--relay", "http://127.0.0.1:9", "--dest", str(tmp_path / "x"),
+                 "--deadline", "1"]) == 1
+    assert "holds a complete version" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,170 @@
+"""SHARDCAST's pure parts and its on-disk store: manifests, relay choice, the origin's shard writer."""
+
+import doctest
+import hashlib
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from intellect.shardcast import choice, manifest, store
+from intellect.shardcast.choice import RelayScore, observe, pick, weights
+from intellect.shardcast.manifest import FileEntry, Manifest, ShardEntry
+from intellect.shardcast.store import VersionStore, VersionWriter, publish_folder
+
+
+@pytest.mark.parametrize("mod", [choice, manifest, store])
+def test_doctests(mod):
+    assert doctest.testmod(mod).failed == 0
+
+
+# ------------------------------------------------------------------ manifests
+
+H = "a" * 64
+
+
+def test_manifest_rejects_names_that_leave_the_folder():
+    for bad in ["../model.safetensors", "a/b", ".hidden", "", "x" * 300, "/etc/passwd", ".tmp-x"]:
+        with pytest.raises(ValidationError):
+            FileEntry(name=bad, offset=0, size=1)
+
+
+def test_manifest_checks_its_layout():
+    files = [FileEntry(name="a", offset=0, size=10)]
+    ok = Manifest(version=1, files=files, shards=[ShardEntry(index=0, offset=0, size=8, sha256=H),
+                                                   ShardEntry(index=1, offset=8, size=2, sha256=H)],
+                  shard_size=8, total_size=10, sha256=H, complete=True)
+    assert [s.index for s in ok.holding({0}).shards] == [0] and not ok.holding({0}).complete
+    with pytest.raises(ValidationError, match="starts at"):
+        Manifest(version=1, files=[FileEntry(name="a", offset=3, size=1)])
+    with pytest.raises(ValidationError, match="every shard"):
+        Manifest(version=1, files=files, shards=ok.shards[:1], shard_size=8, total_size=10, sha256=H, complete=True)
+    with pytest.raises(ValidationError, match="needs total_size"):
+        Manifest(version=1, files=files, shards=ok.shards, shard_size=8, complete=True)
+    with pytest.raises(ValidationError, match="ends past"):
+        Manifest(version=1, files=[FileEntry(name="a", offset=0, size=9)],
+                 shards=[ShardEntry(index=1, offset=8, size=8, sha256=H)], shard_size=8)
+    with pytest.raises(ValidationError, match="does not fit"):
+        Manifest(version=1, files=files, shards=[ShardEntry(index=1, offset=7, size=2, sha256=H)], shard_size=8)
+    with pytest.raises(ValidationError):
+        Manifest(version=1, files=files, shards=[ShardEntry(index=0, offset=0, size=8, sha256="not-hex")])
+    with pytest.raises(ValidationError, match="extra"):
+        Manifest.model_validate({"version": 1, "surprise": True})
+
+
+def test_segments_cross_file_boundaries_and_skip_empty_files():
+    m = Manifest(version=0, files=[FileEntry(name="a", offset=0, size=3), FileEntry(name="empty", offset=3, size=0),
+                                   FileEntry(name="b", offset=3, size=9)],
+                 shards=[ShardEntry(index=i, offset=4 * i, size=min(4, 12 - 4 * i), sha256=H) for i in range(3)],
+                 shard_size=4, total_size=12, sha256=H, complete=True)
+    assert [list(m.segments(s)) for s in m.shards] == [
+        [("a", 0, 3), ("b", 0, 1)], [("b", 1, 4)], [("b", 5, 4)]]
+
+
+# ------------------------------------------------------------------ relay choice
+
+
+def test_a_failure_moves_the_success_rate_not_the_bandwidth():
+    s = {"r": RelayScore(bandwidth=50e6)}
+    observe(s, "r", ok=False, nbytes=0, seconds=30.0, alpha=0.3, heal=0.0)
+    # the package folds its 30 s timeout into the bandwidth EMA as if it were 30 MB/s
+    assert s["r"].bandwidth == 50e6 and s["r"].success == pytest.approx(0.7) and s["r"].failures == 1
+
+
+def test_a_failed_relay_heals_and_is_tried_again():
+    s = {"good": RelayScore(bandwidth=1e8), "bad": RelayScore(bandwidth=1e8)}
+    for _ in range(20):
+        observe(s, "bad", ok=False, nbytes=0, seconds=1, alpha=0.3, heal=0.0)
+    assert s["bad"].success < 1e-3
+    for _ in range(50):  # 50 good downloads elsewhere: bad regains 0.5 of success through healing
+        observe(s, "good", ok=True, nbytes=1e8, seconds=1, alpha=0.3, heal=0.01)
+    assert s["bad"].success == pytest.approx(0.5, abs=0.01)
+    rng = random.Random(1)
+    picks = [pick(s, ["good", "bad"], rng) for _ in range(3000)]
+    assert 0.25 < picks.count("bad") / len(picks) < 0.42  # weight 0.5 vs 1.0 -> 1/3
+
+
+def test_pick_follows_bandwidth_and_never_leaves_the_candidates():
+    s = {"a": RelayScore(bandwidth=3e8), "b": RelayScore(bandwidth=1e8), "c": RelayScore(bandwidth=1e12)}
+    rng = random.Random(0)
+    picks = [pick(s, ["a", "b"], rng) for _ in range(4000)]
+    assert set(picks) == {"a", "b"} and 0.71 < picks.count("a") / 4000 < 0.79
+    with pytest.raises(ValueError):
+        pick(s, [], rng)
+
+
+def test_every_weight_stays_positive_and_unmeasured_relays_are_tried_early():
+    s = {"dead": RelayScore(success=0.0, bandwidth=1e9), "new": RelayScore(), "known": RelayScore(bandwidth=2e8)}
+    w = weights(s)
+    assert w["dead"] > 0 and w["new"] == 1e9 and w["known"] == 2e8  # new: the best bandwidth measured
+
+
+# ------------------------------------------------------------------ store and writer
+
+
+def test_writer_publishes_each_shard_as_it_fills(tmp_path):
+    st = VersionStore(tmp_path)
+    w = VersionWriter(st, version=7, shard_size=4)
+    w.begin_file("weights.bin")
+    w.write(b"0123456789")
+    m = st.manifest(7)
+    assert not m.complete and [s.index for s in m.shards] == [0, 1] and m.files[0].size is None
+    assert st.shard_path(7, 1).read_bytes() == b"4567"
+    assert m.shards[1].sha256 == hashlib.sha256(b"4567").hexdigest()
+    m = w.finish()
+    assert m.complete and m.total_size == 10 and m.sha256 == hashlib.sha256(b"0123456789").hexdigest()
+    assert [s.size for s in m.shards] == [4, 4, 2]
+    with pytest.raises(FileExistsError):
+        VersionWriter(st, version=7, shard_size=4)
+
+
+def test_a_failed_publish_leaves_no_version(tmp_path):
+    st = VersionStore(tmp_path)
+    with pytest.raises(RuntimeError):
+        with VersionWriter(st, version=1, shard_size=4) as w:
+            w.begin_file("a")
+            w.write(b"123456")
+            raise RuntimeError("trainer died")
+    assert st.versions() == [] and not st.version_dir(1).exists()
+    with pytest.raises(ValueError, match="one plain path component"):
+        VersionWriter(st, version=2, shard_size=4).begin_file("../escape")
+
+
+def test_retention_keeps_the_newest_versions(tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"x" * 10)
+    (src / "STABLE").write_text("{}")  # the storage marker is not part of a version
+    st = VersionStore(tmp_path / "origin")
+    for v in range(1, 8):
+        m = publish_folder(st, v, src, shard_size=4, keep=5)
+    assert st.versions() == [3, 4, 5, 6, 7]
+    assert [f.name for f in m.files] == ["model.safetensors"]
+
+
+def test_store_names_only_come_from_integers(tmp_path):
+    st = VersionStore(tmp_path)
+    with pytest.raises(ValueError):
+        st.shard_path(-1, 0)
+    with pytest.raises(ValueError):
+        st.shard_path(1, 10**8)
+    assert st.shard_path(3, 2).relative_to(st.root).as_posix() == "v3/shard_00002.bin"
+
+
+def test_a_client_merges_relays_that_each_hold_different_shards():
+    from intellect.shardcast.client import ShardcastClient
+
+    full = Manifest(version=2, files=[FileEntry(name="w", offset=0, size=12)], shard_size=4,
+                    shards=[ShardEntry(index=i, offset=4 * i, size=4, sha256=H) for i in range(3)],
+                    total_size=12, sha256=H, complete=True)
+    early = full.model_copy(update={"files": [FileEntry(name="w", offset=0)], "complete": False,
+                                    "total_size": None, "sha256": None})
+    errors = {}
+    view, advertised = ShardcastClient._merge({"a": early.holding({0, 1}), "b": early.holding({2})}, None, errors)
+    assert [s.index for s in view.shards] == [0, 1, 2] and not view.complete
+    assert advertised == {0: ["a"], 1: ["a"], 2: ["b"]} and errors == {}
+    # later, a has everything: the view completes; a relay that lies about a hash is left out
+    liar = full.model_copy(update={"shards": [full.shards[0].model_copy(update={"sha256": "b" * 64})]})
+    view, advertised = ShardcastClient._merge({"a": full, "b": early.holding({2}), "c": liar}, view, errors)
+    assert view.complete and view.sha256 == H and advertised == {0: ["a"], 1: ["a"], 2: ["a", "b"]}
+    assert errors == {"c": "manifest disagrees with the other relays"}
