@@ -83,6 +83,12 @@ def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
     results = [f.result() for f in futures]
     timings["generate_wait"] = time.perf_counter() - t0
 
+    rec = validate_and_record(cfg, step, timings)
+    return Ingested(step=step, results=results, record=rec, seconds=time.perf_counter() - t0, timings=timings)
+
+
+def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> T.RecordReport:
+    """``validate`` (a task per worker whose files are there) ``-> record`` (called inside a flow)."""
     t = time.perf_counter()
     storage = T.session(cfg).storage
     by_worker: dict[str, list[str]] = {}
@@ -95,7 +101,7 @@ def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
     t = time.perf_counter()
     rec = T.record(cfg, step, [r.verdicts for r in reports])
     timings["record"] = time.perf_counter() - t
-    return Ingested(step=step, results=results, record=rec, seconds=time.perf_counter() - t0, timings=timings)
+    return rec
 
 
 def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
@@ -103,12 +109,7 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
     t0 = time.perf_counter()
     step, results, rec, timings = ing.step, ing.results, ing.record, dict(ing.timings)
     policies = sorted({r.policy_step for r in results if r.policy_step is not None})
-    upd = T.grpo_update(cfg, step, policies[0] if policies else step)
-    timings["train"] = time.perf_counter() - t0
-    t = time.perf_counter()
-    T.broadcast(cfg, step + 1)
-    timings["broadcast"] = time.perf_counter() - t
-    T.commit_step(cfg, step, timings)
+    upd = train_broadcast_commit(cfg, step, policies[0] if policies else step, timings)
     return StepSummary(
         step=step, policy_steps=policies, accepted=rec.accepted, rejected=rec.rejected, reasons=rec.reasons,
         mean_reward=rec.mean_reward, trained_samples=upd.trained_samples, loss=upd.loss,
@@ -116,6 +117,19 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
         missing_workers=[r.worker for r in results if r.missing], seconds=ing.seconds + time.perf_counter() - t0,
         timings={k: round(v, 4) for k, v in timings.items()},
     )
+
+
+def train_broadcast_commit(cfg: RLRunConfig, step: int, policy_step: int, timings: dict[str, float]
+                           ) -> T.UpdateReport:
+    """``grpo-update -> broadcast -> commit-step`` (called inside a flow); adds train/broadcast timings."""
+    t = time.perf_counter()
+    upd = T.grpo_update(cfg, step, policy_step)
+    timings["train"] = time.perf_counter() - t
+    t = time.perf_counter()
+    T.broadcast(cfg, step + 1)
+    timings["broadcast"] = time.perf_counter() - t
+    T.commit_step(cfg, step, timings)
+    return upd
 
 
 def run_step(cfg: RLRunConfig, step: int, local: bool) -> StepSummary:

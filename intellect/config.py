@@ -126,6 +126,24 @@ class StorageConfig(StrictModel):
         return self
 
 
+class DispatchConfig(StrictModel):
+    """Where a flow's stages run: as sub-flows in this process (one machine, the default), or as
+    flow runs of their deployments (``prefect.yaml``), each on its work pool's workers."""
+
+    mode: Literal["local", "deployments"] = Field(
+        "local", description="local: call each stage flow here; deployments: run_deployment and wait."
+    )
+    timeout: float = Field(
+        3600.0, gt=0, le=7 * 86400, description="Seconds to wait for a deployment's flow run to finish."
+    )
+    poll_interval: float = Field(1.0, gt=0, le=60, description="Seconds between looks at a dispatched flow run.")
+    deployments: dict[str, str] = Field(
+        default_factory=dict,
+        description="Flow name -> 'flow-name/deployment-name' to run; a flow not listed runs the deployment named "
+        "like the flow (e.g. 'rl-generate/rl-generate').",
+    )
+
+
 class TrainConfig(StrictModel):
     """The plain single-process training loop (also DiLoCo's inner loop)."""
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from intellect.config import DataConfig, StorageConfig, StrictModel
+from intellect.config import DataConfig, DispatchConfig, StorageConfig, StrictModel
 from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
 from intellect.rl.rollouts import RolloutLimits
 from intellect.rl.submission import SubmissionConfig
@@ -110,6 +110,11 @@ class RLRunConfig(StrictModel):
     toploc: ToplocConfig | None = Field(
         None, description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
         "with one prefill per checkpoint (k must not exceed the model's hidden size). None: off.",
+    )
+    dispatch: DispatchConfig = Field(
+        default_factory=DispatchConfig,
+        description="rl-orchestrate: run the stage flows (rl-generate, rl-validate, rl-update) in this process "
+        "or as flow runs of their deployments on their work pools.",
     )
     shardcast: ShardcastConfig | None = Field(
         None, description="SHARDCAST weight broadcast: the trainer publishes each checkpoint to an origin, "

@@ -109,6 +109,27 @@ def test_rl_train_with_shardcast_carrying_the_weights(prefect_harness, base):
     assert leftover.stdout == "", leftover.stdout
 
 
+def test_rl_orchestrate_runs_each_stage_as_a_flow_run(prefect_harness, base):
+    """Local dispatch: rl-generate per worker, rl-validate, rl-update as sub-flow runs of rl-orchestrate."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    from flows.rl_stages import rl_orchestrate
+
+    cfg = rl_cfg(base, steps=2, eval={"every": 0})
+    out = rl_orchestrate(cfg)
+    assert [r["step"] for r in out["steps"]] == [0, 1]
+    assert all(r["accepted"] == len(cfg.workers.names) * PROMPTS * GROUP for r in out["steps"])
+    check_ledger(cfg, 2)
+    with get_client(sync_client=True) as client:
+        names = {f: [r.state.type.value for r in client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[f])))]
+            for f in ("rl-generate", "rl-validate", "rl-update")}
+    assert names == {"rl-generate": ["COMPLETED"] * 4, "rl-validate": ["COMPLETED"] * 2,
+                     "rl-update": ["COMPLETED"] * 2}
+    assert rl_orchestrate(cfg)["steps"] == []  # all committed: nothing left
+
+
 def test_rl_step_flow_generates_in_process(prefect_harness, base):
     from flows.rl import rl_step
 

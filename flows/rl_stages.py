@@ -1,0 +1,116 @@
+"""The RL step's stages as flows of their own, and ``rl-orchestrate``, which dispatches them to work pools.
+
+* ``rl-generate`` one worker's submissions of a step (pool ``gpu-rollout``): run storage only.
+* ``rl-validate`` every submission of a step checked and recorded in the ledger (pool ``validator``).
+* ``rl-update`` GRPO update, broadcast and commit of a step (pool ``gpu-train``).
+
+``rl-orchestrate`` (pool ``cpu``) runs the steps in order, each stage through
+:func:`flows.dispatch.dispatch`: sub-flows in its own process by default, flow runs of the
+deployments in ``prefect.yaml`` with ``dispatch.mode = "deployments"``. Stages talk through run
+storage and the ledger, and every stage is idempotent, so a failed stage is rerun by running the
+orchestrator again. Generation of step ``n + 1`` waits for update ``n`` here; the asynchronous
+pipelining of INTELLECT-2 is ``rl-train`` with its long-lived worker processes (``flows/rl.py``).
+A stage that runs in its own process opens the DuckDB ledger, and closes it before it returns, so
+the next stage's process can write it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows.artifacts import artifact_key
+from flows.dispatch import dispatch, dispatch_many
+from flows.rl import _evaluate, train_broadcast_commit, validate_and_record
+from intellect.rl.config import RLRunConfig
+from intellect.rl.report import load_evals
+from intellect.rl.step import done_marker
+from tasks import rl as T
+
+
+@flow(name="rl-generate", flow_run_name="generate-step-{step}-{worker}")
+def rl_generate(config: RLRunConfig, step: int, worker: str) -> dict:
+    """Generate ``worker``'s submissions of ``step`` with the newest checkpoint the lag rule allows."""
+    return T.generate_here(config, step, worker).model_dump()
+
+
+@flow(name="rl-validate", flow_run_name="validate-step-{step}")
+def rl_validate(config: RLRunConfig, step: int) -> dict:
+    """Check every submission of ``step`` (rewards, TOPLOC, lag) and record the verdicts."""
+    try:
+        timings: dict[str, float] = {}
+        rec = validate_and_record(config, step, timings)
+        return rec.model_dump() | {"timings": timings}
+    finally:
+        T.release_ledger(config)
+
+
+@flow(name="rl-update", flow_run_name="update-step-{step}")
+def rl_update(config: RLRunConfig, step: int, timings: dict[str, float] | None = None) -> dict:
+    """Train on ``step``'s accepted samples, publish and broadcast checkpoint ``step + 1``, commit ``step``."""
+    try:
+        storage = T.session(config).storage
+        policies = [json.loads(storage.read_text(done_marker(step, w)))["policy_step"]
+                    for w in config.workers.names if storage.exists(done_marker(step, w))]
+        timings = dict(timings or {})
+        upd = train_broadcast_commit(config, step, min(policies, default=step), timings)
+        return upd.model_dump() | {"timings": timings}
+    finally:
+        T.release_ledger(config)
+
+
+@flow(name="rl-orchestrate", log_prints=True)
+def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
+    """Steps from the first uncommitted one to ``config.steps``, every stage dispatched per ``config.dispatch``."""
+    cfg = config or RLRunConfig()
+    logger = get_run_logger()
+    info = T.prepare_run(cfg)
+    T.release_ledger(cfg)
+    logger.info("run %s: first step %d, stages dispatched %s", cfg.run_name, info.first_step,
+                "here" if cfg.dispatch.mode == "local" else "to their deployments")
+    if info.first_step == 0 and not any(e["step"] == 0 for e in load_evals(T.session(cfg).storage)):
+        logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
+    rows = []
+    for n in range(info.first_step, cfg.steps):
+        t0 = time.perf_counter()
+        T.assign(cfg, n)
+        dispatch_many(rl_generate, [{"config": cfg, "step": n, "worker": w} for w in cfg.workers.names],
+                      cfg.dispatch)
+        timings = {"generate": time.perf_counter() - t0}
+        t = time.perf_counter()
+        dispatch(rl_validate, {"config": cfg, "step": n}, cfg.dispatch)
+        timings["validate_record"] = time.perf_counter() - t
+        t = time.perf_counter()
+        dispatch(rl_update, {"config": cfg, "step": n, "timings": timings}, cfg.dispatch)
+        timings["update"] = time.perf_counter() - t
+        row = _step_row(cfg, n) | {"seconds": round(time.perf_counter() - t0, 3)}
+        rows.append(row)
+        create_table_artifact(key=artifact_key(cfg.run_name, "rl-step"), table=[row],
+                              description=f"RL step {n} of {cfg.run_name}")
+        logger.info("step %d: %s", n, row)
+        if (cfg.eval.every and (n + 1) % cfg.eval.every == 0) or n + 1 == cfg.steps:
+            logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
+    evals = load_evals(T.session(cfg).storage)
+    lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "",
+             "| checkpoint | held-out greedy accuracy |", "|---|---|"]
+    lines += [f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals]
+    create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
+                             description=f"RL run {cfg.run_name}")
+    T.release_ledger(cfg)
+    return {"run_name": cfg.run_name, "first_step": info.first_step, "steps": rows, "evals": evals}
+
+
+def _step_row(cfg: RLRunConfig, step: int) -> dict:
+    """The committed step as the ledger has it (the stages may have run elsewhere)."""
+    ledger = T.session(cfg).ledger
+    try:
+        rec = next((r for r in ledger.steps() if r["step"] == step), None)
+    finally:
+        ledger.close()
+    if rec is None:
+        raise RuntimeError(f"step {step} is not committed in the ledger after rl-update")
+    keep = ("step", "accepted", "rejected", "mean_reward", "loss", "clip_fraction", "trained_samples")
+    return {k: rec.get(k) for k in keep}

@@ -1,0 +1,203 @@
+"""A local Prefect cluster: a server on 127.0.0.1, the work pools of ``prefect.yaml``, one process worker per pool.
+
+    python -m infra.cluster up [--port 4200] [--state .cluster]   # server, pools, workers; writes .cluster/env
+    python -m infra.cluster deploy                                # prefect --no-prompt deploy --all against it
+    python -m infra.cluster status
+    python -m infra.cluster down                                  # SIGTERM each process group, then SIGKILL
+
+``source .cluster/env`` points the ``prefect`` CLI and ``intellect`` at the cluster. The server
+keeps its database in ``<state>/prefect-home`` (SQLite; Postgres for more than one worker host, see
+the README's scale-out guide), analytics off. Pools come from ``infra/pools/<pool>.json`` (base job
+templates for process workers) and are created through the API. Every process runs in its own
+session (``setsid``): one SIGTERM to its group stops it, which a job started with ``&`` from a
+script would ignore (its SIGINT is ignored, and the worker turns SIGTERM into SIGINT). PID files
+are in ``<state>/pids``; ``down`` stops by PID and leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+POOLS_DIR = Path(__file__).with_name("pools")
+POOLS = ("cpu", "gpu-rollout", "gpu-train", "validator")
+# how many flow runs a worker of each pool runs at once on one host (gpu pools: one per GPU)
+LIMITS = {"cpu": 4, "gpu-rollout": 2, "gpu-train": 1, "validator": 1}
+
+
+def cluster_env(state: Path, port: int) -> dict[str, str]:
+    """The environment every process of the cluster, and every client of it, runs with."""
+    return {
+        "PREFECT_HOME": str(state / "prefect-home"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
+        "INTELLECT_ROOT": str(ROOT),
+    }
+
+
+def _pids(state: Path) -> Path:
+    d = state / "pids"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], state: Path) -> int:
+    log = open(state / "logs" / f"{name}.log", "ab")
+    p = subprocess.Popen(argv, env={**os.environ, **env}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    (_pids(state) / f"{name}.pid").write_text(f"{p.pid}\n")
+    return p.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (our own exited child) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_healthy(api_url: str, timeout: float, pid: int | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.read().strip() == b"true":
+                    return
+        except OSError:
+            pass
+        if pid is not None and not _alive(pid):
+            raise RuntimeError("the Prefect server exited; see its log")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Prefect server at {api_url} not healthy within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
+    """Create (or update) each pool from its base job template, with its concurrency limit."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        for name in pools:
+            template = json.loads((POOLS_DIR / f"{name}.json").read_text())
+            desc = template["variables"].get("description")
+            try:
+                client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template,
+                                                       description=desc, concurrency_limit=LIMITS[name]))
+            except ObjectAlreadyExists:
+                client.update_work_pool(name, WorkPoolUpdate(base_job_template=template, description=desc,
+                                                             concurrency_limit=LIMITS[name]))
+
+
+def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = POOLS) -> dict[str, str]:
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "logs").mkdir(exist_ok=True)
+    if running(state):
+        raise RuntimeError(f"a cluster is already running from {state} (python -m infra.cluster down)")
+    env = cluster_env(state, port)
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    pid = _spawn("server", [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, state)
+    try:
+        wait_healthy(env["PREFECT_API_URL"], timeout, pid)
+        create_pools(env, pools)
+        for name in pools:
+            _spawn(f"worker-{name}", [prefect, "worker", "start", "--pool", name, "--type", "process",
+                                      "--limit", str(LIMITS[name]), "--name", f"{name}-local",
+                                      "--install-policy", "never", "--no-create-pool-if-not-found"], env, state)
+    except BaseException:
+        down(state)
+        raise
+    (state / "env").write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
+    return env
+
+
+def deploy(state: Path, timeout: float = 600.0) -> None:
+    """``prefect --no-prompt deploy --all`` from the repository root, against the cluster."""
+    env = load_env(state)
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    subprocess.run([prefect, "--no-prompt", "deploy", "--all"], env={**os.environ, **env}, cwd=ROOT, check=True,
+                   timeout=timeout)
+
+
+def load_env(state: Path) -> dict[str, str]:
+    out = {}
+    for line in (state / "env").read_text().splitlines():
+        k, _, v = line.removeprefix("export ").partition("=")
+        out[k] = v
+    return out
+
+
+def running(state: Path) -> dict[str, int]:
+    """Processes of the cluster still alive, by name."""
+    d = state / "pids"
+    if not d.exists():
+        return {}
+    out = {}
+    for f in sorted(d.glob("*.pid")):
+        pid = int(f.read_text())
+        if _alive(pid):
+            out[f.stem] = pid
+    return out
+
+
+def down(state: Path, grace: float = 20.0) -> dict[str, int]:
+    """SIGTERM every process group of the cluster (workers first), SIGKILL what outlives ``grace``."""
+    procs = running(state)
+    order = sorted(procs, key=lambda n: n == "server")  # workers before the server they report to
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for name in order:
+            try:
+                os.killpg(procs[name], sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(_alive(procs[n]) for n in order) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not any(_alive(procs[n]) for n in order):
+            break
+    for f in _pids(state).glob("*.pid"):
+        f.unlink()
+    return procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infra.cluster", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["up", "deploy", "status", "down"])
+    ap.add_argument("--state", default=str(ROOT / ".cluster"), help="PID files, logs, the server's database.")
+    ap.add_argument("--port", type=int, default=4200, help="Port of the Prefect server on 127.0.0.1.")
+    args = ap.parse_args(argv)
+    state = Path(args.state).resolve()
+    if args.command == "up":
+        env = up(state, args.port)
+        print(f"cluster up: {env['PREFECT_API_URL']} (UI http://127.0.0.1:{args.port}); `source {state}/env`")
+    elif args.command == "deploy":
+        deploy(state)
+    elif args.command == "status":
+        print(json.dumps(running(state)))
+    else:
+        print(f"stopped: {json.dumps(down(state))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
