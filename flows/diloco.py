@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
+from flows.events import emit_membership
 from intellect.config import DilocoRunConfig
 from intellect.diloco.coordinator import Coordinator, LocalLauncher
 from intellect.diloco.worker import init_run
@@ -52,8 +53,12 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
     progress = create_progress_artifact(progress=100.0 * start / cfg.diloco.outer_steps,
                                         description=f"DiLoCo {cfg.run_name}: outer steps committed")
     rows: list[dict] = []
+    members: list[list[str]] = []
 
     def on_commit(n: int, metrics: list[dict]) -> None:
+        now = sorted(metrics[0].get("members", [])) if metrics else []
+        emit_membership(cfg.run_name, n, now, members[-1] if members else None)
+        members.append(now)
         loss = sum(m["inner_loss"] for m in metrics) / max(len(metrics), 1)
         row = {"outer_step": n, "participants": len(metrics), "mean_inner_loss": round(loss, 4),
                "bytes_sent": sum(m["bytes_sent"] for m in metrics),

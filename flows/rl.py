@@ -29,6 +29,7 @@ from prefect.artifacts import (
 from pydantic import BaseModel
 
 from flows.artifacts import BackgroundArtifacts, artifact_key
+from flows.events import emit_rejections
 from intellect.pretrain import CHECKPOINTS
 from intellect.rl.config import RLRunConfig
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
@@ -101,6 +102,8 @@ def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) 
     t = time.perf_counter()
     rec = T.record(cfg, step, [r.verdicts for r in reports])
     timings["record"] = time.perf_counter() - t
+    emit_rejections(cfg.run_name, step, {w: (r.accepted, r.rejected) for w, r in zip(by_worker, reports)},
+                    cfg.alert_rejection_rate)
     return rec
 
 

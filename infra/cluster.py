@@ -5,7 +5,8 @@
     python -m infra.cluster status
     python -m infra.cluster down                                  # SIGTERM each process group, then SIGKILL
 
-``source .cluster/env`` points the ``prefect`` CLI and ``intellect`` at the cluster. The server
+``source .cluster/env`` points the ``prefect`` CLI and ``intellect`` at the cluster. ``up`` also
+creates the automation ``intellect-worker-rejections`` (``infra/automations.py``). The server
 keeps its database in ``<state>/prefect-home`` (SQLite; Postgres for more than one worker host, see
 the README's scale-out guide), analytics off. Pools come from ``infra/pools/<pool>.json`` (base job
 templates for process workers) and are created through the API. Every process runs in its own
@@ -25,6 +26,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from infra.automations import create_automations
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS_DIR = Path(__file__).with_name("pools")
@@ -94,7 +99,6 @@ def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectAlreadyExists
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
         for name in pools:
@@ -108,7 +112,9 @@ def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
                                                              concurrency_limit=LIMITS[name]))
 
 
-def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = POOLS) -> dict[str, str]:
+def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = POOLS,
+       alert_webhook: str | None = None) -> dict[str, str]:
+    """Server, pools, the rejection automation (calling ``alert_webhook`` if given), one worker per pool."""
     state.mkdir(parents=True, exist_ok=True)
     (state / "logs").mkdir(exist_ok=True)
     if running(state):
@@ -119,6 +125,8 @@ def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = 
     try:
         wait_healthy(env["PREFECT_API_URL"], timeout, pid)
         create_pools(env, pools)
+        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            create_automations(alert_webhook)
         for name in pools:
             _spawn(f"worker-{name}", [prefect, "worker", "start", "--pool", name, "--type", "process",
                                       "--limit", str(LIMITS[name]), "--name", f"{name}-local",
@@ -185,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", choices=["up", "deploy", "status", "down"])
     ap.add_argument("--state", default=str(ROOT / ".cluster"), help="PID files, logs, the server's database.")
     ap.add_argument("--port", type=int, default=4200, help="Port of the Prefect server on 127.0.0.1.")
+    ap.add_argument("--alert-webhook", default=os.environ.get("INTELLECT_ALERT_WEBHOOK"),
+                    help="URL the rejection automation POSTs to (default: INTELLECT_ALERT_WEBHOOK; none: record only).")
     args = ap.parse_args(argv)
     state = Path(args.state).resolve()
     if args.command == "up":
-        env = up(state, args.port)
+        env = up(state, args.port, alert_webhook=args.alert_webhook)
         print(f"cluster up: {env['PREFECT_API_URL']} (UI http://127.0.0.1:{args.port}); `source {state}/env`")
     elif args.command == "deploy":
         deploy(state)

@@ -111,6 +111,11 @@ class RLRunConfig(StrictModel):
         None, description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
         "with one prefill per checkpoint (k must not exceed the model's hidden size). None: off.",
     )
+    alert_rejection_rate: float = Field(
+        0.5, ge=0, le=1,
+        description="A worker whose share of rejected samples in a step reaches this emits the event "
+        "intellect.rl.worker.rejections-high (the automation intellect-worker-rejections reacts to it).",
+    )
     dispatch: DispatchConfig = Field(
         default_factory=DispatchConfig,
         description="rl-orchestrate: run the stage flows (rl-generate, rl-validate, rl-update) in this process "

@@ -5,8 +5,12 @@ is stopped by PID at the end and nothing is left running."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -33,10 +37,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def local_cluster(tmp_path):
-    state = tmp_path / "cluster"
-    env = cluster.up(state, free_port())
+class _Sink(BaseHTTPRequestHandler):
+    """The alert webhook: records every POST body."""
+
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def alert_sink():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/alerts", _Sink.received
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory, alert_sink):
+    state = tmp_path_factory.mktemp("cluster")
+    env = cluster.up(state, free_port(), alert_webhook=alert_sink[0])
     try:
         yield state, env
     finally:
@@ -85,3 +111,26 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
         assert all(len(ledger.accepted(n)) == 2 * 2 * 4 for n in (0, 1))
     assert RunStorage(f"file://{tmp_path}/rl-pools").complete_steps("checkpoints") == [0, 1, 2]
     assert Path(state / "env").read_text().count("export ") >= 5
+
+
+def test_a_worker_with_many_rejections_triggers_the_automation(local_cluster, alert_sink):
+    from prefect.automations import Automation
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.events import emit_rejections
+    from infra.automations import NAME
+
+    state, env = local_cluster
+    url, received = alert_sink
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        assert Automation.read(name=NAME).enabled
+        alerted = emit_rejections("rl-x", 3, {"mallory": (2, 14), "alice": (16, 0), "bob": (15, 1)}, 0.5)
+        assert alerted == ["mallory"]
+        deadline = time.monotonic() + 60
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert received, "the automation never called the webhook"
+    assert received[0] == {"automation": NAME, "event": "intellect.rl.worker.rejections-high", "run": "rl-x",
+                           "worker": "mallory", "step": 3, "rate": 0.875, "threshold": 0.5}
+    time.sleep(2)
+    assert len(received) == 1  # alice had none, bob's 1 of 16 is under the threshold
