@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from intellect.config import ConfigError, DilocoRunConfig, SmokeConfig, load_config
+from intellect.pipeline import DemoConfig
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 
-RUNS = {"smoke": SmokeConfig, "diloco": DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig}
-EXAMPLES = {"smoke": "smoke", "diloco": "diloco-tiny", "rl": "rl-tiny", "filter": "filter-tiny"}
+RUNS = {"smoke": SmokeConfig, "diloco": DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
+        "demo": DemoConfig}
+EXAMPLES = {"smoke": "smoke", "diloco": "diloco-tiny", "rl": "rl-tiny", "filter": "filter-tiny", "demo": "demo"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,11 +24,15 @@ def _parser() -> argparse.ArgumentParser:
         "diloco": "DiLoCo pretraining with N worker processes (int8 all-reduce, elastic membership)",
         "rl": "asynchronous GRPO: inference worker processes, validator, DuckDB ledger, trainer",
         "filter": "offline difficulty filter: pass@k of the current model, keep prompts in the window",
+        "demo": "the whole pipeline: DiLoCo pretraining, pass@k filter, RL with TOPLOC and SHARDCAST, one report",
     }
     for name, text in helps.items():
         s = sub.add_parser(name, help=text)
         s.add_argument("--config", help=f"TOML run file (e.g. configs/{EXAMPLES[name]}.toml)")
         s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=200 data.max_digits=2")
+        s.add_argument("--cluster", nargs="?", const=".cluster", metavar="STATE",
+                       help="report to the local cluster of `python -m infra.cluster up` (its state folder, "
+                       "default .cluster) instead of a temporary Prefect server")
     sub.add_parser("shardcast", add_help=False,
                    help="SHARDCAST servers and client: origin | publish | relay | client (see `intellect shardcast -h`)")
     return p
@@ -37,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return shardcast_main(argv[1:], prog="intellect shardcast")
     args = _parser().parse_args(argv)
+    if args.cluster:
+        from infra.cluster import load_env
+
+        try:
+            os.environ.update(load_env(Path(args.cluster)))
+        except FileNotFoundError:
+            print(f"intellect: no cluster state in {args.cluster} (run `python -m infra.cluster up`)", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(RUNS[args.command], args.config, args.overrides)
         # flows are imported late: Prefect's import costs ~2 s, wasted on a bad config
@@ -56,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows.filter import filter_pass_at_k
 
             filter_pass_at_k(cfg)
+        elif args.command == "demo":
+            from flows.demo import demo
+
+            demo(cfg)
     except ConfigError as e:
         print(f"intellect: {e}", file=sys.stderr)
         return 2

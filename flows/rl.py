@@ -146,7 +146,8 @@ def _step_row(s: StepSummary) -> dict:
         "accepted": s.accepted, "rejected": s.rejected,
         "rejected_by_reason": ", ".join(f"{k}: {v}" for k, v in sorted(s.reasons.items())) or "-",
         "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction,
-        "train_tokens_per_s": s.tokens_per_second, "seconds": round(s.seconds, 3),
+        "train_tokens_per_s": s.tokens_per_second, "broadcast_s": s.timings.get("broadcast"),
+        "seconds": round(s.seconds, 3),
     }
 
 

@@ -29,7 +29,8 @@ from intellect.ledger import Ledger
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl import step as S
 from intellect.rl.assignment import assign_prompts
-from intellect.rl.config import RLRunConfig
+from intellect.config import StorageConfig
+from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
 from intellect.rl.setup import heldout_tasks, ledger_path, local_run_dir, run_storage, seed_checkpoint, task_pool
@@ -355,6 +356,25 @@ def broadcast(cfg: RLRunConfig, step: int) -> str:
 def commit_step(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> bool:
     s = session(cfg)
     return S.commit(s.storage, s.ledger, step, S.saved_report(s.storage, step), timings)
+
+
+class EvalPoint(BaseModel):
+    run: str
+    step: int
+    accuracy: float
+
+
+@task(name="evaluate-run", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
+def evaluate_run(storage: StorageConfig, run_name: str, step: int | None, tasks: TaskPoolConfig, size: int
+                 ) -> EvalPoint:
+    """Held-out greedy exact-match accuracy of checkpoint ``step`` (None: the newest) of any run in
+    ``storage``, on the held-out problems of ``tasks`` (the ones RL evaluates on)."""
+    st = RunStorage.from_config(storage, run_name)
+    step = st.latest_step(CHECKPOINTS) if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"run {run_name} has no complete checkpoint")
+    model, tok = fetch_checkpoint(st, step)
+    return EvalPoint(run=run_name, step=step, accuracy=evaluate(model, tok, heldout_tasks(tasks, size)).accuracy)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)

@@ -3,11 +3,13 @@ from pathlib import Path
 import pytest
 
 from intellect import config as C
+from intellect.pipeline import DemoConfig
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 # Each shipped TOML names its run type in a leading comment: "# run: smoke".
-RUN_TYPES = {"smoke": C.SmokeConfig, "diloco": C.DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig}
+RUN_TYPES = {"smoke": C.SmokeConfig, "diloco": C.DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
+             "demo": DemoConfig}
 
 
 def run_type(path: Path) -> type:
