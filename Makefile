@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: $(BIN)/.installed
-	$(BIN)/intellect smoke --config configs/smoke.toml
+	$(BIN)/intellect demo --config configs/demo.toml
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
-from flows.diloco import diloco_train
+from flows.diloco import diloco_train, start_run
 from flows.filter import filter_pass_at_k
 from flows.rl import rl_train
 from intellect.ledger import Ledger
@@ -59,9 +59,11 @@ def demo(config: DemoConfig | None = None) -> DemoReport:
         return evaluate_run(rl.storage, run, step, rl.tasks, rl.eval.size)
 
     t = time.perf_counter()
+    # the newest checkpoint before pretraining (step 0 on a fresh run; retention prunes it later)
+    before = acc(cfg.diloco.run_name, start_run(cfg.diloco))
     pre = diloco_train(cfg.diloco)
     seconds["diloco"] = time.perf_counter() - t
-    before, pretrained = acc(cfg.diloco.run_name, 0), acc(cfg.diloco.run_name, None)
+    pretrained = acc(cfg.diloco.run_name, None)
     logger.info("DiLoCo: held-out accuracy %.1f%% -> %.1f%%", 100 * before.accuracy, 100 * pretrained.accuracy)
     diloco_storage = RunStorage.from_config(cfg.diloco.storage, cfg.diloco.run_name)
     diloco_storage.write_bytes("metrics/loss.png", plot_pretraining(pre.steps, f"DiLoCo {cfg.diloco.run_name}"))
@@ -81,8 +83,8 @@ def demo(config: DemoConfig | None = None) -> DemoReport:
     plots = {"pretraining loss": diloco_storage.uri("metrics/loss.png"), "RL curve": run_storage(rl).uri(CURVE)}
 
     rows = [
-        {"phase": f"DiLoCo pretraining ({cfg.diloco.diloco.workers} workers, {cfg.diloco.diloco.outer_steps} outer "
-                  f"steps of {cfg.diloco.diloco.inner_steps})", "start": before.accuracy, "end": pretrained.accuracy,
+        {"phase": f"DiLoCo pretraining ({cfg.diloco.diloco.workers} workers, outer steps {before.step} -> "
+                  f"{pretrained.step}, {cfg.diloco.diloco.inner_steps} inner steps each)", "start": before.accuracy, "end": pretrained.accuracy,
          "gain_points": 100 * (pretrained.accuracy - before.accuracy), "seconds": seconds["diloco"]},
         {"phase": f"RL ({report.steps} steps, async_level {rl.async_level}, TOPLOC "
                   f"{'on' if rl.toploc else 'off'}, SHARDCAST {'on' if rl.shardcast else 'off'})",

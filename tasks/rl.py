@@ -25,11 +25,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from intellect.config import StorageConfig
 from intellect.ledger import Ledger
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl import step as S
 from intellect.rl.assignment import assign_prompts
-from intellect.config import StorageConfig
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
