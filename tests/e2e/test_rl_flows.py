@@ -122,8 +122,11 @@ def test_rl_orchestrate_runs_each_stage_as_a_flow_run(prefect_harness, base):
     assert all(r["accepted"] == len(cfg.workers.names) * PROMPTS * GROUP for r in out["steps"])
     check_ledger(cfg, 2)
     with get_client(sync_client=True) as client:
+        # the Prefect harness is shared by the session: keep this run's flow runs only
         names = {f: [r.state.type.value for r in client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[f])))]
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[f])))
+            if r.parameters["config"]["run_name"] == cfg.run_name and r.parameters["config"]["storage"]["url"]
+            == cfg.storage.url]
             for f in ("rl-generate", "rl-validate", "rl-update")}
     assert names == {"rl-generate": ["COMPLETED"] * 4, "rl-validate": ["COMPLETED"] * 2,
                      "rl-update": ["COMPLETED"] * 2}
