@@ -27,8 +27,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prefect.settings import PREFECT_API_URL, temporary_settings
-
 from infra.automations import create_automations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +97,7 @@ def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectAlreadyExists
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
         for name in pools:
@@ -125,6 +124,8 @@ def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = 
     try:
         wait_healthy(env["PREFECT_API_URL"], timeout, pid)
         create_pools(env, pools)
+        from prefect.settings import PREFECT_API_URL, temporary_settings  # late: `intellect --cluster` sets the env first
+
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
             create_automations(alert_webhook)
         for name in pools:
