@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
 from flows.events import emit_membership
+from flows.progress import progress_bar
 from intellect.config import DilocoRunConfig
 from intellect.diloco.coordinator import Coordinator, LocalLauncher
 from intellect.diloco.worker import init_run
@@ -54,8 +55,10 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
                                         description=f"DiLoCo {cfg.run_name}: outer steps committed")
     rows: list[dict] = []
     members: list[list[str]] = []
+    bar = progress_bar(cfg.diloco.outer_steps, f"DiLoCo {cfg.run_name}", initial=start, unit="outer step")
 
     def on_commit(n: int, metrics: list[dict]) -> None:
+        bar.update(n - bar.n)
         now = sorted(metrics[0].get("members", [])) if metrics else []
         emit_membership(cfg.run_name, n, now, members[-1] if members else None)
         members.append(now)
@@ -77,6 +80,7 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
             committed = coord.progress() or start
         finally:
             coord.close()
+            bar.close()
     create_table_artifact(key=artifact_key(cfg.run_name, "outer-steps"),
                           table=rows or [{"outer_step": start}], description="DiLoCo outer steps")
     create_markdown_artifact(markdown=f"# DiLoCo `{cfg.run_name}`\n\n{committed}/{cfg.diloco.outer_steps} outer steps "

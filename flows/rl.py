@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from flows.artifacts import BackgroundArtifacts, artifact_key
 from flows.events import emit_rejections
+from flows.progress import progress_bar
 from intellect.pretrain import CHECKPOINTS
 from intellect.rl.config import RLRunConfig
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
@@ -205,6 +206,7 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
             return None
         return ahead.submit(contextvars.copy_context().run, ingest, cfg, step, False)
 
+    bar = progress_bar(cfg.steps, f"RL {cfg.run_name}", initial=info.first_step)
     try:
         nxt = ingest_ahead(info.first_step)
         for n in range(info.first_step, cfg.steps):
@@ -218,11 +220,14 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
                         n, None if s.mean_reward is None else round(s.mean_reward, 4), s.accepted, s.rejected,
                         s.reasons or "", s.trained_samples, None if s.loss is None else round(s.loss, 5), s.seconds)
             artifacts.submit(update_progress_artifact, artifact_id=progress, progress=100.0 * (n + 1) / cfg.steps)
+            bar.update(1)
+            bar.set_postfix(reward=s.mean_reward, rejected=s.rejected, refresh=False)
             if (cfg.eval.every and (n + 1) % cfg.eval.every == 0) or n + 1 == cfg.steps:
                 te = time.perf_counter()
                 logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
                 eval_seconds += time.perf_counter() - te
     finally:
+        bar.close()
         T.stop_waiting(cfg)  # an ingest still waiting for a worker gives up at its next poll
         ahead.shutdown(wait=True, cancel_futures=True)
         if pids:
