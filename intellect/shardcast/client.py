@@ -29,7 +29,7 @@ import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientConfig
-from intellect.shardcast.manifest import Manifest, ShardEntry
+from intellect.shardcast.manifest import Manifest, ShardEntry, compatible
 from intellect.storage import STABLE
 
 log = logging.getLogger("intellect.shardcast.client")
@@ -303,7 +303,7 @@ class ShardcastClient:
         which relays advertise each shard. A relay that disagrees with the view is not used."""
         agreeing: dict[str, Manifest] = {}
         for relay, m in sorted(manifests.items(), key=lambda kv: (not kv[1].complete, -len(kv[1].files))):
-            if ref is None or _agrees(m, ref):
+            if ref is None or compatible(m, ref):
                 agreeing[relay] = m
                 if ref is None:
                     ref = m
@@ -335,17 +335,6 @@ class ShardcastClient:
             got = f"{len(done)} shards, the version is complete on no relay ({len(ref.shards)} shards listed)"
         detail = "; ".join(f"{r}: {e}" for r, e in sorted(errors.items())) or "no errors recorded"
         return f"{head} ({got}; {detail})"
-
-
-def _agrees(a: Manifest, b: Manifest) -> bool:
-    """Whether two views of one version can both be true (same layout, same hash where both list a shard)."""
-    if a.shard_size != b.shard_size or (a.complete and b.complete and a.sha256 != b.sha256):
-        return False
-    for fa, fb in zip(a.files, b.files):
-        if fa.name != fb.name or fa.offset != fb.offset or (None not in (fa.size, fb.size) and fa.size != fb.size):
-            return False
-    hb = {s.index: s.sha256 for s in b.shards}
-    return all(hb.get(s.index, s.sha256) == s.sha256 for s in a.shards)
 
 
 class _OrderedHasher:

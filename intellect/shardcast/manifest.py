@@ -122,3 +122,21 @@ def shard_count(total: int, shard_size: int) -> int:
     (0, 2, 3)
     """
     return -(-total // shard_size)
+
+
+def compatible(a: Manifest, b: Manifest) -> bool:
+    """Whether two views of one version (e.g. two relays' manifests) can both be true: same layout,
+    same hash wherever both list a shard.
+
+    >>> m = Manifest(version=1, shard_size=4, files=[FileEntry(name="w", offset=0)],
+    ...              shards=[ShardEntry(index=0, offset=0, size=4, sha256="a" * 64)])
+    >>> compatible(m, m.holding(set())), compatible(m, m.model_copy(update={"shard_size": 8}))
+    (True, False)
+    """
+    if a.shard_size != b.shard_size or (a.complete and b.complete and a.sha256 != b.sha256):
+        return False
+    for fa, fb in zip(a.files, b.files):
+        if fa.name != fb.name or fa.offset != fb.offset or (None not in (fa.size, fb.size) and fa.size != fb.size):
+            return False
+    hb = {s.index: s.sha256 for s in b.shards}
+    return all(hb.get(s.index, s.sha256) == s.sha256 for s in a.shards)

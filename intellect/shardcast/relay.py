@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
-from intellect.shardcast.client import ShardError, _agrees, download_shard, get_json
+from intellect.shardcast.client import ShardError, download_shard, get_json
 from intellect.shardcast.config import RelayConfig
-from intellect.shardcast.manifest import Manifest, ShardEntry
+from intellect.shardcast.manifest import Manifest, ShardEntry, compatible
 from intellect.shardcast.store import VersionStore
 
 log = logging.getLogger("intellect.shardcast.relay")
@@ -73,7 +73,7 @@ class Relay:
             if up is None:
                 continue
             with self._lock:
-                if local is not None and not _agrees(local, up):
+                if local is not None and not compatible(local, up):
                     log.warning("version %d changed upstream; dropping the local copy", v)
                     self.store.drop(v)
                     self._held[v] = set()
