@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="report to the local cluster of `python -m infra.cluster up` (its state folder, "
                        "default .cluster) instead of a temporary Prefect server")
     sub.add_parser("shardcast", add_help=False,
-                   help="SHARDCAST servers and client: origin | publish | relay | client (see `intellect shardcast -h`)")
+                   help="SHARDCAST servers and client: origin | publish | relay | client "
+                   "(see `intellect shardcast -h`)")
     return p
 
 

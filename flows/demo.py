@@ -84,7 +84,8 @@ def demo(config: DemoConfig | None = None) -> DemoReport:
 
     rows = [
         {"phase": f"DiLoCo pretraining ({cfg.diloco.diloco.workers} workers, outer steps {before.step} -> "
-                  f"{pretrained.step}, {cfg.diloco.diloco.inner_steps} inner steps each)", "start": before.accuracy, "end": pretrained.accuracy,
+                  f"{pretrained.step}, {cfg.diloco.diloco.inner_steps} inner steps each)",
+         "start": before.accuracy, "end": pretrained.accuracy,
          "gain_points": 100 * (pretrained.accuracy - before.accuracy), "seconds": seconds["diloco"]},
         {"phase": f"RL ({report.steps} steps, async_level {rl.async_level}, TOPLOC "
                   f"{'on' if rl.toploc else 'off'}, SHARDCAST {'on' if rl.shardcast else 'off'})",

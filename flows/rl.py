@@ -170,6 +170,18 @@ def rl_step(config: RLRunConfig, step: int) -> StepSummary:
     return summary
 
 
+def eval_due(cfg: RLRunConfig, step: int) -> bool:
+    """Whether checkpoint ``step`` (published by update ``step - 1``) is evaluated: every ``eval.every``
+    steps, and the last."""
+    return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps
+
+
+def eval_table(evals: list[dict]) -> list[str]:
+    """Markdown rows of held-out accuracy by checkpoint."""
+    return ["| checkpoint | held-out greedy accuracy |", "|---|---|",
+            *(f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals)]
+
+
 def _evaluate(cfg: RLRunConfig, step: int) -> float:
     acc = T.evaluate_step(cfg, step)
     add_eval(T.session(cfg).storage, step, acc)
@@ -222,7 +234,7 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
             artifacts.submit(update_progress_artifact, artifact_id=progress, progress=100.0 * (n + 1) / cfg.steps)
             bar.update(1)
             bar.set_postfix(reward=s.mean_reward, rejected=s.rejected, refresh=False)
-            if (cfg.eval.every and (n + 1) % cfg.eval.every == 0) or n + 1 == cfg.steps:
+            if eval_due(cfg, n + 1):
                 te = time.perf_counter()
                 logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
                 eval_seconds += time.perf_counter() - te
@@ -248,10 +260,8 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
     lines = [f"# RL run `{cfg.run_name}`", "",
              f"{done} steps in {step_seconds:.1f} s ({per_hour:.0f} steps/hour; evaluations took another "
              f"{eval_seconds:.1f} s), "
-             f"async_level {cfg.async_level}, workers {cfg.workers.names}", "",
-             "| checkpoint | held-out greedy accuracy |", "|---|---|"]
-    lines += [f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals]
-    lines += ["", f"Curve: {curve}", f"Worker exit codes: {codes}"]
+             f"async_level {cfg.async_level}, workers {cfg.workers.names}", "", *eval_table(evals),
+             "", f"Curve: {curve}", f"Worker exit codes: {codes}"]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
                              description=f"RL run {cfg.run_name}")
     T.close_session(cfg)

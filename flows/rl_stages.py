@@ -24,7 +24,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.artifacts import artifact_key
 from flows.dispatch import dispatch, dispatch_many
-from flows.rl import _evaluate, train_broadcast_commit, validate_and_record
+from flows.rl import _evaluate, eval_due, eval_table, train_broadcast_commit, validate_and_record
 from intellect.rl.config import RLRunConfig
 from intellect.rl.report import load_evals
 from intellect.rl.step import done_marker
@@ -91,12 +91,10 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
         create_table_artifact(key=artifact_key(cfg.run_name, "rl-step"), table=[row],
                               description=f"RL step {n} of {cfg.run_name}")
         logger.info("step %d: %s", n, row)
-        if (cfg.eval.every and (n + 1) % cfg.eval.every == 0) or n + 1 == cfg.steps:
+        if eval_due(cfg, n + 1):
             logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
     evals = load_evals(T.session(cfg).storage)
-    lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "",
-             "| checkpoint | held-out greedy accuracy |", "|---|---|"]
-    lines += [f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals]
+    lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "", *eval_table(evals)]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
                              description=f"RL run {cfg.run_name}")
     T.release_ledger(cfg)
@@ -107,7 +105,7 @@ def _step_row(cfg: RLRunConfig, step: int) -> dict:
     """The committed step as the ledger has it (the stages may have run elsewhere)."""
     ledger = T.session(cfg).ledger
     try:
-        rec = next((r for r in ledger.steps() if r["step"] == step), None)
+        rec = ledger.get_step(step)
     finally:
         ledger.close()
     if rec is None:

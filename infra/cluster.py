@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from infra.automations import create_automations
+from infra.procs import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS_DIR = Path(__file__).with_name("pools")
@@ -65,17 +66,6 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], state: Path) -> int:
     return p.pid
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (our own exited child) is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def wait_healthy(api_url: str, timeout: float, pid: int | None = None) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -85,7 +75,7 @@ def wait_healthy(api_url: str, timeout: float, pid: int | None = None) -> None:
                     return
         except OSError:
             pass
-        if pid is not None and not _alive(pid):
+        if pid is not None and not alive(pid):
             raise RuntimeError("the Prefect server exited; see its log")
         if time.monotonic() > deadline:
             raise TimeoutError(f"Prefect server at {api_url} not healthy within {timeout:.0f} s")
@@ -124,7 +114,8 @@ def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = 
     try:
         wait_healthy(env["PREFECT_API_URL"], timeout, pid)
         create_pools(env, pools)
-        from prefect.settings import PREFECT_API_URL, temporary_settings  # late: `intellect --cluster` sets the env first
+        # imported late: `intellect --cluster` sets the environment before Prefect reads its settings
+        from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
             create_automations(alert_webhook)
@@ -163,7 +154,7 @@ def running(state: Path) -> dict[str, int]:
     out = {}
     for f in sorted(d.glob("*.pid")):
         pid = int(f.read_text())
-        if _alive(pid):
+        if alive(pid):
             out[f.stem] = pid
     return out
 
@@ -179,9 +170,9 @@ def down(state: Path, grace: float = 20.0) -> dict[str, int]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
-        while any(_alive(procs[n]) for n in order) and time.monotonic() < deadline:
+        while any(alive(procs[n]) for n in order) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if not any(_alive(procs[n]) for n in order):
+        if not any(alive(procs[n]) for n in order):
             break
     for f in _pids(state).glob("*.pid"):
         f.unlink()

@@ -20,7 +20,7 @@ import torch
 
 from intellect.config import SmokeConfig
 from intellect.data.arithmetic import documents, heldout_problems
-from intellect.model.checkpoint import build_model, load_checkpoint, save_checkpoint
+from intellect.model.checkpoint import build_model, load_checkpoint_copy, save_checkpoint
 from intellect.storage import RunStorage
 from intellect.train import evaluate, pass_counts, train
 
@@ -55,11 +55,7 @@ def fetch_checkpoint(storage: RunStorage, step: int | None = None):
         raise FileNotFoundError(f"checkpoint step {step} is not complete in {storage.uri(CHECKPOINTS)}")
     with tempfile.TemporaryDirectory(prefix="intellect-ckpt-") as tmp:
         storage.get_dir(storage.step_path(step, CHECKPOINTS), Path(tmp) / "model")
-        model, tok = load_checkpoint(Path(tmp) / "model")
-        # safetensors maps the file lazily: materialize before the folder goes away
-        for p in model.parameters():
-            p.data = p.data.clone()
-    return model, tok
+        return load_checkpoint_copy(Path(tmp) / "model")
 
 
 def init_checkpoint(cfg: SmokeConfig, storage: RunStorage) -> int:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from infra.procs import alive
+
 PREFIX = "iwan-"
 IFNAME = "wan0"
 SUBNET = "10.77.0"
@@ -73,24 +75,11 @@ def _del_netns(ns: str) -> None:
     _cmd(["ip", "netns", "del", ns], check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed creator may linger as a zombie until its parent reaps it
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def cleanup_stale() -> list[str]:
     """Delete ``iwan-<pid>-*`` namespaces whose creating process is dead; returns their names."""
     if not shutil.which("ip"):
         return []
-    stale = [ns for ns in _netns_list() if (m := _STALE.match(ns)) and not _alive(int(m.group(1)))]
+    stale = [ns for ns in _netns_list() if (m := _STALE.match(ns)) and not alive(int(m.group(1)))]
     for ns in stale:
         _del_netns(ns)
     return stale

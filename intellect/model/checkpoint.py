@@ -75,6 +75,15 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None):
     return model.eval(), tok
 
 
+def load_checkpoint_copy(path: str | os.PathLike, dtype: torch.dtype | None = None):
+    """:func:`load_checkpoint` with every parameter in memory of its own: safetensors maps the file
+    lazily, so a model that must outlive its folder (a temporary download, a pruned cache) is copied."""
+    model, tok = load_checkpoint(path, dtype)
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return model, tok
+
+
 def save_checkpoint(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> Path:
     """Write an HF folder atomically: assemble in a sibling temp folder, then rename."""
     path = Path(path)

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from intellect.model.checkpoint import load_checkpoint
+from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl.config import RLRunConfig
 from intellect.shardcast.client import ShardcastClient
@@ -58,17 +58,14 @@ class ShardcastWeights:
     def __init__(self, client: ShardcastClient, cache: str | Path, keep: int):
         self.client, self.cache, self.keep = client, Path(cache), keep
         self.cache.mkdir(parents=True, exist_ok=True)
-        self.last_fetch = None
 
     def complete_steps(self) -> list[int]:
         return self.client.complete_versions()
 
     def load(self, step: int):
         dest = self.cache / f"step_{step}"
-        self.last_fetch = self.client.fetch(step, dest)
-        model, tok = load_checkpoint(dest)
-        for p in model.parameters():  # safetensors maps the file lazily; the folder may be pruned later
-            p.data = p.data.clone()
+        self.client.fetch(step, dest)
+        model, tok = load_checkpoint_copy(dest)  # the folder may be pruned later
         self._prune()
         return model, tok
 
@@ -101,11 +98,12 @@ def publish_to_origin(cfg: RLRunConfig, storage: RunStorage, step: int, origin_d
     if have is not None:
         store.drop(step)
     rel = storage.step_path(step, CHECKPOINTS)
-    local = storage.local_path(rel)
-    with tempfile.TemporaryDirectory(prefix="intellect-publish-") as tmp:
-        if local is None:
-            local = Path(tmp) / "ckpt"
-            storage.get_dir(rel, local)
-        m = publish_folder(store, step, local, cfg.shardcast.shard_size, cfg.shardcast.keep,
-                           skip=TRAINER_ONLY | {STABLE})
+    skip = TRAINER_ONLY | {STABLE}
+    if (local := storage.local_path(rel)) is not None:
+        m = publish_folder(store, step, local, cfg.shardcast.shard_size, cfg.shardcast.keep, skip=skip)
+    else:  # S3: the checkpoint comes down once, into a folder that goes away after
+        with tempfile.TemporaryDirectory(prefix="intellect-publish-") as tmp:
+            storage.get_dir(rel, Path(tmp) / "ckpt")
+            m = publish_folder(store, step, Path(tmp) / "ckpt", cfg.shardcast.shard_size, cfg.shardcast.keep,
+                               skip=skip)
     return {"version": step, "bytes": m.total_size, "shards": len(m.shards), "published": True}

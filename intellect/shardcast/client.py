@@ -78,6 +78,16 @@ def get_json(http: httpx.Client, url: str, timeout: httpx.Timeout):
     return r.json()
 
 
+def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout) -> list[tuple[int, bool]]:
+    """``(version, complete)`` for each version the server at ``base`` lists; raises httpx.HTTPError or
+    ValueError when it does not answer or answers something else."""
+    try:
+        listed = get_json(http, f"{base}/versions", timeout)["versions"]
+        return [(int(v["version"]), bool(v["complete"])) for v in listed]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{base}/versions: unexpected answer ({e!r})") from e
+
+
 @dataclass
 class FetchStats:
     version: int
@@ -163,12 +173,12 @@ class ShardcastClient:
         out: dict[int, bool] = {}
         for relay in self.relays:
             try:
-                listed = get_json(self._http, f"{relay}/versions", self._timeout)["versions"]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                listed = list_versions(self._http, relay, self._timeout)
+            except (httpx.HTTPError, ValueError) as e:
                 log.debug("relay %s: %s", relay, e)
                 continue
-            for v in listed:
-                out[int(v["version"])] = out.get(int(v["version"]), False) or bool(v["complete"])
+            for v, complete in listed:
+                out[v] = out.get(v, False) or complete
         return out
 
     def complete_versions(self) -> list[int]:

@@ -20,14 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
-from intellect.shardcast.client import ShardError, download_shard, get_json
-from intellect.shardcast.config import RelayConfig
+from intellect.shardcast.client import ShardError, download_shard, get_json, list_versions
+from intellect.shardcast.config import ClientConfig, RelayConfig
 from intellect.shardcast.manifest import Manifest, ShardEntry, compatible
 from intellect.shardcast.store import VersionStore
 
 log = logging.getLogger("intellect.shardcast.relay")
 
-_EMA_ALPHA, _HEAL = 0.3, 0.01  # upstream choice: the client's defaults
+_CHOICE = ClientConfig()  # a relay picks among its upstreams as a client does, with the client's defaults
 
 
 class Relay:
@@ -43,7 +43,6 @@ class Relay:
         self._upstream: dict[int, Manifest] = {}  # newest upstream view of each version being mirrored
         self._held: dict[int, set[int]] = {}
         self._inflight: set[tuple[int, int]] = set()
-        self.bad_shards = 0
         store.clean_temp()
         for v in store.versions():
             m = store.manifest(v)
@@ -95,9 +94,9 @@ class Relay:
         out: dict[int, list[str]] = {}
         for u in self.upstreams:
             try:
-                for item in get_json(self._http, f"{u}/versions", self._timeout)["versions"]:
-                    out.setdefault(int(item["version"]), []).append(u)
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                for v, _ in list_versions(self._http, u, self._timeout):
+                    out.setdefault(v, []).append(u)
+            except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s: %s", u, e)
         return out
 
@@ -109,7 +108,8 @@ class Relay:
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s manifest v%d: %s", u, version, e)
                 continue
-            if m.version == version and (best is None or (m.complete, len(m.shards)) > (best.complete, len(best.shards))):
+            fuller = best is None or (m.complete, len(m.shards)) > (best.complete, len(best.shards))
+            if m.version == version and fuller:
                 best = m
         return best
 
@@ -134,19 +134,18 @@ class Relay:
                 download_shard(self._http, upstream, version, entry, sink, self._timeout, float("inf"))
             with self._lock:
                 observe(self.scores, upstream, ok=True, nbytes=entry.size, seconds=time.monotonic() - t0,
-                        alpha=_EMA_ALPHA, heal=_HEAL)
+                        alpha=_CHOICE.alpha, heal=_CHOICE.heal)
                 if version not in self._upstream:  # retired while we fetched
                     return
                 self.store.put_shard(version, entry.index, tmp)
                 self._held[version].add(entry.index)
                 self._publish(version)
         except ShardError as e:
-            if "sha256" in str(e):
-                self.bad_shards += 1
             log.warning("shard %d of v%d from %s: %s (will retry)", entry.index, version, upstream, e)
             with self._lock:
                 if upstream is not None:
-                    observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_EMA_ALPHA, heal=_HEAL)
+                    observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_CHOICE.alpha,
+                            heal=_CHOICE.heal)
         except Exception:  # noqa: BLE001 - e.g. the version folder deleted by retention mid-fetch
             log.exception("shard %d of v%d", entry.index, version)
         finally:

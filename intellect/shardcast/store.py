@@ -45,6 +45,7 @@ class VersionStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._parsed: dict[int, tuple[tuple[int, int, int], Manifest]] = {}
 
     def version_dir(self, version: int) -> Path:
         if not 0 <= version < 10**10:
@@ -66,11 +67,22 @@ class VersionStore:
         return sorted(out)
 
     def manifest(self, version: int) -> Manifest | None:
+        # Servers answer every poll (relays and clients poll every 50 ms) from here: a manifest is
+        # parsed again only when its file was replaced (every write is a new inode).
+        path = self.version_dir(version) / MANIFEST
         try:
-            raw = (self.version_dir(version) / MANIFEST).read_bytes()
+            st = path.stat()
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            hit = self._parsed.get(version)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+            raw = path.read_bytes()
         except FileNotFoundError:
+            self._parsed.pop(version, None)
             return None
-        return Manifest.model_validate_json(raw)
+        m = Manifest.model_validate_json(raw)
+        self._parsed[version] = (key, m)
+        return m
 
     def write_manifest(self, manifest: Manifest) -> None:
         d = self.version_dir(manifest.version)
@@ -102,6 +114,7 @@ class VersionStore:
         """Delete one version, its manifest first so it stops being served before its shards go."""
         d = self.version_dir(version)
         (d / MANIFEST).unlink(missing_ok=True)
+        self._parsed.pop(version, None)
         shutil.rmtree(d, ignore_errors=True)
 
     def clean_temp(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from infra import cluster
 from intellect.config import ModelConfig
+from intellect.diloco.coordinator import free_port
 from intellect.model.checkpoint import build_model
 from intellect.pretrain import publish_checkpoint
 from intellect.storage import RunStorage
@@ -44,9 +44,7 @@ def test_the_dashboard_shows_a_finished_rl_run_and_its_artifacts(tmp_path):
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     state = tmp_path / "cluster"
     env = cluster.up(state, port, pools=())
     try:

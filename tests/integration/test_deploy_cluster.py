@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 
 from infra import cluster
 from intellect.config import ModelConfig
+from intellect.diloco.coordinator import free_port
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.pretrain import publish_checkpoint
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.slow
 TINY = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 STAGE_POOLS = {"rl-generate": "gpu-rollout", "rl-validate": "validator", "rl-update": "gpu-train",
                "rl-orchestrate": "cpu"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Sink(BaseHTTPRequestHandler):
