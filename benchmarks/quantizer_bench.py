@@ -4,7 +4,9 @@ Both sides see the same tensor (saved to a temp .pt file); hivemind runs in its 
 venv (benchmarks/peers/hivemind/setup.sh) through peers/hivemind/quant_peer.py.
 Times are medians of --reps runs, throughput in M floats/s of fp32 input.
 "encode" is tensor -> wire bytes, "decode" wire bytes -> fp32 tensor, for both sides
-(hivemind's compress/extract also (de)serialize).
+(hivemind's compress/extract also (de)serialize). The "+ zstd" row is the same with the
+indices entropy-coded (``to_bytes(q, codec="zstd")``, the all-reduce's default): its
+extra seconds per MB saved is the price of the smaller messages.
 
     .venv/bin/python benchmarks/quantizer_bench.py                 # Gaussian, Laplace, Student-t
     .venv/bin/python benchmarks/quantizer_bench.py --sweep         # error vs clip_sigmas
@@ -70,7 +72,7 @@ def load_tensor(path: str) -> torch.Tensor:
 
 
 def time_ours(x: torch.Tensor, reps: int, c: float) -> dict:
-    enc, dec, q_only, dq_only, into = [], [], [], [], []
+    enc, dec, q_only, dq_only, into, zenc, zdec = [], [], [], [], [], [], []
     out = torch.empty_like(x)
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -85,6 +87,12 @@ def time_ours(x: torch.Tensor, reps: int, c: float) -> dict:
         t5 = time.perf_counter()
         dequantize(q2, out=out)
         into.append(time.perf_counter() - t5)
+        t6 = time.perf_counter()
+        zwire = to_bytes(quantize(x, c), codec="zstd")
+        t7 = time.perf_counter()
+        dequantize(from_bytes(zwire))
+        zdec.append(time.perf_counter() - t7)
+        zenc.append(t7 - t6)
         enc.append(t2 - t0)
         q_only.append(t1 - t0)
         dec.append(t4 - t2)
@@ -98,6 +106,9 @@ def time_ours(x: torch.Tensor, reps: int, c: float) -> dict:
         "quantize_s": med(q_only),
         "dequantize_s": med(dq_only),
         "dequantize_out_s": med(into),
+        "zstd_wire_bytes": len(zwire),
+        "zstd_encode_s": med(zenc),
+        "zstd_decode_s": med(zdec),
     }
 
 
@@ -124,6 +135,14 @@ def bench(name: str, x: torch.Tensor, reps: int, c: float, hivemind: bool) -> No
     print(f"{'':34}{'rel L2':>10}{'encode Mfl/s':>14}{'decode Mfl/s':>14}{'wire bytes':>12}")
     print(f"{f'ours (c={c:g}) wire->wire':34}{ours['rel_l2']:>10.5f}{mfs(ours['encode_s']):>14.1f}"
           f"{mfs(ours['decode_s']):>14.1f}{ours['wire_bytes']:>12,}")
+    print(f"{f'ours (c={c:g}) + zstd wire->wire':34}{ours['rel_l2']:>10.5f}{mfs(ours['zstd_encode_s']):>14.1f}"
+          f"{mfs(ours['zstd_decode_s']):>14.1f}{ours['zstd_wire_bytes']:>12,}")
+    saved_mb = (ours["wire_bytes"] - ours["zstd_wire_bytes"]) / 1e6
+    extra_s = ours["zstd_encode_s"] + ours["zstd_decode_s"] - ours["encode_s"] - ours["decode_s"]
+    if saved_mb > 0:
+        print(f"{'  zstd: bytes saved, extra CPU':34}{saved_mb / (ours['wire_bytes'] / 1e6):>9.1%} "
+              f"{extra_s * 1e3 / saved_mb:>13.1f} ms per MB saved (coding wins on links slower than "
+              f"{saved_mb * 8 / extra_s:.0f} Mbit/s when CPU and network do not overlap)")
     print(f"{'ours quantize/dequantize only':34}{'':>10}{mfs(ours['quantize_s']):>14.1f}{mfs(ours['dequantize_s']):>14.1f}")
     # A fresh 64 MB output costs ~25 ms of first-touch page faults here; a ring reuses its buffer.
     print(f"{'ours dequantize(out=reused buffer)':34}{'':>10}{'':>14}{mfs(ours['dequantize_out_s']):>14.1f}")

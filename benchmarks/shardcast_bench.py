@@ -8,7 +8,8 @@ process on 127.0.0.1. Per round:
   file; relays and client start pulling as soon as the first shards appear.
 * **ours, client only**: a second client fetches the same version once both relays hold it.
 * **plain GET**: ``curl`` fetches the same file in one request from a uvicorn/Starlette server
-  (``FileResponse``), no hashing: the floor of any HTTP transfer on this machine.
+  (``FileResponse``; h11 and the asyncio loop, as our servers run), no hashing: a plain HTTP
+  transfer of the same bytes on this machine.
 * **shardcast 0.3.2** (``benchmarks/peers/shardcast/peer.py`` in its own venv; ``setup.sh``
   builds it): broadcast, relay sync, client download; end to end as ours.
 
@@ -71,7 +72,7 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
                                     str(work / "origin"), "--version", "1", "--src", str(payload),
                                     "--shard-mib", str(shard_mib)], cwd=ROOT, stdout=subprocess.DEVNULL)
             while 1 not in client.versions():
-                time.sleep(0.005)
+                time.sleep(0.02)  # each look is two requests: faster looks take CPU from the publisher
             t_listed = time.perf_counter()
             client.fetch(1, work / "out1")
             end_to_end = time.perf_counter() - t0
@@ -107,7 +108,8 @@ path, port_file = sys.argv[1], sys.argv[3]
 app = Starlette(routes=[Route("/file", lambda request: FileResponse(path))])
 sock = bind("127.0.0.1", 0)
 write_port_file(port_file, *sock.getsockname()[:2])
-uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+uvicorn.Server(uvicorn.Config(app, http="h11", loop="asyncio", log_level="warning",
+                             access_log=False)).run(sockets=[sock])
 """
 
 
@@ -164,7 +166,7 @@ def main() -> None:
         digest = sha256_file(payload)
         rounds = []
         for r in range(args.rounds):
-            row = {}
+            row = {"load1": os.getloadavg()[0]}  # the machine is shared: context for every round
             for name, fn in (("ours", lambda w: ours(payload, digest, w, args.shard_mib, args.parallel)),
                              ("plain", lambda w: plain_get(payload, digest, w)),
                              ("peer", None if args.no_peer else lambda w: peer(payload, w, 50))):
@@ -184,7 +186,9 @@ def main() -> None:
             if vals:
                 med[f"{name}_{key}"] = statistics.median(vals)
         gib = args.size_mib / 1024
-        print(f"\n{args.size_mib} MiB, origin -> 2 relays -> 1 client on 127.0.0.1, median of {args.rounds} rounds:")
+        loads = ", ".join(f"{row['load1']:.1f}" for row in rounds)
+        print(f"\n{args.size_mib} MiB, origin -> 2 relays -> 1 client on 127.0.0.1, median of {args.rounds} rounds "
+              f"(1-min load average at round starts: {loads}):")
         for k, v in med.items():
             print(f"  {k:24s} {v:7.2f} s  ({gib * 8 * 1.073741824 / v:6.2f} Gbit/s)")
         ratios = {}

@@ -5,7 +5,10 @@ gloo processes on 127.0.0.1 each all-reduce a random pseudo-gradient shaped
 like the model, per layer (``layer_buckets``) and as one bucket.
 
 * ours: bytes this rank handed to the transport (payload + contributor flags),
-  counted in ``transport.Channel``; mean over ranks.
+  counted in ``transport.Channel``; mean over ranks. Every algorithm runs with
+  the default codec (zstd-coded indices); the default algorithm also runs with
+  ``codec="none"`` (raw uint8 indices + a 1 KiB codebook per chunk, which caps
+  the ratio just under 4H).
 * DDP: ``2 (W-1)/W * 4 * P`` bytes per rank per step, the ring all-reduce
   formula, times H. Gloo does not count bytes, so the formula is the number
   used; as a cross-check, one fp32 ``allreduce`` of P params over the same gloo
@@ -31,9 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from allreduce_error import spawn  # noqa: E402
 
-from intellect.diloco.allreduce import DEFAULT_ALGORITHM, all_reduce_mean, layer_buckets  # noqa: E402
+from intellect.diloco.allreduce import (  # noqa: E402
+    DEFAULT_ALGORITHM,
+    DEFAULT_CODEC,
+    all_reduce_mean,
+    layer_buckets,
+)
 
 ALGOS = ["direct", "ring-residual", "ring-owner", "ring"]
+# (algorithm, codec) rows: every algorithm with the default codec, the default one raw too
+VARIANTS = [(a, DEFAULT_CODEC) for a in ALGOS] + [(DEFAULT_ALGORITHM, "none")]
 
 
 def lo_tx() -> int:
@@ -53,7 +63,7 @@ def model_shapes() -> tuple[list[str], list[tuple[int, ...]]]:
     return [n for n, _ in named], [tuple(p.shape) for _, p in named]
 
 
-def _rank(rank, world, group, names, shapes, algos, window):
+def _rank(rank, world, group, names, shapes, variants, window):
     g = torch.Generator().manual_seed(rank)
     grads = lambda: [torch.randn(s, generator=g) * 1e-3 for s in shapes]  # noqa: E731
     layers = layer_buckets(names)
@@ -75,10 +85,11 @@ def _rank(rank, world, group, names, shapes, algos, window):
     flat = torch.cat([x.reshape(-1) for x in grads()])
     _, lo, sec = measured(lambda: group.allreduce([flat]).wait())
     out["ddp"] = (None, lo, sec)
-    for algo in algos:
+    for algo, codec in variants:
         for label, buckets in (("layer", layers), ("one", [list(range(len(shapes)))])):
-            st, lo, sec = measured(lambda: all_reduce_mean(grads(), group, algorithm=algo, buckets=buckets, window=window))
-            out[algo, label] = (st.bytes_sent, lo, sec)
+            st, lo, sec = measured(lambda: all_reduce_mean(grads(), group, algorithm=algo, buckets=buckets,
+                                                           window=window, codec=codec))
+            out[algo, codec, label] = (st.bytes_sent, lo, sec)
     for w in (1, 4):  # pipelining: per-layer buckets, one vs four in flight
         _, _, out["window", w] = measured(lambda: all_reduce_mean(grads(), group, buckets=layers, window=w), reps=5)
     return out
@@ -95,21 +106,21 @@ def main() -> None:
     P = sum(torch.Size(s).numel() for s in shapes)
     print(f"tiny model: P = {P} params, {len(layer_buckets(names))} layer buckets, H = {a.steps}")
     print("bytes are per worker; DDP = 2(W-1)/W * 4P per step (ring formula) x H; lo = loopback TX / W\n")
-    hdr = f"{'W':>2} {'algorithm':<26}{'bucketing':<8}{'ours/step':>11}{'lo/step':>11}{'DDP x H':>13}{'ratio':>8}{'sec':>7}"
+    hdr = f"{'W':>2} {'algorithm, codec':<32}{'bucketing':<8}{'ours/step':>11}{'lo/step':>11}{'DDP x H':>13}{'ratio':>8}{'sec':>7}"
     print(hdr)
     for W in a.worlds:
-        res = spawn(W, _rank, (names, shapes, ALGOS, a.window))
+        res = spawn(W, _rank, (names, shapes, VARIANTS, a.window))
         ddp = 2 * (W - 1) / W * 4 * P * a.steps
         ddp_lo = sum(r["ddp"][1] for r in res) / W / W  # every rank read the same host counter
-        print(f"{W:>2} {'DDP fp32 all_reduce (1 step)':<34}{'':>11}{ddp_lo:>11.0f}{ddp / a.steps:>13.0f}"
+        print(f"{W:>2} {'DDP fp32 all_reduce (1 step)':<40}{'':>11}{ddp_lo:>11.0f}{ddp / a.steps:>13.0f}"
               f"{'':>8}{max(r['ddp'][2] for r in res):>7.3f}")
-        for algo in ALGOS:
+        for algo, codec in VARIANTS:
             for label in ("layer", "one"):
-                ours = sum(r[algo, label][0] for r in res) / W
-                lo = sum(r[algo, label][1] for r in res) / W / W
-                sec = max(r[algo, label][2] for r in res)
-                name = algo + (" (default)" if algo == DEFAULT_ALGORITHM else "")
-                print(f"{W:>2} {name:<26}{label:<8}{ours:>11.0f}{lo:>11.0f}{ddp:>13.0f}{ddp / ours:>7.1f}x{sec:>7.3f}")
+                ours = sum(r[algo, codec, label][0] for r in res) / W
+                lo = sum(r[algo, codec, label][1] for r in res) / W / W
+                sec = max(r[algo, codec, label][2] for r in res)
+                name = f"{algo}, {codec}" + (" (default)" if (algo, codec) == (DEFAULT_ALGORITHM, DEFAULT_CODEC) else "")
+                print(f"{W:>2} {name:<32}{label:<8}{ours:>11.0f}{lo:>11.0f}{ddp:>13.0f}{ddp / ours:>7.1f}x{sec:>7.3f}")
         w1 = max(r["window", 1] for r in res)
         w4 = max(r["window", 4] for r in res)
         print(f"{W:>2} pipelining ({DEFAULT_ALGORITHM}, layer buckets): window=1 {w1:.3f} s, window=4 {w4:.3f} s\n")

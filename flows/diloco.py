@@ -2,23 +2,35 @@
 
 Each worker is a long-lived process whose outer steps are flow runs of their
 own (``diloco-outer-step``), so the dashboard shows one run per worker per
-outer step; this flow publishes the run-level table and progress.
+outer step; this flow publishes the run-level table and progress. Workers are
+subprocesses of this flow run (``dispatch.mode = "local"``) or flow runs of the
+``diloco-worker`` deployment on its work pool (``"deployments"``,
+:class:`DeploymentLauncher`).
 """
 
 from __future__ import annotations
 
+import signal
 import tempfile
+import time
+from dataclasses import dataclass
+from uuid import UUID
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.states import Cancelled, Cancelling
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
+from flows.diloco_worker import diloco_worker
+from flows.dispatch import deployment_name
 from flows.events import emit_membership
 from flows.progress import progress_bar
 from intellect.config import DilocoRunConfig
-from intellect.diloco.coordinator import Coordinator, LocalLauncher
+from intellect.diloco.coordinator import EXIT_DONE, EXIT_FAILED, Coordinator, Launcher, LocalLauncher
 from intellect.diloco.worker import init_run
 from intellect.storage import RunStorage
 
@@ -36,6 +48,59 @@ def start_run(cfg: DilocoRunConfig) -> int:
     return init_run(cfg, RunStorage.from_config(cfg.storage, cfg.run_name))
 
 
+@dataclass
+class FlowRunWorker:
+    """A worker that is a flow run (:class:`DeploymentLauncher`): polled through the API at most every
+    ``poll_interval`` s; stopped by cancelling the flow run, which its process worker turns into SIGTERM."""
+
+    worker: str
+    flow_run_id: UUID
+    poll_interval: float
+    _code: int | None = None
+    _polled: float = float("-inf")
+
+    def poll(self) -> int | None:
+        if self._code is None and time.monotonic() - self._polled >= self.poll_interval:
+            self._polled = time.monotonic()
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(self.flow_run_id).state
+            if state is not None and state.is_final():
+                self._code = (EXIT_DONE if state.is_completed()
+                              else -signal.SIGTERM if state.is_cancelled() else EXIT_FAILED)
+        return self._code
+
+    def terminate(self) -> None:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(self.flow_run_id).state
+            if state is None or state.is_final() or state.is_cancelling():
+                return
+            # a run no process worker has picked up yet has nobody to stop it: cancelled at once
+            waiting = state.is_scheduled() or state.is_pending()
+            client.set_flow_run_state(self.flow_run_id, Cancelled() if waiting else Cancelling(), force=True)
+
+    def kill(self) -> None:
+        self.terminate()  # the process worker escalates to SIGKILL when SIGTERM is not enough
+
+
+class DeploymentLauncher:
+    """Each worker as a flow run of the ``diloco-worker`` deployment, a child of this flow run, on the
+    deployment's work pool (e.g. one per GPU host). The run's config travels as a parameter, so its
+    storage secret does not: remote workers take S3 credentials from their own ``AWS_*`` environment."""
+
+    def __init__(self, run: DilocoRunConfig):
+        self.run = run
+
+    def launch(self, worker: str, index: int, config_path: str, store: str, env: dict[str, str]) -> FlowRunWorker:
+        # config_path is the coordinator's own copy, not readable on another machine
+        fr = run_deployment(
+            name=deployment_name(diloco_worker, self.run.dispatch), timeout=0, as_subflow=True,
+            parameters={"config": self.run.model_dump(mode="json"), "worker": worker, "index": index,
+                        "store": store, "run_name": self.run.run_name},
+            job_variables={"env": env} if env else None,
+        )
+        return FlowRunWorker(worker, fr.id, self.run.dispatch.poll_interval)
+
+
 def _api_env() -> dict[str, str]:
     # children must report to this flow's API server, never start ephemeral servers of their own
     from prefect.client.orchestration import get_client
@@ -50,7 +115,8 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
     cfg = config or DilocoRunConfig()
     logger = get_run_logger()
     start = start_run(cfg)
-    env = _api_env() if worker_module == "flows.diloco_worker" else {}
+    local = cfg.dispatch.mode == "local"
+    env = _api_env() if local and worker_module == "flows.diloco_worker" else {}
     progress = create_progress_artifact(progress=100.0 * start / cfg.diloco.outer_steps,
                                         description=f"DiLoCo {cfg.run_name}: outer steps committed")
     rows: list[dict] = []
@@ -72,7 +138,8 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         update_progress_artifact(artifact_id=progress, progress=100.0 * n / cfg.diloco.outer_steps)
 
     with tempfile.TemporaryDirectory(prefix="intellect-diloco-logs-") as logs:
-        coord = Coordinator(cfg, LocalLauncher(logs, module=worker_module), env=env)
+        launcher: Launcher = LocalLauncher(logs, module=worker_module) if local else DeploymentLauncher(cfg)
+        coord = Coordinator(cfg, launcher, env=env)
         try:
             for _ in range(cfg.diloco.workers):
                 coord.start_worker()

@@ -1,10 +1,11 @@
 """Asynchronous GRPO as Prefect flows: ``rl-step`` (one step's DAG) and ``rl-train`` (the run).
 
-One step is the DAG ``assign -> generate (a task per worker) -> validate (a task per worker) ->
-record -> grpo-update -> broadcast -> commit-step``. In ``rl-train`` the generation is done by
-worker processes (:mod:`intellect.rl.worker`) that run up to ``async_level`` steps ahead of the
-trainer, so the ``generate`` tasks mostly find their files already written, and the flow ingests
-(generate-wait, validate, record) step ``n + 1`` in a second thread while step ``n`` trains: the
+One step is the DAG ``collect -> validate -> record -> grpo-update -> broadcast -> commit-step``:
+six task runs whatever the number of workers (``collect`` and ``validate`` handle each worker in a
+thread of their own). In ``rl-train`` the generation is done by worker processes
+(:mod:`intellect.rl.worker`) that run up to ``async_level`` steps ahead of the trainer, so
+``collect`` mostly finds their files already written, and the flow ingests (collect, validate,
+record) step ``n + 1`` in a second thread while step ``n`` trains: the
 pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process
 (synchronous).
 
@@ -26,6 +27,7 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from flows.artifacts import BackgroundArtifacts, artifact_key
@@ -77,12 +79,12 @@ class Ingested(BaseModel):
 
 
 def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
-    """``assign -> generate -> validate -> record`` of one step (called inside a flow)."""
+    """``collect -> validate -> record`` of one step (called inside a flow)."""
+    # quote(): Prefect would otherwise walk the config's ~170 fields looking for futures at every
+    # task run, about a third of a task run's cost in this process.
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    T.assign(cfg, step)
-    futures = [T.generate.submit(cfg, step, w, local) for w in cfg.workers.names]
-    results = [f.result() for f in futures]
+    results = T.collect(quote(cfg), step, local)
     timings["generate_wait"] = time.perf_counter() - t0
 
     rec = validate_and_record(cfg, step, timings)
@@ -90,20 +92,19 @@ def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
 
 
 def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> T.RecordReport:
-    """``validate`` (a task per worker whose files are there) ``-> record`` (called inside a flow)."""
+    """``validate`` (the files of every worker that sent some) ``-> record`` (called inside a flow)."""
     t = time.perf_counter()
     storage = T.session(cfg).storage
     by_worker: dict[str, list[str]] = {}
     for rel in list_submissions(storage, step):  # every file, also from workers this run did not start
         by_worker.setdefault(parse_submission_path(rel)[1], []).append(rel)
-    futures = [T.validate.submit(cfg, step, w, files) for w, files in by_worker.items()]
-    reports = [f.result() for f in futures]
+    reports = T.validate(quote(cfg), step, by_worker)
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    rec = T.record(cfg, step, [r.verdicts for r in reports])
+    rec = T.record(quote(cfg), step, [r.verdicts for r in reports])
     timings["record"] = time.perf_counter() - t
-    emit_rejections(cfg.run_name, step, {w: (r.accepted, r.rejected) for w, r in zip(by_worker, reports)},
+    emit_rejections(cfg.run_name, step, {r.worker: (r.accepted, r.rejected) for r in reports},
                     cfg.alert_rejection_rate)
     return rec
 
@@ -127,12 +128,12 @@ def train_broadcast_commit(cfg: RLRunConfig, step: int, policy_step: int, timing
                            ) -> T.UpdateReport:
     """``grpo-update -> broadcast -> commit-step`` (called inside a flow); adds train/broadcast timings."""
     t = time.perf_counter()
-    upd = T.grpo_update(cfg, step, policy_step)
+    upd = T.grpo_update(quote(cfg), step, policy_step)
     timings["train"] = time.perf_counter() - t
     t = time.perf_counter()
-    T.broadcast(cfg, step + 1)
+    T.broadcast(quote(cfg), step + 1)
     timings["broadcast"] = time.perf_counter() - t
-    T.commit_step(cfg, step, timings)
+    T.commit_step(quote(cfg), step, timings)
     return upd
 
 

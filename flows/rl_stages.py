@@ -76,7 +76,6 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
     rows = []
     for n in range(info.first_step, cfg.steps):
         t0 = time.perf_counter()
-        T.assign(cfg, n)
         dispatch_many(rl_generate, [{"config": cfg, "step": n, "worker": w} for w in cfg.workers.names],
                       cfg.dispatch)
         timings = {"generate": time.perf_counter() - t0}

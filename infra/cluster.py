@@ -32,9 +32,9 @@ from infra.procs import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS_DIR = Path(__file__).with_name("pools")
-POOLS = ("cpu", "gpu-rollout", "gpu-train", "validator")
+POOLS = ("cpu", "gpu-rollout", "gpu-train", "gpu-diloco", "validator")
 # how many flow runs a worker of each pool runs at once on one host (gpu pools: one per GPU)
-LIMITS = {"cpu": 4, "gpu-rollout": 2, "gpu-train": 1, "validator": 1}
+LIMITS = {"cpu": 4, "gpu-rollout": 2, "gpu-train": 1, "gpu-diloco": 2, "validator": 1}
 
 
 def cluster_env(state: Path, port: int) -> dict[str, str]:

@@ -173,14 +173,21 @@ class DilocoConfig(StrictModel):
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
     algorithm: Literal["direct", "ring-residual", "ring-owner", "ring"] = Field(
         "direct",
-        description="int8 all-reduce. direct: each chunk straight to its owner, then a ring all-gather "
-        "(fewest bytes, every value quantized twice, all-to-all reduce-scatter); ring-residual: ring "
+        description="int8 all-reduce. direct: each chunk straight to its owner, each result straight to all "
+        "(fewest bytes, every value quantized twice, all-to-all; a slow pair slows it); ring-residual: ring "
         "neighbours only, partial sums sent with an int8 residual (lowest error, 1.5x bytes); ring-owner: "
         "ring relaying the original contributions; ring: classic, requantizes every hop (error grows with W).",
     )
     clip_sigmas: list[float] = Field(
         [4.0, 6.0], min_length=1, max_length=4,
         description="Quantizer clip ranges in standard deviations; each chunk uses whichever fits it best.",
+    )
+    wire_codec: Literal["none", "zstd"] = Field(
+        "zstd",
+        description="Coding of the int8 indices on the wire. zstd: entropy-coded, 0.80-0.89x the bytes for "
+        "~1.7 ms of CPU per MB (encode + decode), so it pays on links slower than ~500 Mbit/s even with no "
+        "CPU/network overlap; sent raw when coding saves nothing. none: raw uint8 (fast links, CPU-starved "
+        "hosts). Peers may differ; NCCL groups always send raw.",
     )
     data_split: Literal["iid", "non_iid"] = Field(
         "iid", description="iid: every worker draws from all ops; non_iid: worker i only from ops[i % len(ops)]."
@@ -239,6 +246,11 @@ class DilocoRunConfig(StrictModel):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     train: TrainConfig = Field(default_factory=TrainConfig, description="The inner loop (train.steps is ignored).")
     diloco: DilocoConfig = Field(default_factory=DilocoConfig)
+    dispatch: DispatchConfig = Field(
+        default_factory=DispatchConfig,
+        description="Where the workers run: subprocesses of the coordinator (local), or flow runs of the "
+        "diloco-worker deployment on its work pool (deployments; diloco.store_host must be reachable from there).",
+    )
 
 
 # --------------------------------------------------------------------- loading

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from intellect.config import StorageConfig
 from intellect.ledger import Ledger
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl import step as S
-from intellect.rl.assignment import assign_prompts
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
@@ -216,41 +216,44 @@ def stop_workers(pids: dict[str, int], grace: float = 10.0) -> dict[str, int | N
     return {w: p.poll() for w, p in procs.items()}
 
 
-@task(name="assign", cache_policy=NO_CACHE)
-def assign(cfg: RLRunConfig, step: int) -> dict[str, list[str]]:
-    """The prompt ids each worker must answer in its first submission of ``step`` (the validator
-    recomputes the same assignment for every submission)."""
-    s = session(cfg)
-    return {w: [s.tasks[i].id for i in assign_prompts(len(s.tasks), w, step, 0, cfg.submission.prompts_per_submission)]
-            for w in cfg.workers.names}
-
-
-# No timeout_seconds on the tasks of a step's ingest (assign, generate, validate, record): they run in
-# worker threads (rl-train ingests the next step in a second thread), where Prefect cannot interrupt
+# No timeout_seconds on the tasks of a step's ingest (collect, validate, record): they run in a
+# worker thread (rl-train ingests the next step in a second thread), where Prefect cannot interrupt
 # them and warns at every call. Their bounds are their own: the wait below has a deadline, every
 # reward check a time limit, the ledger a lock timeout.
-@task(name="generate", cache_policy=NO_CACHE, retries=1)
-def generate(cfg: RLRunConfig, step: int, worker: str, local: bool) -> WorkerResult:
-    """Worker ``worker``'s submissions of ``step``: generated here (``local``), or written by its
-    process, awaited up to ``workers.submission_timeout`` (then the step goes on without it)."""
+# A step has a fixed number of task runs whatever the number of workers (each task run costs the API
+# server ~15 ms of CPU, benchmarks/orchestration_overhead.py); the per-worker work inside a task runs
+# in threads, as separate task runs did.
+@task(name="collect", cache_policy=NO_CACHE, retries=1)
+def collect(cfg: RLRunConfig, step: int, local: bool) -> list[WorkerResult]:
+    """Every worker's submissions of ``step``: generated here (``local``, a thread per worker), or
+    written by the worker processes, awaited up to ``workers.submission_timeout`` from now (a worker
+    that sends nothing by then is reported missing and the step goes on without it)."""
     s = session(cfg)
     t0 = time.perf_counter()
-    marker = S.done_marker(step, worker)
     if local:
-        _generate_here(cfg, s.storage, s.tasks, step, worker)
+        with ThreadPoolExecutor(len(cfg.workers.names)) as pool:
+            list(pool.map(lambda w: _generate_here(cfg, s.storage, s.tasks, step, w), cfg.workers.names))
     deadline = time.monotonic() + cfg.workers.submission_timeout
-    while not s.storage.exists(marker):
+    done: dict[str, WorkerResult] = {}
+    while len(done) < len(cfg.workers.names):
+        for w in cfg.workers.names:
+            if w not in done and s.storage.exists(S.done_marker(step, w)):
+                info = json.loads(s.storage.read_text(S.done_marker(step, w)))
+                done[w] = WorkerResult(worker=w, files=info["files"], policy_step=info["policy_step"],
+                                       seconds=time.perf_counter() - t0)
+        if len(done) == len(cfg.workers.names):
+            break
         if s.stopping.is_set():
-            raise RuntimeError(f"run {cfg.run_name} is stopping: no longer waiting for {worker} (step {step})")
+            raise RuntimeError(f"run {cfg.run_name} is stopping: no longer waiting for step {step}'s submissions")
         if time.monotonic() > deadline:
-            get_run_logger().warning("worker %s sent nothing for step %d within %.0f s", worker, step,
+            missing = [w for w in cfg.workers.names if w not in done]
+            get_run_logger().warning("workers %s sent nothing for step %d within %.0f s", missing, step,
                                      cfg.workers.submission_timeout)
-            return WorkerResult(worker=worker, files=[], policy_step=None, seconds=time.perf_counter() - t0,
-                                missing=True)
+            done |= {w: WorkerResult(worker=w, files=[], policy_step=None, seconds=time.perf_counter() - t0,
+                                     missing=True) for w in missing}
+            break
         time.sleep(cfg.workers.poll_interval)
-    info = json.loads(s.storage.read_text(marker))
-    return WorkerResult(worker=worker, files=info["files"], policy_step=info["policy_step"],
-                        seconds=time.perf_counter() - t0)
+    return [done[w] for w in cfg.workers.names]
 
 
 def _generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: list, step: int, worker: str) -> None:
@@ -286,21 +289,29 @@ def release_ledger(cfg: RLRunConfig) -> None:
 
 
 class ValidationReport(BaseModel):
+    worker: str
     verdicts: str  # the verdict file, relative to run storage
     accepted: int
     rejected: int
 
 
 @task(name="validate", cache_policy=NO_CACHE, retries=1)
-def validate(cfg: RLRunConfig, step: int, worker: str, files: list[str]) -> ValidationReport:
-    """Verdicts on every sample of ``worker``'s ``files`` (rewards recomputed, every check of the
-    validator), written as its verdict file of ``step``."""
+def validate(cfg: RLRunConfig, step: int, files: dict[str, list[str]]) -> list[ValidationReport]:
+    """Verdicts on every sample of ``step``'s submission ``files`` (worker -> files; rewards recomputed,
+    every check of the validator), one verdict file per worker, the workers validated in parallel."""
     s = session(cfg)
-    verdicts = S.validate_files(cfg, s.storage, step, files, s.tasks, s.tokenizer, limits=s.limits,
-                                engines=s.engines)
-    accepted = sum(v.status == "accepted" for v in verdicts)
-    return ValidationReport(verdicts=write_verdicts(s.storage, step, worker, verdicts), accepted=accepted,
-                            rejected=len(verdicts) - accepted)
+
+    def one(worker: str) -> ValidationReport:
+        verdicts = S.validate_files(cfg, s.storage, step, files[worker], s.tasks, s.tokenizer, limits=s.limits,
+                                    engines=s.engines)
+        accepted = sum(v.status == "accepted" for v in verdicts)
+        return ValidationReport(worker=worker, verdicts=write_verdicts(s.storage, step, worker, verdicts),
+                                accepted=accepted, rejected=len(verdicts) - accepted)
+
+    if not files:
+        return []
+    with ThreadPoolExecutor(len(files)) as pool:
+        return list(pool.map(one, sorted(files)))
 
 
 @task(name="record", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

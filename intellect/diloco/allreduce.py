@@ -5,22 +5,36 @@ tensor, in place, with the mean over the contributing ranks, bit-identical on
 every rank, and returns ``AllReduceStats`` (bytes sent, by peer, contributors).
 
 Values only cross the wire as ``quantize.to_bytes`` messages (uint8 indices +
-a 256-entry fp32 codebook); receivers dequantize and add in fp32, never in the
+a 256-entry fp32 codebook; with ``codec="zstd"``, the default, the indices are
+entropy-coded, see below); receivers dequantize and add in fp32, never in the
 quantized space. Each bucket (e.g. one layer: ``layer_buckets``) is flattened
 and split into W chunks (``chunk_bounds``); chunk c is owned by ring position
 c, i.e. rank ``order[c]``. The owner divides its fp32 sum by the number of
-contributors and quantizes the mean ONCE; a ring all-gather forwards those
-exact bytes (never requantized), and every rank, the owner included, ends with
+contributors and quantizes the mean ONCE; the all-gather moves those exact
+bytes (never requantized), and every rank, the owner included, ends with
 ``dequantize(owner bytes)``: bit-identical by construction.
 
 Reduce-scatter algorithms:
 
 * ``"direct"`` (default): each rank sends its quantized chunk c straight to
-  owner c. Every value is quantized twice (as a contribution, as the result),
-  and the bytes equal the classic ring's. Not neighbour-only: each ordered pair
-  carries one chunk per bucket (1/W of the bucket), where a ring pushes W-1
-  chunks over each ring link, so it is at least as fast unless the network is
-  itself ring-shaped and non-neighbour traffic shares the ring's links.
+  owner c, and each owner sends its result straight to every rank (one
+  exchange per phase). Every value is quantized twice (as a contribution, as
+  the result), and the bytes equal the classic ring's. Not neighbour-only:
+  each ordered pair carries two chunks per bucket (2/W of the bucket), where a
+  ring pushes 2(W-1) chunks over each ring link, so on a mesh of equal links it
+  needs 1/(W-1) of a ring's time (per-host uplinks: the same time, the bytes
+  per host are equal), unless the network is itself ring-shaped. An earlier
+  version all-gathered along the ring: its ring links then carried W chunks
+  per bucket and the others one, through W-1 dependent hops. On the 4-host
+  WAN testbed (``benchmarks/wan_allreduce.py``, 50 Mbit/s links, raw indices)
+  that halved the busiest link's bytes (4.03 -> 2.02 MB) and the time went
+  0.81 -> 0.56-0.59 s; the time is now CPU-bound there (4 ranks on 2 shared
+  cores: the same run on unshaped links takes 0.25-0.59 s), so it is 1.6-1.7x
+  its link bound where the ring family, with 2.7-4.5x the bytes, hides its CPU
+  time behind the links (1.00-1.10x, 0.96-1.47 s). The cost: with one slow
+  pair the all-gather crosses it too (testbed part 2, one 5 Mbit/s pair among
+  100 Mbit/s, solved order: 1.19 -> 1.57 s); there, ``"ring-owner"`` on the
+  solved ring is the algorithm to use (0.40-0.44 s).
 * ``"ring-residual"``: classic ring, but each hop sends its fp32 partial sum as
   int8 plus int8 of the residual that missed: the partial sums stay ~16-bit
   accurate, so only the owner's final quantization counts. Neighbour-only,
@@ -37,10 +51,27 @@ Reduce-scatter algorithms:
 * ``"prime"``: the INTELLECT-1 baseline: ``"ring"`` plus requantization at every
   all-gather hop. Benchmark only; ranks may end with different values.
 
+``codec``: ``"zstd"`` (default) entropy-codes each message's indices
+(``quantize.to_bytes``); ``"none"`` sends them raw. Every receive buffer has
+room for the raw message and the headers give each message's length, so ranks
+may differ in codec; a coded message that fails its checksum or does not decode
+to the expected size raises ``AllReduceError`` like any garbled message. NCCL
+groups always send raw (NCCL needs exact receive sizes). Measured on this
+2-core box (CPU time of ``to_bytes`` + ``from_bytes`` with and without zstd,
+4M N(0,1) / Laplace values, 1 thread): 0.89 / 0.87x the bytes at c=4,
+0.81 / 0.80x at c=6, for 1.6-1.8 ms of CPU per raw MB (encode + decode): a
+win on links slower than ~500 Mbit/s even with no overlap of CPU and
+network, which is where DiLoCo runs. Not where the CPU is the bottleneck: on
+the 4-host WAN testbed (4 ranks on 2 shared cores, 50 Mbit/s links) raw
+"direct" took 0.56-0.59 s, coded 0.67-0.69 s.
+
 ``clip_sigmas``: candidate clip ranges; each chunk is quantized with the
-candidate that fits it best (cheap: see ``_Run.quantize``). The default tries
-4 (Gaussian optimum) and 6 (the quantizer's default, best on Laplace), which
-costs 2x the quantize time and never does worse than 6 alone.
+candidate that fits it best (``quantize.quantize_best``). The default tries
+4 (Gaussian optimum) and 6 (the quantizer's default, best on Laplace). Chunks
+of 64K+ values judge the candidates on a 1/16 sample, so two candidates cost
+~1.2x one quantization (the first version quantized each chunk fully per
+candidate: 2x, and on the 4-host WAN testbed, where 4 ranks share 2 cores,
+that CPU time added to the link time).
 
 Measured (``benchmarks/allreduce_error.py``, W real gloo processes, 1M floats
 per rank in 4 buckets = shared signal + equal-power worker noise; relative L2
@@ -57,22 +88,26 @@ divided by the fp32 size of the tensor, an fp32 ring sends 2(W-1)/W)::
     Gaussian, clip 6 fixed: direct 1.56 1.54 1.47 1.42%; ring 1.56 1.91 2.46 3.29%
     Laplace, clip (4, 6), W=8/16: direct 1.60/1.52%; residual 1.50/1.45%;
                                   ring = prime 2.57/3.35%
-    bytes / fp32 size
+    bytes / fp32 size, codec "none"
     direct, ring, prime          0.252   0.381   0.451   0.499
     ring-residual                0.378   0.571   0.677   0.748
     ring-owner                   0.252   0.571   1.128   2.243
     ring relay=2                 0.252   0.444   0.548   0.615
+    codec "zstd" (default): 0.89x those, e.g. direct 0.225 0.340 0.404 0.449
+    (the errors are the same: coding is lossless)
 
 "prime" equals "ring": requantizing decoded int8 values is lossless with this
 quantizer (<= 256 distinct values, one per bucket), so PRIME's excess error is
 all in its reduce-scatter. Wire bytes vs DDP at H=100 on the tiny model: see
-``benchmarks/wire_bytes.py`` (codebooks cap the ratio just under 4H = 400x).
+``benchmarks/wire_bytes.py`` (raw indices and codebooks cap the ratio just under
+4H = 400x; coded, 444-448x with one bucket, 420-442x per layer, W=2-8).
 
 Contributors. A rank whose tensors hold NaN/Inf (or that passes
 ``contribute=False``) contributes nothing but still relays and receives; the
 mean divides by the number of contributors. The flags go round the ring first
-(W-1 tiny hops), so every message size is known in advance and no per-message
-header is needed; they carry a digest of the plan (algorithm, W, order, bucket
+(W-1 tiny hops), so every message's largest size is known in advance: each
+receive buffer fits the raw message, and a coded one states its length in its
+header; they carry a digest of the plan (algorithm, W, order, bucket
 shapes), so a rank with a different algorithm or layout fails at once rather
 than garbling data (a different ``order`` can also change who its neighbours
 are, and then fails by timeout). With no contributor at all the tensors are
@@ -108,11 +143,13 @@ import torch
 import torch.distributed as dist
 
 from intellect.diloco.quantize import (
+    CODECS,
     DEFAULT_CLIP_SIGMAS,
     Quantized,
     dequantize,
     from_bytes,
-    quantize,
+    message_nbytes,
+    quantize_best,
     to_bytes,
     wire_nbytes,
 )
@@ -120,6 +157,8 @@ from intellect.diloco.transport import Channel, CommError, group_timeout
 
 __all__ = [
     "ALGORITHMS",
+    "CODECS",
+    "DEFAULT_CODEC",
     "DEFAULT_ALGORITHM",
     "DEFAULT_CLIPS",
     "AllReduceError",
@@ -135,6 +174,7 @@ __all__ = [
 ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring", "prime")
 DEFAULT_ALGORITHM = "direct"
 DEFAULT_CLIPS = (4.0, DEFAULT_CLIP_SIGMAS)  # Gaussian optimum and the quantizer's default
+DEFAULT_CODEC = "zstd"
 
 
 class AllReduceError(CommError):
@@ -248,7 +288,8 @@ def _wire(numel: int) -> int:
 
 
 def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: str, relay: int | None = None) -> int:
-    """Payload bytes sent by ring position ``position`` when every rank contributes.
+    """Payload bytes sent by ring position ``position`` when every rank contributes,
+    with raw indices (``codec="none"``; coded messages are at most this).
 
     >>> payload_bytes([8], 2, 0, "ring") == 2 * wire_nbytes(4)
     True
@@ -260,10 +301,10 @@ def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: s
     for n in numels:
         w = [_wire(e - s) for s, e in chunk_bounds(n, world)]
         p = position
-        ag = sum(w) - w[(p + 1) % world]  # ring all-gather: all but the chunk owned by next
-        if algorithm == "direct":
-            total += sum(w) - w[p] + ag
+        if algorithm == "direct":  # own chunk to every other rank, twice (contribution, result)
+            total += sum(w) - w[p] + (world - 1) * w[p]
             continue
+        ag = sum(w) - w[(p + 1) % world]  # ring all-gather: all but the chunk owned by next
         stages = 2 if algorithm == "ring-residual" else 1
         total += stages * sum((s % relay + 1) * w[(p - s - 1) % world] for s in range(world - 1)) + ag
     return total
@@ -284,15 +325,26 @@ def _relay(algorithm: str, relay: int | None, world: int) -> int:
 _Step = Generator[tuple[list, str], None, None]
 
 
-def _enc(q: Quantized) -> torch.Tensor:
-    return torch.frombuffer(bytearray(to_bytes(q)), dtype=torch.uint8)
+def _enc(q: Quantized, codec: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(to_bytes(q, codec)), dtype=torch.uint8)
 
 
 def _dec(t: torch.Tensor, numel: int) -> torch.Tensor:
-    q = from_bytes(t.cpu().numpy())
-    if q.numel != numel:
-        raise ValueError(f"message holds {q.numel} values, expected {numel}")
-    return dequantize(q)
+    """Decode one message; ``t`` may be a receive buffer longer than the message."""
+    return dequantize(from_bytes(t.cpu().numpy(), numel=numel, prefix=True))
+
+
+def _packed(buf: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """The ``k`` messages laid back to back at the start of receive buffer ``buf``
+    (sized for raw messages; coded ones leave spare room at the end)."""
+    mv, off, out = memoryview(buf.cpu().numpy()), 0, []
+    for _ in range(k):
+        m = message_nbytes(mv[off:])
+        if off + m > len(mv):
+            raise ValueError(f"message {len(out)} of {k} overruns its {len(mv)}-byte buffer")
+        out.append(buf[off : off + m])
+        off += m
+    return out
 
 
 def all_reduce_mean(
@@ -307,6 +359,7 @@ def all_reduce_mean(
     window: int = 4,
     timeout: float | None = None,
     clip_sigmas: float | Sequence[float] = DEFAULT_CLIPS,
+    codec: str = DEFAULT_CODEC,
 ) -> AllReduceStats:
     """Replace each of ``tensors`` (same shapes on every rank) with its mean over contributors.
 
@@ -334,14 +387,17 @@ def all_reduce_mean(
         raise ValueError("buckets must use every tensor index exactly once")
     if window < 1:
         raise ValueError("window must be >= 1")
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if not all(t.is_floating_point() for t in tensors):
         raise ValueError("all_reduce_mean: tensors must be floating point")
-    contribute = bool(contribute) and all(bool(torch.isfinite(t).all()) for t in tensors)
+    contribute = bool(contribute) and all(_finite(t) for t in tensors)
 
     dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in group.name().lower() else None
     to = group_timeout(group) if timeout is None else datetime.timedelta(seconds=timeout)
     plan = (algorithm, relay, world, order, [[tuple(tensors[i].shape) for i in b] for b in buckets])
-    run = _Run(Channel(group, to, dev), tensors, order, order.index(rank), algorithm, relay, clip)
+    codec = "none" if dev is not None else codec  # NCCL: receive sizes must match exactly
+    run = _Run(Channel(group, to, dev), tensors, order, order.index(rank), algorithm, relay, clip, codec)
     try:
         flags = run.exchange_flags(contribute, _digest(plan)) if world > 1 else [contribute]
         run.set_contributors(flags)
@@ -365,6 +421,13 @@ def all_reduce_mean(
     )
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t``. A finite sum proves it in one reduction (NaN and Inf
+    propagate); only a sum that overflowed needs the elementwise check, which
+    allocates a bool tensor (4M fp32 values, this box: 3.9 vs 19.7 ms)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _digest(plan) -> int:
     return int.from_bytes(hashlib.blake2b(repr(plan).encode(), digest_size=8).digest(), "little", signed=True)
 
@@ -372,9 +435,9 @@ def _digest(plan) -> int:
 class _Run:
     """One call's state; ``bucket`` generators yield (works, label) once per exchange."""
 
-    def __init__(self, ch: Channel, tensors, order, pos, algorithm, relay, clip):
+    def __init__(self, ch: Channel, tensors, order, pos, algorithm, relay, clip, codec):
         self.ch, self.tensors, self.order, self.pos = ch, tensors, order, pos
-        self.algorithm, self.relay, self.clip = algorithm, relay, clip
+        self.algorithm, self.relay, self.clip, self.codec = algorithm, relay, clip, codec
         self.stages = 2 if algorithm == "ring-residual" else 1
         self.W = len(order)
         self.nxt, self.prv = order[(pos + 1) % self.W], order[(pos - 1) % self.W]
@@ -448,37 +511,24 @@ class _Run:
                 off += t.numel()
 
     def quantize(self, x: torch.Tensor) -> Quantized:
-        """``quantize`` with whichever of the ``clip_sigmas`` candidates fits ``x`` best in L2.
-
-        Codebook entries are bucket means, so the squared error is
-        ``|x|^2 - sum_k count_k * codebook_k^2``: the best candidate maximizes the sum.
+        """``quantize`` with whichever ``clip_sigmas`` candidate fits ``x`` best in L2.
         Encoder side only; receivers read the values from the codebook."""
-        best, score = None, -1.0
-        for c in self.clip:
-            q = quantize(x, c)
-            if len(self.clip) == 1:
-                return q
-            counts = torch.bincount(q.indices, minlength=q.codebook.numel()).double()
-            sc = float(counts @ q.codebook.double().square())
-            if sc > score:
-                best, score = q, sc
-        return best
+        return quantize_best(x, self.clip)
 
     def _piece(self, x: torch.Tensor) -> torch.Tensor:
         """One reduce-scatter piece: int8 of ``x``, plus (residual) int8 of what that missed."""
         q = self.quantize(x)
         if self.stages == 1:
-            return _enc(q)
-        return torch.cat([_enc(q), _enc(self.quantize(x - dequantize(q)))])
+            return _enc(q, self.codec)
+        return torch.cat([_enc(q, self.codec), _enc(self.quantize(x - dequantize(q)), self.codec)])
 
     def _ring(self, b: int, parts: list[torch.Tensor]) -> Generator:
         W, pos, ch, st = self.W, self.pos, self.ch, self.stages
         wire = [_wire(p.numel()) for p in parts]
         me = self.flags[pos]
 
-        def pieces(buf, c, k):  # decoded pieces of a reduce-scatter message
-            w, n = wire[c], parts[c].numel()
-            dec = [_dec(buf[j * w : (j + 1) * w], n) for j in range(k * st)]
+        def pieces(msgs, c):  # decoded pieces of a reduce-scatter message
+            dec = [_dec(m, parts[c].numel()) for m in msgs]
             return dec if st == 1 else [dec[j] + dec[j + 1] for j in range(0, len(dec), 2)]
 
         got, k_got = None, 0  # message received in the previous step: chunk c_out of this step
@@ -490,48 +540,68 @@ class _Run:
                 buf = ch.empty(k_in * st * wire[c_in])
                 works.append(ch.irecv(buf, self.prv, self.tag(b, 0, s)))
             if self.pieces[c_out][s] and wire[c_out]:
-                if not me:
-                    msg = got
+                if not me:  # forward what came in
+                    msg = torch.cat([m.cpu() for m in got])
                 elif k_got + 1 <= self.relay:
                     own = self._piece(parts[c_out])
-                    msg = own if got is None else torch.cat([got.cpu(), own])
+                    msg = own if got is None else torch.cat([m.cpu() for m in got] + [own])
                 else:  # collapse: partial sum in fp32, requantized once
                     total = parts[c_out].clone()
-                    for p in pieces(got, c_out, k_got):
+                    for p in pieces(got, c_out):
                         total += p
                     msg = self._piece(total)
                 works.append(ch.isend(msg, self.nxt, self.tag(b, 0, s), "payload"))
             yield works, f"bucket {b} reduce-scatter step {s}"
-            got, k_got = buf, k_in
-        return (yield from self._gather(b, parts, pieces(got, pos, k_got) if got is not None else []))
+            got, k_got = (_packed(buf, k_in * st) if buf is not None else None), k_in
+        return (yield from self._ring_gather(b, parts, pieces(got, pos) if got is not None else []))
 
     def _direct(self, b: int, parts: list[torch.Tensor]) -> Generator:
         W, pos, ch = self.W, self.pos, self.ch
         others = [(pos + i) % W for i in range(1, W)]  # staggered so ranks don't all hit one owner
-        works, bufs = [], []
+        # Both phases' receives are posted up front: gloo moves a message only once its
+        # receive is posted, so a late receiver (busy quantizing) would leave the link idle.
+        works, bufs, ag_works, ag_bufs = [], [], [], {}
         if parts[pos].numel():
             for p in others:
                 if self.flags[p]:
                     bufs.append(ch.empty(_wire(parts[pos].numel())))
                     works.append(ch.irecv(bufs[-1], self.order[p], self.tag(b, 0, 0)))
+        for p in others:
+            if parts[p].numel():
+                ag_bufs[p] = ch.empty(_wire(parts[p].numel()))
+                ag_works.append(ch.irecv(ag_bufs[p], self.order[p], self.tag(b, 1, 0)))
         if self.flags[pos]:
             for p in others:
                 if parts[p].numel():
-                    works.append(ch.isend(_enc(self.quantize(parts[p])), self.order[p], self.tag(b, 0, 0), "payload"))
+                    msg = _enc(self.quantize(parts[p]), self.codec)
+                    works.append(ch.isend(msg, self.order[p], self.tag(b, 0, 0), "payload"))
         yield works, f"bucket {b} direct reduce"
-        return (yield from self._gather(b, parts, [_dec(t, parts[pos].numel()) for t in bufs]))
+        mine = self._owner(parts, [_dec(t, parts[pos].numel()) for t in bufs])
+        if mine is not None:
+            for p in others:
+                ag_works.append(ch.isend(mine, self.order[p], self.tag(b, 1, 0), "payload"))
+        yield ag_works, f"bucket {b} direct all-gather"
+        res = {c: _packed(buf, 1)[0] for c, buf in ag_bufs.items()} | ({pos: mine} if mine is not None else {})
+        return [_dec(res[c], p.numel()) if c in res else None for c, p in enumerate(parts)]
 
-    def _gather(self, b: int, parts: list[torch.Tensor], received: list[torch.Tensor]) -> Generator:
-        """Owner: mean of its fp32 chunk and ``received``, quantized once; then a ring
-        all-gather forwarding those bytes. Returns every chunk decoded from its owner's bytes."""
+    def _owner(self, parts: list[torch.Tensor], received: list[torch.Tensor]) -> torch.Tensor | None:
+        """The owner's message: mean of its fp32 chunk and ``received``, quantized once."""
+        pos = self.pos
+        if not parts[pos].numel():
+            return None
+        total = parts[pos].clone() if self.flags[pos] else torch.zeros_like(parts[pos])
+        for r in received:
+            total += r
+        return _enc(self.quantize(total.div_(self.n)), self.codec)
+
+    def _ring_gather(self, b: int, parts: list[torch.Tensor], received: list[torch.Tensor]) -> Generator:
+        """``_owner``, then a ring all-gather forwarding the owners' bytes. Returns every
+        chunk decoded from its owner's bytes."""
         W, pos, ch = self.W, self.pos, self.ch
         wire = [_wire(p.numel()) for p in parts]
         res: dict[int, torch.Tensor] = {}
         if wire[pos]:
-            total = parts[pos].clone() if self.flags[pos] else torch.zeros_like(parts[pos])
-            for r in received:
-                total += r
-            res[pos] = _enc(self.quantize(total.div_(self.n)))
+            res[pos] = self._owner(parts, received)
         vals: dict[int, torch.Tensor] = {}  # "prime" only: what this rank decoded
         for s in range(W - 1):
             c_out, c_in = (pos - s) % W, (pos - s - 1) % W
@@ -544,9 +614,9 @@ class _Run:
             yield works, f"bucket {b} all-gather step {s}"
             if buf is None:
                 continue
-            res[c_in] = buf
+            res[c_in] = _packed(buf, 1)[0]
             if self.algorithm == "prime":  # PRIME requantizes what it forwards
                 vals[c_in] = _dec(buf, parts[c_in].numel())
                 if s < W - 2:
-                    res[c_in] = _enc(self.quantize(vals[c_in]))
+                    res[c_in] = _enc(self.quantize(vals[c_in]), self.codec)
         return [vals[c] if c in vals else _dec(res[c], p.numel()) if wire[c] else None for c, p in enumerate(parts)]

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +194,10 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
     def on_term(signum, frame):  # noqa: ARG001
         raise SystemExit(EXIT_FAILED)
 
-    signal.signal(signal.SIGTERM, on_term)
+    # In a flow run's process (the diloco-worker deployment) this may not be the main thread, where
+    # only Prefect's own handler stops the run.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
         w = DilocoWorker(run, worker, index, host, int(port))
         while not w.done():
@@ -207,6 +211,8 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
     finally:
         if w is not None:
             w.close()  # deathrattle: peers drop us at once instead of after the heartbeat timeout
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def main(argv: list[str] | None = None, step_runner=None, prog: str = "python -m intellect.diloco.coordinator") -> int:

@@ -36,7 +36,8 @@ class OuterState:
 
     def __init__(self, model: torch.nn.Module, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
         self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._model_params(model)]
-        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=nesterov)
+        # momentum 0 is plain (scaled) model averaging, where Nesterov means nothing; torch rejects the pair
+        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
     @staticmethod
     def _model_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:

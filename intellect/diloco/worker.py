@@ -293,7 +293,8 @@ class DilocoWorker:
                 group = self._group(t, a, members)
                 order = json.loads(m.decide(f"order/{t}/{a}", json.dumps(self.ring(members))))
                 stats = all_reduce_mean(average, group, order=order, contribute=contribute,
-                                        algorithm=self.cfg.algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas))
+                                        algorithm=self.cfg.algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
+                                        codec=self.cfg.wire_codec)
                 ok = True
             except (AllReduceError, CommError, dist.DistError) as e:
                 log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, t, a, e)

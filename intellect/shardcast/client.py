@@ -2,12 +2,14 @@
 
 :meth:`ShardcastClient.fetch` starts as soon as any relay lists the version, even while the origin
 is still writing it, and downloads each shard from a relay that advertises it (picked by
-:mod:`~intellect.shardcast.choice`). Bytes go straight to their place in the checkpoint's files
-(no second copy); a shard whose SHA-256 differs from the manifest is discarded and fetched again
-from another relay, up to ``attempts`` tries. While shards arrive, a thread hashes the finished
-prefix, so the whole-checkpoint SHA-256 is ready right after the last shard. Only then is the
-temporary folder renamed to its final name and ``STABLE`` written: a failed fetch leaves nothing
-visible, and every wait is bounded by one deadline.
+:mod:`~intellect.shardcast.choice`). One thread per relay watches its manifest with long polls
+(the relay answers when it holds another shard). Each shard is streamed over httpx (kept-alive
+connections), hashed piece by piece as it arrives, and written to its place in the checkpoint's
+files (no second copy); a shard whose SHA-256 differs from the manifest is discarded and fetched
+again from another relay, up to ``attempts`` tries. While shards arrive, a thread hashes the
+finished prefix (read back from the page cache), so the whole-checkpoint SHA-256 is ready right
+after the last shard. Only then is the temporary folder renamed to its final name and ``STABLE``
+written: a failed fetch leaves nothing visible, and every wait is bounded by one deadline.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import httpx
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, ShardEntry, compatible
+from intellect.shardcast.store import write_at
 from intellect.storage import STABLE
 
 log = logging.getLogger("intellect.shardcast.client")
 
+_LONG_POLL = 1.0  # seconds a relay may hold a manifest request until it has news
 _READ_BACK = 4 << 20
 
 
@@ -46,22 +50,27 @@ class ShardError(Exception):
 
 
 def download_shard(http: httpx.Client, base: str, version: int, entry: ShardEntry,
-                   sink: Callable[[int, bytes], None], timeout: httpx.Timeout,
-                   deadline: float) -> None:
-    """Stream shard ``entry`` from ``base`` into ``sink(offset_in_shard, bytes)``; raise ShardError
-    unless exactly ``entry.size`` bytes with ``entry.sha256`` arrived before ``deadline``."""
+                   sink: Callable[[int, bytes], None], timeout: httpx.Timeout, deadline: float) -> None:
+    """Stream shard ``entry`` from ``base``, handing each piece to ``sink(offset_in_shard, piece)`` as it
+    arrives; raise ShardError unless exactly ``entry.size`` bytes with ``entry.sha256`` arrived before
+    ``deadline``. The caller keeps what ``sink`` wrote private until then."""
     h = hashlib.sha256()
     pos = 0
     try:
         with http.stream("GET", f"{base}/v/{version}/shard/{entry.index}", timeout=timeout) as r:
             if r.status_code != 200:
                 raise ShardError(f"HTTP {r.status_code}")
-            for chunk in r.iter_raw(1 << 20):
-                if pos + len(chunk) > entry.size:
+            announced = r.headers.get("content-length")
+            if announced != str(entry.size):  # a wrong length fails before a byte is written
+                raise ShardError(f"{announced} bytes announced, {entry.size} expected")
+            # iter_raw: the pieces as the connection reads them (no re-chunking copy); the server
+            # sends no content coding, so the raw bytes are the shard
+            for piece in r.iter_raw():
+                if pos + len(piece) > entry.size:
                     raise ShardError(f"more than {entry.size} bytes")
-                sink(pos, chunk)
-                h.update(chunk)
-                pos += len(chunk)
+                h.update(piece)  # while the piece is still in this core's cache
+                sink(pos, piece)
+                pos += len(piece)
                 if time.monotonic() > deadline:
                     raise ShardError("deadline passed mid-shard")
     except httpx.HTTPError as e:
@@ -70,6 +79,13 @@ def download_shard(http: httpx.Client, base: str, version: int, entry: ShardEntr
         raise ShardError(f"{pos} of {entry.size} bytes")
     if h.hexdigest() != entry.sha256:
         raise ShardError("sha256 mismatch")
+
+
+def http_client(parallel: int, servers: int) -> httpx.Client:
+    """One client for a process's shard downloads and manifest requests: a kept-alive connection for
+    every download that may run at once to any one server, plus one per server for its watcher."""
+    n = parallel * servers + servers
+    return httpx.Client(limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n))
 
 
 def get_json(http: httpx.Client, url: str, timeout: httpx.Timeout):
@@ -121,10 +137,10 @@ class _Assembly:
         def write(pos: int, data: bytes) -> None:
             view, seg_start = memoryview(data), 0
             for fd, foff, n in segs:  # shard-relative [seg_start, seg_start + n) lies at foff in its file
-                lo, hi = max(pos, seg_start), min(pos + len(data), seg_start + n)
-                while lo < hi:
+                lo, hi = max(pos, seg_start), min(pos + len(view), seg_start + n)
+                if lo < hi:
                     with self.write_lock:
-                        lo += os.pwrite(fd, view[lo - pos: hi - pos], foff + lo - seg_start)
+                        write_at(fd, view[lo - pos: hi - pos], foff + lo - seg_start)
                 seg_start += n
 
         return write
@@ -153,8 +169,7 @@ class ShardcastClient:
         self.scores = {r: RelayScore() for r in self.relays}
         self.rng = random.Random(self.cfg.seed)
         self._timeout = httpx.Timeout(self.cfg.read_timeout, connect=self.cfg.connect_timeout)
-        self._http = httpx.Client(limits=httpx.Limits(max_connections=self.cfg.parallel * len(self.relays) + 8,
-                                                      max_keepalive_connections=self.cfg.parallel * len(self.relays)))
+        self._http = http_client(self.cfg.parallel, len(self.relays))
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -183,20 +198,6 @@ class ShardcastClient:
 
     def complete_versions(self) -> list[int]:
         return sorted(v for v, done in self.versions().items() if done)
-
-    def _manifests(self, version: int, errors: dict[str, str]) -> dict[str, Manifest]:
-        out = {}
-        for relay in self.relays:
-            try:
-                m = Manifest.model_validate(get_json(self._http, f"{relay}/v/{version}/manifest", self._timeout))
-            except (httpx.HTTPError, ValueError) as e:
-                errors[relay] = f"manifest: {str(e).splitlines()[0][:200]}"
-                continue
-            if m.version != version:
-                errors[relay] = f"manifest of version {m.version} served for {version}"
-                continue
-            out[relay] = m
-        return out
 
     # ------------------------------------------------------------------ fetch
 
@@ -237,7 +238,10 @@ class ShardcastClient:
         by_relay: dict[str, int] = {}
         ref: Manifest | None = None  # the most complete view of the version
         advertised: dict[int, list[str]] = {}
-        last_look = -1e9
+        latest: dict[str, Manifest] = {}  # each answering relay's newest manifest
+        told_total = dirty = False
+        unheard, first_heard = set(self.relays), 0.0
+        watch = {_in_thread(self._watch, relay, version, None, 0.0, deadline): relay for relay in self.relays}
         hasher = _OrderedHasher(asm)
         try:
             while True:
@@ -245,12 +249,6 @@ class ShardcastClient:
                 if now > deadline:
                     raise ShardcastError(self._why(f"version {version} not fetched within {cfg.deadline:.0f} s",
                                                    errors, done, ref))
-                if (ref is None or not ref.complete or len(advertised) < len(ref.shards)) \
-                        and now - last_look >= cfg.poll_interval:
-                    last_look = now
-                    ref, advertised = self._merge(self._manifests(version, errors), ref, errors)
-                    if ref is not None:
-                        hasher.manifest = ref
                 if ref is not None:
                     busy = {i for i, _, _ in inflight.values()}
                     for s in ref.shards:
@@ -267,12 +265,20 @@ class ShardcastClient:
                                           self._timeout, deadline)
                         inflight[fut] = (s.index, relay, time.monotonic())
                     if ref.complete and len(done) == len(ref.shards):
+                        if progress is not None and not told_total:  # the total became known after the last shard
+                            progress(len(done), len(ref.shards))
                         break
-                if not inflight:
+                if not inflight and not watch:
                     time.sleep(min(cfg.poll_interval, max(0.0, deadline - time.monotonic())))
                     continue
-                finished, _ = wait(list(inflight), timeout=cfg.poll_interval, return_when=FIRST_COMPLETED)
+                finished, _ = wait([*inflight, *watch], timeout=cfg.poll_interval, return_when=FIRST_COMPLETED)
                 for fut in finished:
+                    if fut in watch:
+                        unheard.discard(watch[fut])
+                        first_heard = first_heard or time.monotonic()
+                        self._watched(fut, watch, latest, errors, version, deadline)
+                        dirty = True
+                        continue
                     index, relay, started = inflight.pop(fut)
                     entry = ref.shard(index)
                     err = fut.exception()
@@ -284,6 +290,7 @@ class ShardcastClient:
                         by_relay[relay] = by_relay.get(relay, 0) + 1
                         hasher.add(index)
                         if progress is not None:
+                            told_total = ref.complete
                             progress(len(done), len(ref.shards) if ref.complete else None)
                         continue
                     errors[relay] = f"shard {index}: {err}"
@@ -291,6 +298,13 @@ class ShardcastClient:
                     if len(tries[index]) >= cfg.attempts:
                         raise ShardcastError(self._why(f"shard {index} of version {version} failed "
                                                        f"{len(tries[index])} tries", errors, done, ref))
+                # the first look waits (briefly) for every relay, so the first wave of shards is
+                # spread over all of them, not sent to whichever answered first
+                if dirty and (not unheard or time.monotonic() - first_heard >= cfg.poll_interval):
+                    dirty = False
+                    ref, advertised = self._merge(latest, ref, errors)
+                    if ref is not None:
+                        hasher.manifest = ref
             digest = hasher.result(deadline)
             if digest != ref.sha256:
                 raise ShardcastError(f"version {version}: the assembled checkpoint's sha256 {digest} differs from "
@@ -304,6 +318,39 @@ class ShardcastClient:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
             asm.close()
+
+    def _watch(self, relay: str, version: int, known: Manifest | None, delay: float, deadline: float) -> Manifest:
+        """``relay``'s manifest of ``version``, after ``delay`` s; when ``known`` is an incomplete one, the
+        relay answers once its manifest lists more shards (a long poll, at most _LONG_POLL s)."""
+        if delay > 0:
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        url = f"{relay}/v/{version}/manifest"
+        if known is not None and not known.complete:
+            hold = max(0.0, min(_LONG_POLL, self.cfg.read_timeout / 2, deadline - time.monotonic()))
+            url += f"?after={len(known.shards)}&wait={hold:.3f}"
+        m = Manifest.model_validate(get_json(self._http, url, self._timeout))
+        if m.version != version:
+            raise ValueError(f"manifest of version {m.version} served for {version}")
+        return m
+
+    def _watched(self, fut: Future, watch: dict[Future, str], latest: dict[str, Manifest], errors: dict[str, str],
+                 version: int, deadline: float) -> None:
+        """Take one answer of a relay's watcher and start its next look (none once its copy is complete)."""
+        relay = watch.pop(fut)
+        err, prev = fut.exception(), latest.get(relay)
+        if err is None:
+            m = latest[relay] = fut.result()
+            # an answer with nothing new (the long poll expired, or a server that does not hold
+            # requests) is followed by a pause, so no relay is asked in a tight loop
+            delay = self.cfg.poll_interval if prev is not None and len(m.shards) == len(prev.shards) else 0.0
+        else:
+            if not isinstance(err, (httpx.HTTPError, ValueError)):
+                raise err
+            errors[relay] = f"manifest: {str(err).splitlines()[0][:200]}"
+            latest.pop(relay, None)  # not used until it answers again
+            delay = self.cfg.poll_interval
+        if relay not in latest or not latest[relay].complete:
+            watch[_in_thread(self._watch, relay, version, latest.get(relay), delay, deadline)] = relay
 
     @staticmethod
     def _merge(manifests: dict[str, Manifest], ref: Manifest | None,
@@ -347,6 +394,22 @@ class ShardcastClient:
         return f"{head} ({got}; {detail})"
 
 
+def _in_thread(fn: Callable, *args) -> Future:
+    """``fn(*args)`` on a new daemon thread: a watcher blocked in a long poll when the fetch ends must
+    not hold up the fetch's return or the interpreter's exit (a pool's threads would)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting fetch loop
+                fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="shardcast-watch").start()
+    return fut
+
+
 class _OrderedHasher:
     """SHA-256 of the blob, fed shard by shard in index order as shards finish (reads back from the page cache)."""
 
@@ -368,6 +431,7 @@ class _OrderedHasher:
             self._cv.notify()
 
     def _run(self) -> None:
+        buf = memoryview(bytearray(_READ_BACK))  # reused: no fresh memory per read
         try:
             while True:
                 with self._cv:
@@ -380,7 +444,11 @@ class _OrderedHasher:
                 for name, foff, n in manifest.segments(entry):
                     fd = self.asm.fd(name)
                     for off in range(0, n, _READ_BACK):
-                        self._h.update(os.pread(fd, min(_READ_BACK, n - off), foff + off))
+                        want = min(_READ_BACK, n - off)
+                        got = os.preadv(fd, [buf[:want]], foff + off)
+                        if got != want:
+                            raise OSError(f"{name}: read {got} of {want} bytes at {foff + off}")
+                        self._h.update(buf[:want])
                 with self._cv:
                     self._next += 1
                     self._cv.notify_all()

@@ -2,7 +2,10 @@
 
 Every ``poll_interval`` the relay lists its upstreams' versions, and for each of the newest
 ``keep`` it does not hold completely it fetches the shards it lacks (several at once, each
-checked against the upstream manifest's SHA-256 before it is renamed into place). Its own
+checked against the upstream manifest's SHA-256 before it is renamed into place). While a version
+is being written upstream, the pause is a long poll instead: the upstream answers the manifest
+request as soon as it lists another shard, so a shard is seen at once and an idle wait costs no
+requests. Its own
 manifest is rewritten after each shard and lists only what it holds, so it starts serving a
 version's first shards while the origin is still writing the last ones, and never advertises a
 byte it cannot send. A bad shard is discarded and fetched again on a later pass (one bad hop does
@@ -12,6 +15,7 @@ not spread). When every upstream is down, it keeps serving what it has.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -20,13 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
-from intellect.shardcast.client import ShardError, download_shard, get_json, list_versions
+from intellect.shardcast.client import ShardError, http_client, download_shard, get_json, list_versions
 from intellect.shardcast.config import ClientConfig, RelayConfig
 from intellect.shardcast.manifest import Manifest, ShardEntry, compatible
-from intellect.shardcast.store import VersionStore
+from intellect.shardcast.store import VersionStore, write_at
 
 log = logging.getLogger("intellect.shardcast.relay")
 
+_LONG_POLL = 1.0  # seconds an upstream may hold a manifest request until it has another shard
 _CHOICE = ClientConfig()  # a relay picks among its upstreams as a client does, with the client's defaults
 
 
@@ -37,7 +42,7 @@ class Relay:
         self.scores = {u: RelayScore() for u in self.upstreams}
         self.rng = random.Random(seed)
         self._timeout = httpx.Timeout(cfg.read_timeout, connect=cfg.connect_timeout)
-        self._http = httpx.Client(limits=httpx.Limits(max_connections=cfg.parallel * len(self.upstreams) + 8))
+        self._http = http_client(cfg.parallel, len(self.upstreams))
         self._pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="relay-get")
         self._lock = threading.Lock()
         self._upstream: dict[int, Manifest] = {}  # newest upstream view of each version being mirrored
@@ -53,24 +58,36 @@ class Relay:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                self.sync_once()
+                news = self.sync_once()
             except Exception:  # noqa: BLE001 - a relay must outlive any one bad pass
                 log.exception("relay sync pass failed")
-            stop.wait(self.cfg.poll_interval)
+                news = False
+            if not news:
+                stop.wait(self.cfg.poll_interval)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
 
-    def sync_once(self) -> None:
+    def sync_once(self) -> bool:
+        """One pass over the upstreams; True when it waited on a version being written and got new
+        shards of it (the next pass may start at once: the wait replaced the pause)."""
         listing = self._upstream_versions()
+        news = held_on = False
         for v in sorted(listing)[-self.cfg.keep:]:
             local = self.store.manifest(v)
             if local is not None and local.complete:
                 continue
-            up = self._upstream_manifest(v, listing[v])
+            known = self._upstream.get(v)
+            hold = 0.0
+            if not held_on and known is not None and not known.complete:
+                # one long poll per pass: the upstream answers when it has another shard
+                hold, held_on = min(_LONG_POLL, self.cfg.read_timeout / 2), True
+            up = self._upstream_manifest(v, listing[v], known if hold else None, hold)
             if up is None:
                 continue
+            if hold and len(up.shards) > len(known.shards):
+                news = True
             with self._lock:
                 if local is not None and not compatible(local, up):
                     log.warning("version %d changed upstream; dropping the local copy", v)
@@ -87,6 +104,7 @@ class Relay:
             for v in self.store.retain(self.cfg.keep):
                 self._held.pop(v, None)
                 self._upstream.pop(v, None)
+        return news
 
     # ------------------------------------------------------------------ parts
 
@@ -100,11 +118,17 @@ class Relay:
                 log.debug("upstream %s: %s", u, e)
         return out
 
-    def _upstream_manifest(self, version: int, upstreams: list[str]) -> Manifest | None:
+    def _upstream_manifest(self, version: int, upstreams: list[str], known: Manifest | None = None,
+                           hold: float = 0.0) -> Manifest | None:
+        """The fullest of the upstreams' manifests; with ``known``, the first upstream is asked to hold
+        the answer up to ``hold`` s until it lists more shards than ``known``."""
         best = None
-        for u in upstreams:
+        for i, u in enumerate(upstreams):
+            url = f"{u}/v/{version}/manifest"
+            if i == 0 and known is not None:
+                url += f"?after={len(known.shards)}&wait={hold:.3f}"
             try:
-                m = Manifest.model_validate(get_json(self._http, f"{u}/v/{version}/manifest", self._timeout))
+                m = Manifest.model_validate(get_json(self._http, url, self._timeout))
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s manifest v%d: %s", u, version, e)
                 continue
@@ -127,11 +151,12 @@ class Relay:
         try:
             with self._lock:
                 upstream = pick(self.scores, upstreams, self.rng)
-            with open(tmp, "wb", buffering=0) as f:
-                def sink(pos: int, data: bytes) -> None:
-                    f.write(data)
-
-                download_shard(self._http, upstream, version, entry, sink, self._timeout, float("inf"))
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                download_shard(self._http, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
+                               self._timeout, float("inf"))
+            finally:
+                os.close(fd)
             with self._lock:
                 observe(self.scores, upstream, ok=True, nbytes=entry.size, seconds=time.monotonic() - t0,
                         alpha=_CHOICE.alpha, heal=_CHOICE.heal)

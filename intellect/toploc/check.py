@@ -263,24 +263,39 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
                     reasons[i] = "toploc_no_checkpoint"
                 continue
             requests = [Request(list(rows[i].prompt_tokens), rows[i].seed) for i in idx]
-            scored = prefill(engine, requests, [list(rows[i].output_tokens) for i in idx], sampling,
-                             cfg.distribution_check)
+            outputs = [list(rows[i].output_tokens) for i in idx]
+            scored = prefill(engine, requests, outputs, sampling, cfg.distribution_check)
             checks = check_many([s.hidden_states for s in scored], [rows[i].proof for i in idx], cfg.chunk, cfg.k, cfg)
+            # the group's per-token results in one tensor each, so that per row only numbers remain
+            n = [len(o) for o in outputs]
+            claimed = torch.tensor([t for o in outputs for t in o], dtype=torch.int64)
+            resampled = torch.cat([s.resampled for s in scored])
+            row_of = torch.repeat_interleave(torch.arange(len(idx)), torch.tensor(n, dtype=torch.int64))
+            differ = torch.bincount(row_of, weights=(resampled != claimed).double(), minlength=len(idx)).long().tolist()
+            ends_at = [e - 1 for e in torch.tensor(n).cumsum(0).tolist()]
+            same_last = (resampled == claimed).tolist()
+            probs = torch.cat([s.logprobs for s in scored]).exp().tolist()
             passed = []
-            for i, chunks, s in zip(idx, checks, scored):
+            for j, (i, chunks) in enumerate(zip(idx, checks)):
                 bad = next((c.reason for c in chunks if not c.ok), None)
                 if bad:
                     reasons[i] = f"toploc_{bad}"
                     continue
-                reasons[i] = _seeded(i, rows[i], s, cfg)
-                ends[i] = _termination(rows[i], s, sampling, cfg, eos)
+                if cfg.seeded_check and differ[j] > cfg.max_resampled_fraction * n[j]:
+                    reasons[i] = _sampling(i, sampling_detail("seeded", "rollout", resampled=differ[j], tokens=n[j]))
+                last = ends_at[j]
+                ends[i] = _termination(outputs[j], sampling, cfg, eos, n[j] and same_last[last], n[j] and probs[last])
                 if reasons[i] is None:
-                    passed.append((i, s))
+                    passed.append((i, scored[j]))
             if cfg.distribution_check and passed:
                 draws.update(_draws(rows, passed, sampling, cfg))
-        for i, d in draws.items():
-            if d.surprise > cfg.max_low_prob_surprise:
-                reasons[i] = _sampling(i, sampling_detail("distribution", "rollout", d))
+        if draws:
+            over = (low_prob_surprise(torch.tensor([float(d.low) for d in draws.values()], dtype=torch.float64),
+                                      torch.tensor([d.expected for d in draws.values()], dtype=torch.float64))
+                    > cfg.max_low_prob_surprise).tolist()
+            for (i, d), o in zip(draws.items(), over):
+                if o:
+                    reasons[i] = _sampling(i, sampling_detail("distribution", "rollout", d))
         pooled = sum(draws.values(), Draws(0, 0, 0.0))
         if pooled.surprise > cfg.max_low_prob_surprise:
             for i in draws:
@@ -295,16 +310,6 @@ def _sampling(row: int, detail: str) -> str:
     return "toploc_sampling"
 
 
-def _seeded(i: int, row: Rollout, scored: Scored, cfg: ToplocConfig) -> str | None:
-    if not cfg.seeded_check:
-        return None
-    out = torch.tensor(row.output_tokens, dtype=torch.int64)
-    differ = int((scored.resampled != out).sum())
-    if differ > cfg.max_resampled_fraction * len(out):
-        return _sampling(i, sampling_detail("seeded", "rollout", resampled=differ, tokens=len(out)))
-    return None
-
-
 def _draws(rows: Sequence[Rollout], scored: list[tuple[int, Scored]], sampling: SamplingParams,
            cfg: ToplocConfig) -> dict[int, Draws]:
     """Every row's low-probability counts, from one vectorized pass over the group's logits."""
@@ -314,14 +319,16 @@ def _draws(rows: Sequence[Rollout], scored: list[tuple[int, Scored]], sampling: 
                            torch.full((len(tokens),), sampling.top_p))
     low, chance = low_prob_draws(probs, tokens, cfg.min_token_prob, cfg.low_prob_floor)
     n = [len(rows[i].output_tokens) for i, _ in scored]
-    lows = [int(x.sum()) for x in low.split(n)]
-    expected = [float(x.sum()) for x in chance.split(n)]
+    row_of = torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n, dtype=torch.int64))
+    lows = torch.bincount(row_of, weights=low.double(), minlength=len(n)).long().tolist()
+    expected = torch.bincount(row_of, weights=chance, minlength=len(n)).tolist()
     return {i: Draws(k, lo, e) for (i, _), k, lo, e in zip(scored, n, lows, expected)}
 
 
-def _termination(row: Rollout, scored: Scored, sampling: SamplingParams, cfg: ToplocConfig,
-                 eos: set[int]) -> str | None:
-    out = row.output_tokens
+def _termination(out: Sequence[int], sampling: SamplingParams, cfg: ToplocConfig, eos: set[int],
+                 picked_last: bool, last_prob: float) -> str | None:
+    """The termination verdict of output ``out``, given whether the validator's seeded sampler picks
+    its last token and that token's probability under the validator's model."""
     if not eos or len(out) >= sampling.max_tokens:
         return None
     if not len(out) or int(out[-1]) not in eos:
@@ -329,7 +336,6 @@ def _termination(row: Rollout, scored: Scored, sampling: SamplingParams, cfg: To
     # an EOS the seeded sampler itself picks is honest however unlikely; one it does not pick
     # (tolerated by the sampling check's near-tie allowance), or any EOS when no seeded sampler
     # can be replayed, must at least be plausible
-    picked = cfg.seeded_check and int(scored.resampled[-1]) == int(out[-1])
-    if not picked and float(scored.logprobs[-1].exp()) < cfg.min_eos_prob:
+    if not (cfg.seeded_check and picked_last) and last_prob < cfg.min_eos_prob:
         return "toploc_eos_unlikely"
     return None

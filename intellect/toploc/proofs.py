@@ -9,7 +9,9 @@ big-endian uint16, ``2 + 2k`` bytes (258 for ``k = 128``). The bytes equal those
 package ``toploc`` 0.1.6 (``build_proofs_bytes(acts, 32, 128, skip_prefill=True)``, checked by
 ``benchmarks/peers/toploc_compat.py``).
 
-The check (:func:`check_chunks`) recomputes the hidden states, takes the validator's own top-k,
+The check (:func:`check_chunks`) recomputes the hidden states, takes the validator's own top-k
+(found by block maxima rather than a general top-k, :func:`magnitude_candidates`; values tied at
+the k-th magnitude go the prover's way where its values show it, :func:`tie_break_topk`),
 evaluates the committed polynomial at ``index mod m`` and compares with the validator's values:
 exponent mismatches, mean and median mantissa error over the positions whose exponents match (as
 the reference), and, unlike the reference, sign mismatches there too (a sign-flipped tensor passes
@@ -257,44 +259,172 @@ def check_many(acts_list: list[torch.Tensor], blobs: list[bytes], chunk: int = 3
     """:func:`check_chunks` of many rollouts at once: every chunk of the same size in one batch."""
     cfg = cfg or ToplocConfig(chunk=chunk, k=k)
     out: list[list[ChunkCheck]] = [[] for _ in acts_list]
-    proofs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    size = proof_size(k)
     todo = []
     for i, (acts, blob) in enumerate(zip(acts_list, blobs, strict=True)):
         expected = n_chunks(acts.shape[0], chunk) if acts.ndim == 2 else 0
         # a rejected rollout gets at least one rejection, also when it has no chunk to check
         if acts.ndim != 2 or acts.dtype != torch.bfloat16:
             out[i] = [_reject("dtype")] * max(expected, 1)
-            continue
-        try:
-            moduli, coeffs = decode_proofs(blob, k)
-        except ValueError:
+        elif not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) % size:
             out[i] = [_reject("malformed")] * max(expected, 1)
-            continue
-        if moduli.numel() != expected:
+        elif len(blob) // size != expected:
             out[i] = [_reject("proof_count")] * max(expected, 1)
-            continue
-        proofs[i] = (moduli, coeffs)
-        out[i] = [_reject("unchecked")] * expected
-        todo.append(i)
+        else:
+            out[i] = [_reject("unchecked")] * expected
+            todo.append(i)
+    # every accepted blob decoded at once; rollout todo[t]'s proofs start at row first[t]
+    moduli, coeffs = decode_proofs(b"".join(bytes(blobs[i]) for i in todo), k)
+    first = dict(zip(todo, torch.tensor([0] + [len(out[i]) for i in todo]).cumsum(0).tolist()))
+    # each size group searches its own top-k candidates; evaluation, tie-break and statistics then
+    # run once over every group's candidates (padded to one width): a rollout's short last chunk
+    # would otherwise cost a whole pass of small operations
+    checked, positions, bits = [], [], []
     for size, (members, raw) in _groups([acts_list[i] for i in todo], chunk).items():
         members = [(todo[i], j) for i, j in members]
         if size < k:
             for i, j in members:
                 out[i][j] = _reject("short_chunk")
             continue
-        m = torch.stack([proofs[i][0][j] for i, j in members])
-        c = torch.stack([proofs[i][1][j] for i, j in members])
-        for (i, j), check in zip(members, _check_rows(raw, m, c, cfg)):
+        pos, mine = _candidates(raw, k)
+        checked += members
+        positions.append(pos)
+        bits.append(mine)
+    if checked:
+        width = max(p.shape[1] for p in positions)
+        pos = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in positions])
+        mine = torch.cat([torch.nn.functional.pad(b, (0, width - b.shape[1]), value=-1) for b in bits])
+        rows = torch.tensor([first[i] + j for i, j in checked])
+        m, c = moduli[rows], coeffs[rows]
+        for (i, j), check in zip(checked, _check_rows(pos, mine, m, c, cfg)):
             out[i][j] = check
     return out
 
 
-def _check_rows(raw: torch.Tensor, m: torch.Tensor, c: torch.Tensor, cfg: ToplocConfig) -> list[ChunkCheck]:
-    """The statistics and verdicts of chunks (rows of raw bf16 bits) against their proofs, vectorized."""
+def _compact(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row, the ``values`` where ``mask`` is set, in order, padded with -1 to the longest row.
+
+    >>> _compact(torch.tensor([[True, False, True], [False, True, False]]), torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    tensor([[ 5,  7],
+            [ 9, -1]])
+    """
+    r, c = mask.nonzero(as_tuple=True)
+    counts = torch.bincount(r, minlength=mask.shape[0])
+    slot = torch.arange(r.numel()) - (counts.cumsum(0) - counts)[r]
+    out = torch.full((mask.shape[0], int(counts.max()) if r.numel() else 0), -1, dtype=torch.int64)
+    out[r, slot] = values[r, c]
+    return out
+
+
+def _block_rows(row_bytes: int) -> int:
+    # rows per pass over a big tensor: ~256 KiB a thread, so each piece stays in cache and reuses
+    # freed memory (a fresh 16 MiB temporary costs more in page faults than the arithmetic on it;
+    # 2x faster than 1 MiB pieces on one core of a 2-core EPYC), and each parallel op has work
+    return max(1, (torch.get_num_threads() << 18) // max(row_bytes, 1))
+
+
+def magnitude_candidates(raw: torch.Tensor, k: int, fan: int = 8) -> torch.Tensor:
+    """Positions ``[rows, c]`` (in no set order, -1 padded) of each row's ``k`` largest magnitudes
+    and of every one tied with the ``k``-th: the top-``k`` with all its ties. ``raw``: bf16 bits as
+    int16 ``[rows, n]``, ``n >= k``; the magnitude order is that of the bits with the sign cleared.
+
+    A general top-k walks every value with its index; here every value is read once by a
+    vectorized max over slabs, and only the few blocks that can hold a winner are opened. Block
+    maxima are built up in levels (``fan`` blocks each) while a level keeps ``>= 2k`` blocks; the
+    ``k``-th largest maximum of the top level is a threshold ``t`` that at least ``k`` values reach
+    (in ``k`` distinct blocks), so it never exceeds the row's ``k``-th value, and every block
+    holding a winner reaches it: the blocks reaching ``t`` name the children to look at below, and
+    the values reached last hold the exact ``k``-th. E.g. 32 x 4096 Gaussian values, ``k = 128``:
+    16,384 maxima of 8, then 2,048 of 64, then 256 of 512; ``t`` is the 128th of those 256, and
+    the search opens ~130 blocks of 512, ~170 of 64 and ~180 of 8 (reading ~1,400 of the 131,072
+    values again) to find the ~131 positions.
+
+    >>> raw = torch.tensor([[5, 1, 9, -32768 + 9, 0, 3, 7, 2]], dtype=torch.int16)   # -32768 + 9: -9
+    >>> magnitude_candidates(raw, 3, fan=2)   # 9, -9, 7
+    tensor([[2, 3, 6]])
+    >>> magnitude_candidates(torch.tensor([[4, 1, 4, 4]], dtype=torch.int16), 2, fan=2)   # three 4s tie
+    tensor([[0, 2, 3]])
+    """
+    rows, n = raw.shape
+
+    def maxima(level: torch.Tensor) -> torch.Tensor:
+        # slab j holds elements j, j + m, j + 2m, ...: an elementwise max of fan contiguous slabs;
+        # -1 pads the last one (below every magnitude)
+        if level.shape[1] % fan:
+            level = torch.cat([level, level.new_full((level.shape[0], fan - level.shape[1] % fan), -1)], 1)
+        return level.view(level.shape[0], fan, -1).amax(1)
+
+    levels = [raw]
+    if n // fan >= 2 * k:
+        levels.append(torch.cat([maxima(b & 0x7FFF) for b in raw.split(_block_rows(2 * n))]))
+    while levels[-1].shape[1] // fan >= 2 * k:
+        levels.append(maxima(levels[-1]))
+    if len(levels) == 1:
+        levels[0] = raw & 0x7FFF
+    t = levels[-1].topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    pos, v = torch.arange(levels[-1].shape[1]).expand(rows, -1), levels[-1]
+    for lower in reversed(levels[:-1]):
+        parent = _compact(v >= t, pos)
+        size, width = lower.shape[1], -(-lower.shape[1] // fan)
+        pos = torch.where(parent[:, :, None] >= 0, parent[:, :, None] + torch.arange(fan) * width, size).view(rows, -1)
+        v = torch.where(pos < size, lower.gather(1, pos.clamp(max=size - 1)) & 0x7FFF, -1)
+    # the exact k-th among the few values reaching t
+    pos = _compact(v >= t, pos)
+    v = torch.where(pos >= 0, raw.gather(1, pos.clamp(min=0)) & 0x7FFF, -1)
+    return _compact(v >= v.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True), pos)
+
+
+def _candidates(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos, mine)``: :func:`magnitude_candidates` of rows of raw bf16 bits and the bits there
+    (int64, -1 where ``pos`` pads)."""
+    pos = magnitude_candidates(raw, k)
+    if pos.shape[1] > 4 * k:
+        # a degenerate chunk (thousands of equal values at the k-th magnitude, e.g. ternary):
+        # evaluating every tie would cost more than the prover's own kernel, which decides instead
+        many = (pos >= 0).sum(-1) > 4 * k
+        pos = pos[:, :4 * k].clone()  # valid positions come first in a row
+        pos[many] = -1
+        pos[many, :k] = _topk(raw[many], k)
+    mine = torch.where(pos >= 0, raw.gather(1, pos.clamp(min=0)).to(torch.int64) & 0xFFFF, -1)
+    return pos, mine
+
+
+def tie_break_topk(pos: torch.Tensor, mine: torch.Tensor, theirs: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validator's top-``k`` magnitudes among candidates (a top-``k`` with all its ties,
+    :func:`magnitude_candidates`): ``(mine, theirs)`` int64 ``[rows, k]`` bf16 bit patterns, given
+    the candidates' positions ``pos``, the validator's bits ``mine`` and the committed polynomial's
+    values ``theirs`` there (``[rows, c]``, ``pos`` -1 where padded).
+
+    Values tied at the ``k``-th magnitude are interchangeable (any choice is a top-``k``; the
+    prover's depends on its top-k kernel), so the tie goes to the positions whose committed value is
+    closest to the validator's (same exponent, nearest mantissa, then same sign), then to the lowest
+    index: an honest prover's choice among equal values does not count against it, and nothing but
+    the tie moves.
+
+    >>> pos, mine = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[9, 3, 32768 + 3, 3]])  # |.| 9, 3, 3, 3
+    >>> theirs = torch.tensor([[9, 700, 40000, 3]])   # k = 2: the prover took 9 and the last 3
+    >>> tie_break_topk(pos, mine, theirs, 2)
+    (tensor([[9, 3]]), tensor([[9, 3]]))
+    """
+    # closeness: 128 - |mantissa error| where the exponents agree, else 0, then the sign: an honest
+    # prover's value is within rounding of ours, while a position outside its set evaluates to a
+    # pseudo-random value (or, aliased by index mod m, to another point's: a random mantissa and
+    # sign). The sign comes last so that a sign-flipped tensor still meets the prover's choice.
+    close = torch.where(((theirs ^ mine) >> 7) & 0xFF == 0, 128 - ((theirs & 0x7F) - (mine & 0x7F)).abs(), 0)
+    close = 2 * close + (theirs >> 15 == mine >> 15).long()
+    score = (mine & 0x7FFF) << 48 | close << 39 | ((1 << 39) - 1 - pos)
+    pick = torch.where(pos >= 0, score, -1).topk(k, dim=-1).indices
+    return mine.gather(1, pick), theirs.gather(1, pick)
+
+
+def _check_rows(pos: torch.Tensor, mine: torch.Tensor, m: torch.Tensor, c: torch.Tensor, cfg: ToplocConfig
+                ) -> list[ChunkCheck]:
+    """The statistics and verdicts of chunks against their proofs, vectorized, from each chunk's
+    top-k candidates (:func:`_candidates`)."""
     k = c.shape[1]
-    idx = _topk(raw, k)
-    mine = _bits(raw, idx)
-    theirs = evaluate(c, idx % m.clamp(min=1)[:, None])
+    theirs = evaluate(c, pos.clamp(min=0) % m.clamp(min=1)[:, None])
+    mine, theirs = tie_break_topk(pos, mine, theirs, k)
     exp_diff = ((theirs >> 7) & 0xFF) != ((mine >> 7) & 0xFF)
     mant_err = ((theirs & 0x7F) - (mine & 0x7F)).abs()
     matched = ~exp_diff

@@ -26,6 +26,14 @@ from intellect.diloco.quantize import wire_nbytes
 # scales spread over 1e-3..1e1, so a shared codebook would fail the error bound.
 SHAPES = [(37, 29), (1000,), (5,), (0,), (2, 3, 4)]
 SCALES = [1e-3, 1.0, 10.0, 1.0, 0.1]
+# Chunks of a few hundred values stay raw under codec="zstd" (coding saves nothing);
+# cases with "big": True use these, whose chunks are coded (0.8-0.9x the raw size).
+BIG_SHAPES = [(40_000,), (7, 300), (3,)]
+BIG_SCALES = [1.0, 1e-2, 1.0]
+
+
+def case_shapes(case) -> dict:
+    return {"shapes": BIG_SHAPES, "scales": BIG_SCALES} if case.get("big") else {}
 
 
 def inputs(worker: int, seed: int, shapes=SHAPES, scales=SCALES) -> list[torch.Tensor]:
@@ -65,7 +73,9 @@ def formula_bytes(numels, world, pos, algorithm) -> int:
             total += sum((s + 1) * w[(pos - s - 1) % world] for s in range(world - 1)) + gather
         elif algorithm == "ring-residual":  # one partial sum per hop, as int8 + int8 residual
             total += 2 * (sum(w) - w[pos]) + gather
-        else:  # direct, ring, prime: each chunk but the own one, once
+        elif algorithm == "direct":  # own chunk to every other rank, own result to every other rank
+            total += sum(w) - w[pos] + (world - 1) * w[pos]
+        else:  # ring, prime: each chunk but the own one, once
             total += sum(w) - w[pos] + gather
     return total
 
@@ -91,7 +101,7 @@ def _rank_main(worker, local, world, nlocal, port, cases, out_dir, timeout):
         )
         group = shard_group(store, "test", worker, world, local, timeout=timeout, hostname="127.0.0.1")
         for case in cases:
-            ts = inputs(worker, case["seed"])
+            ts = inputs(worker, case["seed"], **case_shapes(case))
             if nlocal > 1:  # this rank holds shard `local` of the flattened "model"
                 flat = torch.cat([t.reshape(-1) for t in ts])
                 s, e = chunk_bounds(flat.numel(), nlocal)[local]
@@ -100,7 +110,9 @@ def _rank_main(worker, local, world, nlocal, port, cases, out_dir, timeout):
                 ts[-1].view(-1)[3] = float("nan")
             if worker in case.get("die", ()):
                 _die_after_sends(case["die_after"], case["how"])
-            kw = {k: case[k] for k in ("algorithm", "relay", "buckets", "window") if k in case}
+            if worker in case.get("corrupt", ()):
+                _corrupt_coded_sends()
+            kw = {k: case[k] for k in ("algorithm", "relay", "buckets", "window", "codec") if k in case}
             kw.update(case.get("per_rank", {}).get(worker, {}))
             order = case.get("order")
             if isinstance(order, dict):
@@ -131,6 +143,21 @@ def _die_after_sends(n: int, how: str) -> None:
                 if how == "exit":
                     os._exit(17)
                 time.sleep(3600)
+        return orig(self, t, dst, tag, kind)
+
+    transport.Channel.isend = isend
+
+
+def _corrupt_coded_sends() -> None:
+    """Flip the last byte of every entropy-coded payload message this rank sends."""
+    from intellect.diloco import transport
+
+    orig = transport.Channel.isend
+
+    def isend(self, t, dst, tag, kind):
+        if kind == "payload" and t.numel() > 4 and int(t[3]) == 2:  # wire format version 2: coded
+            t = t.clone()
+            t[-1] ^= 0x5A
         return orig(self, t, dst, tag, kind)
 
     transport.Channel.isend = isend
@@ -176,7 +203,7 @@ def check_case(results, case, world, keys=None, bound=0.03):
         assert len({digest(r["out"]) for r in outs.values()}) == 1, "ranks disagree"
     for r in outs.values():
         if contributors:
-            err = rel_err(r["out"], exact_mean(contributors, case["seed"]))
+            err = rel_err(r["out"], exact_mean(contributors, case["seed"], **case_shapes(case)))
             assert err < case.get("bound", bound), (case["name"], err)
             print(f"{case['name']}: rel err {err:.4f}")
         else:
@@ -185,16 +212,22 @@ def check_case(results, case, world, keys=None, bound=0.03):
     algo = case.get("algorithm", "direct")
     for (w, _), r in outs.items():
         st, pos = r["stats"], order.index(w)
-        if not excluded and "relay" not in case and "buckets" not in case:
-            numels = [math.prod(s) for s in SHAPES]
-            assert st["payload_bytes"] == formula_bytes(numels, world, pos, algo) == payload_bytes(
-                numels, world, pos, algo
-            )
+        # (per_rank: ranks differ in codec, so their bytes differ: values only)
+        if not excluded and not {"relay", "buckets", "per_rank"} & set(case):
+            numels = [math.prod(s) for s in case_shapes(case).get("shapes", SHAPES)]
+            raw = formula_bytes(numels, world, pos, algo)
+            assert raw == payload_bytes(numels, world, pos, algo)
+            if case.get("codec") == "none":
+                assert st["payload_bytes"] == raw
+            elif case.get("big"):  # coded: 0.8-0.9x the raw bytes (N(0,1): ~7 bits per index)
+                assert 0.75 * raw < st["payload_bytes"] < 0.95 * raw, (st["payload_bytes"], raw)
+            else:  # chunks too small to code: raw
+                assert st["payload_bytes"] == raw
             assert st["control_bytes"] == (world - 1) * (world + 1) * 8
         peers = set(st["bytes_by_peer"])
         if algo != "direct":  # ring neighbours only
             assert peers == {order[(pos + 1) % world]}
-        elif w not in excluded:  # straight to each owner, then the ring
+        else:  # straight to each owner, then owner -> all
             assert peers == set(range(world)) - {w}
     return outs
 
@@ -224,7 +257,13 @@ W3_CASES = [
     # merged buckets share a codebook across 1e-3..10 scales: error is worse
     {"name": "owner-order", "seed": 12, "algorithm": "ring-owner", "order": [1, 2, 0], "buckets": [[0, 4], [1, 2, 3]],
      "bound": 0.05},
-    {"name": "direct-order", "seed": 13, "order": [0, 2, 1], "window": 1},
+    {"name": "direct-order", "seed": 13, "order": [0, 2, 1], "window": 1, "codec": "none"},
+    {"name": "direct-big", "seed": 18, "big": True},
+    {"name": "owner-big", "seed": 19, "algorithm": "ring-owner", "big": True},
+    {"name": "residual-big", "seed": 9, "algorithm": "ring-residual", "big": True, "order": [2, 1, 0]},
+    # ranks may differ in codec: headers carry each message's length and format
+    {"name": "mixed-codec", "seed": 8, "algorithm": "ring", "big": True, "per_rank": {1: {"codec": "none"}},
+     "bound": 0.06},
     {"name": "residual", "seed": 14, "algorithm": "ring-residual", "nan": (1,)},
     {"name": "nan-ring", "seed": 15, "nan": (0,), "algorithm": "ring", "order": [0, 2, 1]},
     {"name": "off-direct", "seed": 16, "off": (2,)},
@@ -275,6 +314,19 @@ def test_two_local_ranks_per_worker_reduce_their_own_shard(tmp_path):
             order = case["order"][m] if "order" in case else [0, 1]
             for w in range(2):  # shard m only ever sent to shard m of the other worker
                 assert set(outs[w]["stats"]["bytes_by_peer"]) == {order[(order.index(w) + 1) % 2]}
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring-owner"])
+def test_corrupt_coded_payload_raises(tmp_path, algorithm):
+    """Rank 1 flips a byte in every coded message it sends: its receivers fail the
+    checksum and raise AllReduceError (no crash, no hang); the rest follow at once
+    when their sockets close; a later case on the same ranks is not attempted."""
+    case = {"name": "corrupt", "seed": 41, "corrupt": (1,), "big": True, "algorithm": algorithm}
+    res = run_ranks(tmp_path, 3, [case, {"name": "after", "seed": 42}], timeout=30.0, deadline=60.0)
+    errors = [res[w, 0]["corrupt"].get("error", "") for w in range(3)]
+    assert all(errors), errors
+    assert any("checksum mismatch" in e for e in errors), errors
+    assert all("after" not in res[w, 0] for w in range(3))
 
 
 @pytest.mark.parametrize(

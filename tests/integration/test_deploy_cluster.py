@@ -1,7 +1,8 @@
-"""The deployed system: a real ``prefect server`` on 127.0.0.1, the four work pools, one process worker
-each (``infra/cluster.py``), every deployment of ``prefect.yaml``, and ``rl-orchestrate`` running two
-RL steps whose generation, validation and update are each a flow run on its own pool. Everything
-is stopped by PID at the end and nothing is left running."""
+"""The deployed system: a real ``prefect server`` on 127.0.0.1, the five work pools, one process worker
+each (``infra/cluster.py``), every deployment of ``prefect.yaml``, ``rl-orchestrate`` running two
+RL steps whose generation, validation and update are each a flow run on its own pool, and
+``diloco-train`` whose workers are flow runs on theirs. Everything is stopped by PID at the end and
+nothing is left running."""
 
 from __future__ import annotations
 
@@ -135,3 +136,67 @@ def test_a_worker_with_many_rejections_triggers_the_automation(local_cluster, al
                            "worker": "mallory", "step": 3, "rate": 0.875, "threshold": 0.5}
     time.sleep(2)
     assert len(received) == 1  # alice had none, bob's 1 of 16 is under the threshold
+
+
+def _diloco_config(tmp_path, run_name: str, outer_steps: int) -> dict:
+    from intellect.config import DilocoRunConfig, load_config
+
+    return load_config(DilocoRunConfig, overrides=[
+        f"run_name={run_name}", f"storage.url=file://{tmp_path}", "model.num_layers=1", "model.hidden_size=32",
+        "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64", "train.batch_size=8",
+        "train.threads=1", "diloco.workers=2", "diloco.inner_steps=3", f"diloco.outer_steps={outer_steps}",
+        "diloco.heartbeat_interval=0.5", "diloco.heartbeat_timeout=5",
+        "dispatch.mode=deployments", "dispatch.poll_interval=0.5",
+    ], environ={}).model_dump(mode="json")
+
+
+def _runs_of(client, flow_name: str, run_name: str) -> list:
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    return [r for r in client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])))
+            if (r.parameters.get("run_name") or r.parameters.get("config", {}).get("run_name")) == run_name]
+
+
+def test_diloco_workers_run_as_flow_runs_on_their_pool(local_cluster, tmp_path):
+    """diloco-train on `cpu` launches each worker as a diloco-worker flow run on `gpu-diloco`; a
+    coordinator that gives up cancels its workers' flow runs and nothing keeps running."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    state, env = local_cluster
+    cluster.deploy(state)
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        run = run_deployment("diloco-train/diloco-train", timeout=600, poll_interval=1,
+                             parameters={"config": _diloco_config(tmp_path, "dl-pools", 2), "timeout_s": 300})
+        assert run.state.is_completed(), (run.state, (state / "logs" / "worker-gpu-diloco.log").read_text()[-3000:])
+        with get_client(sync_client=True) as client:
+            workers = _runs_of(client, "diloco-worker", "dl-pools")
+            steps = _runs_of(client, "diloco-outer-step", "dl-pools")
+            coordinator = client.read_flow_run(run.id)
+    assert coordinator.work_pool_name == "cpu"
+    assert sorted(r.name for r in workers) == ["dl-pools-w0", "dl-pools-w1"]
+    assert {(r.work_pool_name, r.state.type.value) for r in workers} == {("gpu-diloco", "COMPLETED")}
+    assert all(r.parent_task_run_id is not None for r in workers)  # children of the coordinator's run
+    assert sorted(r.name for r in steps) == ["w0-step-0", "w0-step-1", "w1-step-0", "w1-step-1"]
+    assert RunStorage(f"file://{tmp_path}/dl-pools").complete_steps("checkpoints") == [0, 1, 2]
+
+    # a coordinator that gives up (timeout_s) stops its workers by cancelling their flow runs
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        run = run_deployment("diloco-train/diloco-train", timeout=600, poll_interval=1,
+                             parameters={"config": _diloco_config(tmp_path, "dl-cancel", 10_000), "timeout_s": 40})
+        assert run.state.is_failed(), run.state
+        deadline = time.monotonic() + 90
+        while True:
+            with get_client(sync_client=True) as client:
+                workers = _runs_of(client, "diloco-worker", "dl-cancel")
+            if workers and all(r.state.is_final() for r in workers) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert len(workers) == 2 and {r.state.type.value for r in workers} == {"CANCELLED"}, [r.state for r in workers]
+    committed = RunStorage(f"file://{tmp_path}/dl-cancel").complete_steps("checkpoints")
+    assert committed and committed[-1] >= 1  # they trained before being stopped
+    # the flow runs' processes are children of the pool's process worker: none is left
+    pool_worker = cluster.running(state)["worker-gpu-diloco"]
+    left = subprocess.run(["pgrep", "-P", str(pool_worker)], capture_output=True, text=True).stdout
+    assert left == "", left

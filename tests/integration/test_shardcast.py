@@ -4,6 +4,7 @@ Each server is ``python -m intellect.shardcast`` in its own process group, stopp
 """
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -194,6 +195,96 @@ def test_with_every_relay_down_the_client_fails_within_its_deadline_and_leaves_n
     assert list(out.iterdir()) == []  # not even a temporary folder
 
 
+def test_a_manifest_request_can_wait_for_the_next_shard(tmp_path):
+    """The long poll relays and clients use while a version is written: the answer comes with the news."""
+    store = VersionStore(tmp_path / "origin")
+    server = Server(store, bind("127.0.0.1", 0)).start()
+    try:
+        w = VersionWriter(store, 1, shard_size=4)
+        w.begin_file("w")
+        w.write(b"abcd")
+        url = f"{server.url}/v/1/manifest"
+        assert [s["index"] for s in httpx.get(url, timeout=5).json()["shards"]] == [0]
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(httpx.get(f"{url}?after=1&wait=10", timeout=20).json()))
+        waiter.start()
+        w.write(b"efgh")  # the second shard: the held request answers with it
+        waiter.join(20)
+        assert [s["index"] for s in got["shards"]] == [0, 1] and not got["complete"]
+        w.finish()
+        assert httpx.get(f"{url}?after=2&wait=10", timeout=20).json()["complete"]  # complete: no wait
+        assert httpx.get(f"{url}?after=9&wait=0", timeout=5).json()["complete"]
+        for bad in ["after=1", "after=x&wait=1", "after=1&wait=-1", "after=1&wait=nan", "after=1&wait=99"]:
+            assert httpx.get(f"{url}?{bad}", timeout=5).status_code == 400, bad
+        assert httpx.get(f"{server.url}/v/2/manifest?after=0&wait=1", timeout=5).status_code == 404
+    finally:
+        server.stop()
+
+
+def test_shard_requests_fail_cleanly_on_bad_answers():
+    """What a misbehaving server can do to one shard request: each is a ShardError (the client then
+    tries elsewhere), and a keep-alive connection the server dropped while idle is reopened silently."""
+    from intellect.shardcast.client import ShardError, download_shard, http_client
+    from intellect.shardcast.manifest import ShardEntry
+
+    body = b"0123456789"
+    entry = ShardEntry(index=0, offset=0, size=10, sha256=hashlib.sha256(body).hexdigest())
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n" + body
+    answers = [  # one per connection: the bytes sent, then whether to keep the connection open for the next
+        (b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\n{}", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n" + body + b"!", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234", False),  # then closes mid-body
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456780", False),  # wrong bytes
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234", True),  # then silent until the read timed out
+        (ok, True),  # kept alive, then closed by the server while idle
+        (ok, False),
+    ]
+    # an answer on a connection the server then closes says so: the client must not pool it (a reused
+    # dead connection would fail with a reset instead of the answer this test expects)
+    answers = [(a if keep else a.replace(b"\r\n", b"\r\nConnection: close\r\n", 1), keep) for a, keep in answers]
+    listener = bind("127.0.0.1", 0)
+    timed_out = threading.Event()
+
+    def serve():
+        for answer, linger in answers:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+                if linger and not timed_out.is_set():
+                    timed_out.wait(10)
+                elif linger:
+                    time.sleep(0.2)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    base = "http://%s:%d" % listener.getsockname()[:2]
+    http, timeout = http_client(2, 1), httpx.Timeout(1.0)
+    got = bytearray(10)
+
+    def sink(pos, piece):
+        got[pos: pos + len(piece)] = piece
+
+    try:
+        for expected in ["HTTP 404", "11 bytes announced", "RemoteProtocolError", "None bytes announced",
+                         "sha256 mismatch", "ReadTimeout"]:
+            with pytest.raises(ShardError, match=expected):
+                download_shard(http, base, 1, entry, sink, timeout, time.monotonic() + 10)
+        timed_out.set()
+        download_shard(http, base, 1, entry, sink, timeout, time.monotonic() + 10)
+        time.sleep(1)  # the server has closed the pooled connection by now
+        got[:] = bytes(10)
+        download_shard(http, base, 1, entry, sink, timeout, time.monotonic() + 10)
+        assert bytes(got) == body
+    finally:
+        http.close()
+        listener.close()
+    t.join(5)
+    with pytest.raises(ShardError, match="ConnectError"):  # nobody listens any more
+        download_shard(http_client(1, 1), base, 1, entry, sink, timeout, time.monotonic() + 10)
+
+
 def test_path_traversal_is_refused(cdn, tmp_path):
     (tmp_path / "secret.txt").write_text("secret")
     checkpoint(tmp_path / "ckpt", 1)
@@ -209,28 +300,17 @@ def test_path_traversal_is_refused(cdn, tmp_path):
 
 def test_a_manifest_naming_a_file_outside_the_folder_is_rejected(tmp_path):
     """A hostile relay cannot make a client write outside its target folder."""
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
     evil = {"version": 1, "files": [{"name": "../escape", "offset": 0, "size": 4}], "shard_size": 4,
             "shards": [{"index": 0, "offset": 0, "size": 4, "sha256": hashlib.sha256(b"evil").hexdigest()}],
             "total_size": 4, "sha256": hashlib.sha256(b"evil").hexdigest(), "complete": True}
-    app = Starlette(routes=[Route("/v/1/manifest", lambda r: JSONResponse(evil))])
-    server = Server.__new__(Server)
-    server.__init__(VersionStore(tmp_path / "unused"), bind("127.0.0.1", 0))
-    server._server.config.app = app
-    server._server.config.loaded = False
-    server.start()
+    store = VersionStore(tmp_path / "hostile")
+    store.version_dir(1).mkdir()
+    (store.version_dir(1) / "manifest.json").write_text(json.dumps(evil))  # served as it is on disk
+    (store.version_dir(1) / "shard_00000.bin").write_bytes(b"evil")
+    server = Server(store, bind("127.0.0.1", 0)).start()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                httpx.get(server.url + "/v/1/manifest")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        assert httpx.get(server.url + "/v/1/manifest", timeout=5).json() == evil
+        assert httpx.get(server.url + "/versions", timeout=5).json() == {"versions": []}  # it cannot parse it either
         with ShardcastClient([server.url], fast(deadline=1.0)) as client:
             with pytest.raises(ShardcastError, match="manifest"):
                 client.fetch(1, tmp_path / "dest" / "step_1")

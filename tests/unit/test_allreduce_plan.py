@@ -69,9 +69,13 @@ def test_payload_bytes_tradeoff():
     numels, W = [1 << 20, 1000, 3], 8
     ring = payload_bytes(numels, W, 0, "ring")
     owner = payload_bytes(numels, W, 0, "ring-owner")
-    direct = payload_bytes(numels, W, 0, "direct")
     residual = payload_bytes(numels, W, 0, "ring-residual")
-    assert payload_bytes(numels, W, 0, "prime") == ring == direct
+    assert payload_bytes(numels, W, 0, "prime") == ring
+    # direct all-gathers owner -> all instead of along the ring: equal bytes in total
+    # (and per rank when chunks are equal), spread over all pairs
+    total = lambda algo: sum(payload_bytes(numels, W, p, algo) for p in range(W))  # noqa: E731
+    assert total("direct") == total("ring")
+    assert payload_bytes([1 << 20], W, 3, "direct") == payload_bytes([1 << 20], W, 3, "ring")
     assert residual / ring == pytest.approx(1.5, rel=0.01)
     # int8 + codebooks: about 2(W-1)/W bytes per value, vs 8(W-1)/W for an fp32 ring
     assert 2 * (W - 1) / W < ring / sum(numels) < 2 * (W - 1) / W * 1.05
@@ -119,3 +123,19 @@ def test_single_rank_group_is_exact_and_honours_the_mask():
     y[0] = float("inf")
     st = all_reduce_mean([y], g)
     assert not y.any() and st.contributors == ()
+
+
+def test_finite_check_handles_overflowing_sums():
+    from intellect.diloco.allreduce import _finite
+
+    x = torch.randn(1000)
+    assert _finite(x) and _finite(torch.zeros(0))
+    assert _finite(torch.full((10,), 3e38))  # the sum overflows; the values are finite
+    assert _finite(torch.full((10,), 6e4, dtype=torch.float16))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[500] = bad
+        assert not _finite(y)
+    y = torch.full((10,), 3e38)
+    y[3] = float("nan")
+    assert not _finite(y)

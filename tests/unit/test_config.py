@@ -86,3 +86,14 @@ def test_every_field_is_documented_and_configs_are_strict():
 
     for cls in RUN_TYPES.values():
         walk(cls)
+
+
+def test_diloco_wire_codec_is_strict_and_reaches_the_codec_list():
+    from intellect.diloco.quantize import CODECS
+
+    assert C.DilocoConfig().wire_codec == "zstd"
+    assert set(C.DilocoConfig.model_fields["wire_codec"].annotation.__args__) == set(CODECS)
+    cfg = C.load_config(C.DilocoRunConfig, overrides=["diloco.wire_codec=none"], environ={})
+    assert cfg.diloco.wire_codec == "none"
+    with pytest.raises(C.ConfigError, match="diloco.wire_codec: Input should be 'none' or 'zstd'"):
+        C.load_config(C.DilocoRunConfig, overrides=["diloco.wire_codec=lz4"], environ={})

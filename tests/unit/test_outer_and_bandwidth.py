@@ -36,6 +36,23 @@ def test_outer_step_is_sgd_nesterov_on_the_synced_copy():
             assert torch.equal(r.detach(), s) and torch.equal(s, p.detach())
 
 
+def test_outer_lr_one_without_momentum_is_plain_model_averaging():
+    # the DiLoCo-vs-DDP benchmark's setting; the config's nesterov=True default must not make torch reject it
+    models = [torch.nn.Linear(3, 2) for _ in range(3)]
+    state = OuterState(models[0], lr=1.0, momentum=0.0, nesterov=True)
+    start = [p.clone() for p in state.params]
+    for m in models:
+        state.load_into(m)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p))
+    grads = [state.pseudo_gradient(m) for m in models]
+    state.step([sum(g[i] for g in grads) / len(grads) for i in range(len(start))])
+    for i, s in enumerate(state.params):
+        assert torch.allclose(s, sum(list(m.parameters())[i].detach() for m in models) / len(models), atol=1e-6)
+    assert not state.has_momentum()
+
+
 def test_replicas_with_equal_inputs_have_equal_digests_and_state_transfers():
     a_model, _ = build_model(ModelConfig(num_layers=1))
     b_model, _ = build_model(ModelConfig(num_layers=1, init_seed=9))

@@ -10,7 +10,9 @@ from intellect.diloco.quantize import (
     Quantized,
     dequantize,
     from_bytes,
+    message_nbytes,
     quantize,
+    quantize_best,
     to_bytes,
     wire_nbytes,
 )
@@ -118,7 +120,7 @@ def _corrupt_codebook(wire: bytes, value: float) -> bytes:
         (lambda w: w + b"\0", "expected"),
         (lambda w: w[:12], "truncated"),
         (lambda w: b"XQ8" + w[3:], "bad magic"),
-        (lambda w: w[:3] + b"\x02" + w[4:], "version"),
+        (lambda w: w[:3] + b"\x03" + w[4:], "version"),  # 1 raw, 2 coded
         (lambda w: w[:4] + b"\xff" + w[5:], "ndim"),
         (lambda w: w[:8] + struct.pack("<q", -100) + w[16:], "negative"),
         (lambda w: _corrupt_codebook(w, float("nan")), "NaN or Inf"),
@@ -220,9 +222,176 @@ def test_multi_chunk_equals_single_chunk(monkeypatch):
     assert torch.equal(dequantize(q2), dequantize(Quantized(q2.indices, q2.codebook, q2.shape)))
 
 
+def test_parallel_parts_equal_one_part(monkeypatch):
+    import intellect.diloco.quantize as mod
+
+    x = gaussian(300_001, seed=4)
+    monkeypatch.setattr(mod, "_PARALLEL_MIN", 1 << 30)
+    q1 = quantize(x)
+    monkeypatch.setattr(mod, "_PARALLEL_MIN", 1 << 12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # 3 parts, whatever the machine
+        q3 = quantize(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(q1.indices, q3.indices)
+    assert torch.allclose(q1.codebook, q3.codebook, rtol=1e-5, atol=1e-5)  # fp32 sums, other order
+
+
+def _laplace(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.empty(n).exponential_(generator=g) - torch.empty(n).exponential_(generator=g)
+
+
+@pytest.mark.parametrize("n", [5_000, 300_000])  # every candidate in full / judged on a sample
+@pytest.mark.parametrize("dist, winner", [("gaussian", 4.0), ("laplace", 6.0), ("t3", 8.0)])
+def test_quantize_best_picks_the_lowest_error_candidate(n, dist, winner):
+    g = torch.Generator().manual_seed(n)
+    x = {"gaussian": lambda: gaussian(n, 3), "laplace": lambda: _laplace(n, 3),
+         "t3": lambda: torch.randn(n, generator=g) / (torch.randn(3, n, generator=g).pow(2).mean(0)).sqrt()}[dist]()
+    errs = {c: rel_l2(dequantize(quantize(x, c)), x) for c in (4.0, 6.0, 8.0)}
+    assert min(errs, key=errs.get) == winner  # the premise
+    q = quantize_best(x, (4.0, 6.0, 8.0))
+    assert torch.equal(q.indices, quantize(x, winner).indices)
+    assert torch.equal(q.codebook, quantize(x, winner).codebook)  # bucket means of all of x
+
+
+def test_quantize_best_edge_cases():
+    x = gaussian(100_000).reshape(100, 1000)
+    assert quantize_best(x, [6.0]).shape == (100, 1000)
+    assert torch.equal(dequantize(quantize_best(torch.full((70_000,), 2.5), (4.0, 6.0))), torch.full((70_000,), 2.5))
+    assert quantize_best(torch.zeros(0), (4.0, 6.0)).numel == 0
+    with pytest.raises(ValueError, match="at least one"):
+        quantize_best(x, [])
+    with pytest.raises(ValueError, match="positive finite"):
+        quantize_best(x, [4.0, -1.0])
+
+
+# ---------------------------------------------------------------- entropy-coded wire format
+
+
+def coded(n=20_000, seed=0, c=DEFAULT_CLIP_SIGMAS) -> tuple[Quantized, bytes]:
+    q = quantize(gaussian(n, seed), c)
+    return q, to_bytes(q, codec="zstd")
+
+
+@pytest.mark.parametrize("c, lo, hi", [(4.0, 0.86, 0.92), (6.0, 0.79, 0.85)])
+def test_coded_round_trip_is_lossless_and_smaller(c, lo, hi):
+    q, wire = coded(200_000, seed=1, c=c)
+    assert wire[3] == 2
+    assert lo < len(wire) / wire_nbytes(q.numel) < hi  # ~ entropy: 7.05 / 6.46 bits at c=4 / 6
+    q2 = from_bytes(wire)
+    assert torch.equal(q2.indices, q.indices) and torch.equal(q2.codebook, q.codebook)
+    assert q2.shape == q.shape
+    assert message_nbytes(wire) == len(wire)
+
+
+@pytest.mark.parametrize(
+    "q",
+    [
+        Quantized(torch.randint(0, 256, (50_000,), dtype=torch.uint8), torch.arange(256.0), (50_000,)),
+        quantize(gaussian(300)),
+    ],
+    ids=["uniform-indices", "small"],
+)
+def test_coding_that_saves_nothing_sends_raw(q):
+    wire = to_bytes(q, codec="zstd")
+    assert wire == to_bytes(q) and len(wire) == wire_nbytes(q.numel)
+
+
+def test_multidim_and_constant_coded():
+    x = gaussian(30_000, seed=2).reshape(3, 100, 100)
+    q = quantize(x)
+    assert torch.equal(dequantize(from_bytes(to_bytes(q, "zstd"))), dequantize(q))
+    c = torch.full((10_000,), 0.25)  # all indices equal: codes to a few bytes
+    wire = to_bytes(quantize(c), "zstd")
+    assert len(wire) < 1200 and torch.equal(dequantize(from_bytes(wire)), c)
+
+
+def test_prefix_and_expected_numel():
+    q, wire = coded()
+    buf = wire + bytes(range(200))  # a receive buffer with room to spare
+    assert message_nbytes(buf) == len(wire)
+    assert torch.equal(from_bytes(buf, prefix=True).indices, q.indices)
+    with pytest.raises(ValueError, match="expected"):
+        from_bytes(buf)
+    with pytest.raises(ValueError, match="holds 20000 values, expected 10"):
+        from_bytes(wire, numel=10)
+    assert from_bytes(wire, numel=20_000).numel == 20_000
+
+
+_OFF = 8 + 8 + 4 * NUM_BUCKETS  # 1-D: header, one dim, codebook; then codec, crc32, length
+
+
+def _patch(wire: bytes, fmt: str, off: int, *vals) -> bytes:
+    b = bytearray(wire)
+    struct.pack_into(fmt, b, off, *vals)
+    return bytes(b)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda w: w[:-1] + bytes([w[-1] ^ 1]), "checksum"),
+        (lambda w: w[: len(w) // 2] + bytes([w[len(w) // 2] ^ 0x80]) + w[len(w) // 2 + 1 :], "checksum"),
+        (lambda w: w[:-1], "expected"),
+        (lambda w: w + b"\0", "expected"),
+        (lambda w: w[: _OFF + 10], "truncated"),
+        (lambda w: _patch(w, "<B", _OFF, 7), "codec"),
+        (lambda w: _patch(w, "<B", _OFF, 0), "codec"),
+        (lambda w: _patch(w, "<Q", _OFF + 8, 1 << 62), "expected"),  # length beyond the buffer
+        (lambda w: _patch(w, "<q", 8, 19_000), "never sent coded|corrupt zstd"),  # frame holds 20000
+    ],
+)
+def test_corrupt_coded_payload_rejected(mutate, match):
+    _, wire = coded()
+    with pytest.raises(ValueError, match=match):
+        from_bytes(mutate(wire))
+
+
+def test_expected_numel_checked_before_decoding():
+    """A header claiming 2^40 values is refused before zstd allocates its output."""
+    _, wire = coded()
+    with pytest.raises(ValueError, match="holds 1099511627776 values, expected 20000"):
+        from_bytes(_patch(wire, "<q", 8, 1 << 40), numel=20_000)
+
+
+def test_valid_checksum_on_garbage_is_still_rejected():
+    """A peer that computes the crc over garbage (a bug, not a bit flip) fails in zstd."""
+    import zlib
+
+    _, wire = coded()
+    junk = bytes(range(256)) * 20
+    bad = wire[:_OFF] + struct.pack("<B3xIQ", 1, zlib.crc32(junk), len(junk)) + junk
+    with pytest.raises(ValueError, match="corrupt zstd"):
+        from_bytes(bad)
+    with pytest.raises(ValueError, match="unknown codec"):
+        to_bytes(quantize(gaussian(10)), codec="lz4")
+
+
 def test_docstring_examples():
     import doctest
 
     import intellect.diloco.quantize as mod
 
     assert doctest.testmod(mod).failed == 0
+
+
+def test_pool_is_rebuilt_after_fork(monkeypatch):
+    """A forked child inherits the pool object without its threads; the at-fork hook
+    drops it. (Not run in a real fork: MKL's dot hangs in a child of a parent that
+    used 2 threads, before the pool is reached.)"""
+    import intellect.diloco.quantize as mod
+
+    monkeypatch.setattr(mod, "_PARALLEL_MIN", 1 << 12)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q = quantize(gaussian(30_000))
+        assert mod._pool is not None
+        mod._forget_pool()  # what os.register_at_fork runs in the child
+        assert mod._pool is None
+        assert torch.equal(quantize(gaussian(30_000)).indices, q.indices)
+    finally:
+        torch.set_num_threads(threads)

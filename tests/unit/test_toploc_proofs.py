@@ -142,3 +142,29 @@ def test_an_empty_output_carries_no_proof():
     empty = torch.empty(0, 128, dtype=torch.bfloat16)
     assert build_proofs(empty) == b"" and check_chunks(empty, b"") == []
     assert [r.reason for r in check_chunks(empty, build_proofs(acts(32, 128)))] == ["proof_count"]
+
+
+def test_the_candidate_search_finds_the_top_k_with_all_its_ties():
+    """Against a brute force on random bits (signs, ties, sizes that are no multiple of the fan)."""
+    from intellect.toploc.proofs import magnitude_candidates
+
+    g = torch.Generator().manual_seed(6)
+    for _ in range(200):
+        rows, n = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(4, 5000, (1,), generator=g))
+        k = int(torch.randint(1, min(n, 200) + 1, (1,), generator=g))
+        span = int(torch.randint(1, 65536, (1,), generator=g))  # small spans: many ties
+        raw = (torch.randint(0, span, (rows, n), generator=g) - 32768).to(torch.int16)
+        got = magnitude_candidates(raw, k, fan=int(torch.randint(2, 9, (1,), generator=g)))
+        keys = raw.long() & 0x7FFF
+        kth = keys.topk(k, -1).values[:, -1:]
+        for r in range(rows):
+            assert sorted(p for p in got[r].tolist() if p >= 0) == (keys[r] >= kth[r]).nonzero()[:, 0].tolist()
+
+
+def test_ties_at_the_kth_magnitude_never_count_against_an_honest_prover():
+    g = torch.Generator().manual_seed(7)
+    for a in (torch.randint(-1, 2, (64, 128), generator=g).float(),   # thousands tied: the prover's kernel decides
+              torch.randint(-8, 9, (64, 4096), generator=g).float(),  # hundreds tied at the k-th
+              torch.zeros(40, 128)):
+        a = a.to(torch.bfloat16)
+        assert all(r.ok and r.exp_mismatches == 0 for r in check_chunks(a, build_proofs(a)))
