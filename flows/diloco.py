@@ -103,8 +103,6 @@ class DeploymentLauncher:
 
 def _api_env() -> dict[str, str]:
     # children must report to this flow's API server, never start ephemeral servers of their own
-    from prefect.client.orchestration import get_client
-
     with get_client(sync_client=True) as client:
         return {"PREFECT_API_URL": str(client.api_url).rstrip("/")}
 

@@ -238,9 +238,7 @@ def collect(cfg: RLRunConfig, step: int, local: bool) -> list[WorkerResult]:
     while len(done) < len(cfg.workers.names):
         for w in cfg.workers.names:
             if w not in done and s.storage.exists(S.done_marker(step, w)):
-                info = json.loads(s.storage.read_text(S.done_marker(step, w)))
-                done[w] = WorkerResult(worker=w, files=info["files"], policy_step=info["policy_step"],
-                                       seconds=time.perf_counter() - t0)
+                done[w] = _submitted(s.storage, step, w, t0)
         if len(done) == len(cfg.workers.names):
             break
         if s.stopping.is_set():
@@ -275,6 +273,11 @@ def generate_here(cfg: RLRunConfig, step: int, worker: str) -> WorkerResult:
     t0 = time.perf_counter()
     storage = run_storage(cfg)
     _generate_here(cfg, storage, task_pool(cfg.tasks, storage), step, worker)
+    return _submitted(storage, step, worker, t0)
+
+
+def _submitted(storage: RunStorage, step: int, worker: str, t0: float) -> WorkerResult:
+    """What ``worker``'s done marker of ``step`` says it submitted (``t0``: when the wait began)."""
     info = json.loads(storage.read_text(S.done_marker(step, worker)))
     return WorkerResult(worker=worker, files=info["files"], policy_step=info["policy_step"],
                         seconds=time.perf_counter() - t0)
