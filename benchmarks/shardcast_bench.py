@@ -153,7 +153,8 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shard-mib", type=int, default=16, help="Our shard size (the peer uses its default 50 MB).")
-    ap.add_argument("--parallel", type=int, default=8, help="Shards our client and relays fetch at once.")
+    ap.add_argument("--parallel", type=int, default=ClientConfig.model_fields["parallel"].default,
+                    help="Shards our client and relays fetch at once (default: the configs' default, %(default)s).")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "shardcast_bench.json"))
     args = ap.parse_args()

@@ -51,11 +51,11 @@ sys.path.insert(0, str(ROOT))
 from intellect.config import ModelConfig  # noqa: E402
 from intellect.data.arithmetic import Problem  # noqa: E402
 from intellect.inference.protocol import Request  # noqa: E402
-from intellect.inference.sampling import SamplingParams  # noqa: E402
+from intellect.inference.sampling import LowProb, SamplingParams  # noqa: E402
 from intellect.inference.torch_engine import TorchEngine  # noqa: E402
 from intellect.model.checkpoint import build_model, load_checkpoint  # noqa: E402
 from intellect.rl.rollouts import Rollout  # noqa: E402
-from intellect.toploc.check import Draws, low_prob_draws, sampling_probs, toploc_check  # noqa: E402
+from intellect.toploc.check import Draws, toploc_check  # noqa: E402
 from intellect.toploc.proofs import ToplocConfig, build_proofs_many  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -94,24 +94,23 @@ def settings(max_tokens_tiny: int) -> dict[str, tuple]:
 
 
 def rollouts(right, sampler, tok, sampling, n: int, seed: int):
-    """``n`` rollouts sampled by ``sampler`` and the right model's prefill of them (logits kept)."""
+    """``n`` rollouts sampled by ``sampler`` and the right model's prefill of them."""
     rng = random.Random(seed)
     tasks = [Problem(rng.randrange(100), rng.choice("+-*"), rng.randrange(100)).to_task() for _ in range(n)]
     requests = [Request(list(tok(t.prompt)["input_ids"]), seed=seed * 1_000_003 + i) for i, t in enumerate(tasks)]
     done = TorchEngine.for_tokenizer(sampler, tok, capture_hidden=False).generate(requests, sampling)
     validator = TorchEngine.for_tokenizer(right, tok, capture_hidden=True)
-    scored = validator.prefill(requests, [c.tokens for c in done], sampling, keep_logits=True)
+    scored = validator.prefill(requests, [c.tokens for c in done], sampling)
     return requests, done, scored
 
 
-def row_draws(done, scored, sampling, cfg: ToplocConfig) -> list[Draws]:
-    tokens = torch.tensor([t for c in done for t in c.tokens])
-    logits = torch.cat([s.logits for s in scored])
-    probs = sampling_probs(logits, torch.full((len(tokens),), sampling.temperature),
-                           torch.full((len(tokens),), sampling.top_p))
-    low, chance = low_prob_draws(probs, tokens, cfg.min_token_prob, cfg.low_prob_floor)
-    n = [len(c.tokens) for c in done]
-    return [Draws(k, int(a.sum()), float(b.sum())) for k, a, b in zip(n, low.split(n), chance.split(n))]
+def row_draws(right, tok, sampling, requests, done, cfg: ToplocConfig) -> list[Draws]:
+    """Each rollout's low-probability counts at ``cfg``'s min_token_prob: one prefill per setting, as
+    the validator's prefill computes the per-token statistics on the device and returns no logits."""
+    validator = TorchEngine.for_tokenizer(right, tok, capture_hidden=False)
+    scored = validator.prefill(requests, [c.tokens for c in done], sampling,
+                               low_prob=LowProb(cfg.min_token_prob, cfg.low_prob_floor))
+    return [Draws(len(s.low), int(s.low.sum()), float(s.chance.sum())) for s in scored]
 
 
 def summary(surprises: list[float], limit: float) -> dict:
@@ -157,8 +156,8 @@ def main() -> None:
             print(f"{name} {side}: {len(done)} rollouts, {sum(lens) / len(lens):.1f} tokens on average")
         for tau in args.taus:
             cfg = defaults.model_copy(update={"min_token_prob": tau})
-            for side, (_, done, scored) in sides.items():
-                draws = row_draws(done, scored, sampling, cfg)
+            for side, (requests, done, _) in sides.items():
+                draws = row_draws(right, tok, sampling, requests, done, cfg)
                 scopes = {"rollout": draws}
                 for pool in args.pools:
                     scopes[f"pool {pool}"] = [sum(draws[s:s + pool], Draws(0, 0, 0.0))

@@ -18,7 +18,13 @@ slow link, the solved ring order at least 2x faster than the worst order."
   0-1-2-3). The directed bandwidth matrix is measured (stands in for the worker's
   in-transport measurement), ``ring_order`` solves it, and --ring-algorithm runs with the
   solved order and with the worst order (smallest bottleneck of the 6 directed cycles).
-  If the library default is another algorithm, it also runs, with the solved order.
+  ``"direct"`` also runs, with the solved order: its all-gather crosses the slow pair.
+* ``auto`` (the worker config's default, ``diloco.algorithm``) runs in both parts as a
+  worker does it: the ranks probe each pair over gloo (``bandwidth.measure_ring``,
+  ``bandwidth_probe_bytes`` each way, not timed as part of the all-reduce), and the
+  worker's ``allreduce_plan`` solves the ring and picks from the estimates; its row is held to the bound of the
+  bytes it sent, i.e. of the algorithm it chose. In part 1 its "unshaped s" runs the
+  algorithm and order it chose on the shaped links.
 
 Times: wall time from a barrier before the call to a barrier after it, max over ranks,
 median of --reps. Each rank is a process inside its host; the TCPStore master is rank 0,
@@ -54,6 +60,24 @@ RESULTS = ROOT / "benchmarks" / "results" / "wan_allreduce.json"
 # ---------------------------------------------------------------- one rank, inside its host
 
 
+def resolve_auto(trial: dict, group, store, key: str, numel: int) -> tuple[dict, dict]:
+    """A worker's ``auto``: probe, solve the ring, choose; (all_reduce_mean kwargs, what was chosen)."""
+    import torch.distributed as dist
+
+    from intellect.config import DilocoConfig
+    from intellect.diloco.bandwidth import measure_ring
+    from intellect.diloco.worker import allreduce_plan
+
+    t0 = time.perf_counter()
+    _, columns = measure_ring(group, dist.PrefixStore(key, store), "col", DilocoConfig().bandwidth_probe_bytes)
+    W = len(columns)
+    bw = [[columns[j][i] if i != j else 0.0 for j in range(W)] for i in range(W)]  # row: sender, as the worker's
+    plan = allreduce_plan("auto", bw, numel)
+    info = {"chosen": plan["algorithm"], "order": plan["order"], "estimates": plan["estimates"],
+            "probe_s": time.perf_counter() - t0, "probe_mbit": [[v * 8e-6 for v in row] for row in bw]}
+    return {**trial, "algorithm": plan["algorithm"], "order": plan["order"]}, info
+
+
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -78,12 +102,15 @@ def worker(spec: dict) -> None:
 
     timed([torch.randn(1 << 16, generator=g)])  # first-call costs (imports, allocations)
     out = []
-    for trial in spec["trials"]:
+    for t, trial in enumerate(spec["trials"]):
+        auto = None
+        if trial.get("algorithm") == "auto":
+            trial, auto = resolve_auto(trial, group, store, f"bw/{t}", n)
         reps = []
         for _ in range(spec["reps"]):
             dt, st = timed([x.clone() for x in grads], **trial)
             reps.append({"seconds": dt, "algorithm": st.algorithm, "payload": st.payload_bytes,
-                         "by_peer": {str(p): b for p, b in st.bytes_by_peer.items()}})
+                         "by_peer": {str(p): b for p, b in st.bytes_by_peer.items()}, "auto": auto})
         out.append(reps)
     print(json.dumps(out), flush=True)
 
@@ -115,9 +142,19 @@ def run_ranks(tb: Testbed, numel: int, buckets: int, trials: list[dict], reps: i
     for t in range(len(trials)):
         secs = [max(res[i][t][r]["seconds"] for i in range(tb.n)) for r in range(reps)]
         link_bytes = {(i, int(p)): b for i in range(tb.n) for p, b in res[i][t][0]["by_peer"].items()}
+        auto = [res[i][t][0]["auto"] for i in range(tb.n)]
+        if auto[0] and any(x["chosen"] != auto[0]["chosen"] or x["order"] != auto[0]["order"] for x in auto):
+            raise RuntimeError(f"trial {t}: the ranks' auto choices differ: {auto}")
         rows.append({"seconds": statistics.median(secs), "all_seconds": secs,
-                     "algorithm": res[0][t][0]["algorithm"], "link_bytes": link_bytes})
+                     "algorithm": res[0][t][0]["algorithm"], "link_bytes": link_bytes, "auto": auto[0]})
     return rows
+
+
+def auto_line(auto: dict) -> str:
+    est = ", ".join(f"{a} {s:.3f} s" for a, s in auto["estimates"].items())
+    return (f"  auto: gloo probe {auto['probe_s']:.1f} s (Mbit/s, row -> column):\n{fmt_matrix(auto['probe_mbit'])}\n"
+            f"  auto: ring {'->'.join(map(str, auto['order'] + auto['order'][:1]))}, estimated {est}: "
+            f"chose {auto['chosen']}")
 
 
 def measure_bw(tb: Testbed, nbytes: int, rounds: int = 2) -> list[list[float]]:
@@ -147,6 +184,7 @@ def part1(a) -> dict:
     W = 4
     algs = a.algorithms or [x for x in dict.fromkeys([DEFAULT_ALGORITHM, *ALGORITHMS]) if x != "prime"]
     variants = [(alg, DEFAULT_CODEC) for alg in algs] + [(algs[0], c) for c in a.codecs if c != DEFAULT_CODEC]
+    variants += [("auto", DEFAULT_CODEC)] if "auto" not in algs else []
     print(f"Part 1: {W} hosts, full mesh, every link {a.rate:g} Mbit/s; {a.numel} floats/rank in "
           f"{a.buckets} buckets, window {a.window}; median of {a.reps}")
     with Testbed(W, rate_mbit=a.rate) as tb:
@@ -154,26 +192,31 @@ def part1(a) -> dict:
         print(f"  measured goodput, Mbit/s (row -> column):\n{fmt_matrix(bw)}")
         trials = [{"algorithm": alg, "window": a.window, "codec": codec} for alg, codec in variants]
         rows = run_ranks(tb, a.numel, a.buckets, trials, a.reps, timeout=240)
+    # unshaped: auto's CPU reference is the algorithm and order it chose on the shaped links
+    cpu_trials = [t | ({"algorithm": r["auto"]["chosen"], "order": r["auto"]["order"]} if r["auto"] else {})
+                  for t, r in zip(trials, rows)]
     with Testbed(W) as tb:
-        unshaped = [r["seconds"] for r in run_ranks(tb, a.numel, a.buckets, trials, a.reps, timeout=240)]
+        unshaped = [r["seconds"] for r in run_ranks(tb, a.numel, a.buckets, cpu_trials, a.reps, timeout=240)]
     print(f"  {'algorithm, codec':<28}{'MB/busiest link':>16}{'bound s':>9}{'median s':>10}{'/bound':>8}{'best s':>8}"
           f"{'/bound':>8}{'unshaped s':>11}")
     out = []
     for (alg, codec), r, cpu in zip(variants, rows, unshaped):
         b = bound_s(r["link_bytes"], bw)
         default = (alg, codec) == (DEFAULT_ALGORITHM, DEFAULT_CODEC)
-        name = f"{alg}, {codec}" + (" (default)" if default else "")
+        name = f"{alg}{' -> ' + r['auto']['chosen'] if r['auto'] else ''}, {codec}" + (" (default)" if default else "")
         ok, best = r["seconds"] / b <= 1.15, min(r["all_seconds"])
         print(f"  {name:<28}{max(r['link_bytes'].values()) / 1e6:>16.2f}{b:>9.3f}{r['seconds']:>10.3f}"
               f"{r['seconds'] / b:>8.3f}{best:>8.3f}{best / b:>8.3f}{cpu:>11.3f}{'' if ok else '  median > 1.15x'}")
         out.append({"algorithm": alg, "codec": codec, "default": default, "bound_s": b, "seconds": r["seconds"],
                     "all_seconds": r["all_seconds"], "ratio": r["seconds"] / b, "pass": ok, "unshaped_s": cpu,
-                    "link_bytes": {f"{i}->{j}": v for (i, j), v in r["link_bytes"].items()}})
+                    "auto": r["auto"], "link_bytes": {f"{i}->{j}": v for (i, j), v in r["link_bytes"].items()}})
+    for r in rows:
+        if r["auto"]:
+            print(auto_line(r["auto"]))
     return {"bw_mbit": bw, "rows": out, "pass": all(r["pass"] for r in out)}
 
 
 def part2(a) -> dict:
-    from intellect.diloco.allreduce import DEFAULT_ALGORITHM
     from intellect.diloco.ring_order import bottleneck, ring_order
 
     W, ra = 4, a.ring_algorithm
@@ -188,24 +231,32 @@ def part2(a) -> dict:
         cycles = [[0, *p] for p in itertools.permutations(range(1, W))]
         worst = min(cycles, key=lambda c: bottleneck(c, bw))
         runs = [("solved", ra, solved), ("worst", ra, worst)]
-        if DEFAULT_ALGORITHM != ra:  # for reference: what a worker gets by default, given the solved order
-            runs.append(("default", DEFAULT_ALGORITHM, solved))
+        if ra != "direct":
+            runs.append(("direct", "direct", solved))
+        runs.append(("auto", "auto", None))  # probes, solves and chooses inside the ranks
         trials = [{"algorithm": alg, "order": c, "window": a.window} for _, alg, c in runs]
-        rows = run_ranks(tb, a.numel2, a.buckets, trials, a.reps, timeout=240)
-    print(f"  {'order':<9}{'algorithm':<12}{'ring':<14}{'min Mbit/s':>11}{'bound s':>9}{'median s':>10}"
+        rows = run_ranks(tb, a.numel2, a.buckets, trials, a.reps, timeout=300)
+    print(f"  {'order':<9}{'algorithm':<14}{'ring':<14}{'min Mbit/s':>11}{'bound s':>9}{'median s':>10}"
           f"{'/bound':>8}{'best s':>8}{'/bound':>8}")
     out = {"bw_mbit": bw}
     for (label, alg, c), r in zip(runs, rows):
+        if r["auto"]:
+            alg, c = f"->{r['auto']['chosen']}", r["auto"]["order"]
         b = bound_s(r["link_bytes"], bw)
         best = min(r["all_seconds"])
-        print(f"  {label:<9}{alg:<12}{'->'.join(map(str, c + c[:1])):<14}{bottleneck(c, bw):>11.1f}{b:>9.3f}"
+        print(f"  {label:<9}{alg:<14}{'->'.join(map(str, c + c[:1])):<14}{bottleneck(c, bw):>11.1f}{b:>9.3f}"
               f"{r['seconds']:>10.3f}{r['seconds'] / b:>8.3f}{best:>8.3f}{best / b:>8.3f}")
-        out[label] = {"algorithm": alg, "order": c, "bottleneck_mbit": bottleneck(c, bw), "bound_s": b,
-                      "seconds": r["seconds"], "all_seconds": r["all_seconds"],
-                      "link_bytes": {f"{i}->{j}": v for (i, j), v in r["link_bytes"].items()}}
+        out[label] = {"algorithm": r["algorithm"], "order": c, "bottleneck_mbit": bottleneck(c, bw), "bound_s": b,
+                      "seconds": r["seconds"], "all_seconds": r["all_seconds"], "ratio": r["seconds"] / b,
+                      "auto": r["auto"], "link_bytes": {f"{i}->{j}": v for (i, j), v in r["link_bytes"].items()}}
+    print(auto_line(out["auto"]["auto"]))
     out["speedup"] = out["worst"]["seconds"] / out["solved"]["seconds"]
     out["pass"] = out["speedup"] >= 2
     print(f"  {ra}: solved order {out['speedup']:.1f}x faster than the worst order (medians; target >= 2x)")
+    fixed = min((out[k] for k in ("solved", "direct") if k in out), key=lambda x: x["seconds"])
+    out["auto_vs_best_fixed"] = out["auto"]["seconds"] / fixed["seconds"]
+    print(f"  auto ({out['auto']['algorithm']}): {out['auto_vs_best_fixed']:.2f}x the faster of {ra} on the solved "
+          f"ring and direct ({fixed['algorithm']}, {fixed['seconds']:.3f} s)")
     return out
 
 
@@ -219,7 +270,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=50, help="Mbit/s per link, part 1")
     ap.add_argument("--fast", type=float, default=100, help="Mbit/s, part 2")
     ap.add_argument("--slow", type=float, default=5, help="Mbit/s of the pair 1<->2, part 2")
-    ap.add_argument("--algorithms", nargs="+", help="part 1 (default: the default, then every other but prime)")
+    ap.add_argument("--algorithms", nargs="+",
+                    help="part 1 (default: the library default, then every other but prime; auto always runs too)")
     ap.add_argument("--codecs", nargs="+", default=["zstd", "none"],
                     help="part 1: codecs the first algorithm runs with (the others: the default codec)")
     ap.add_argument("--ring-algorithm", default="ring-owner", help="part 2, with the solved and the worst order")

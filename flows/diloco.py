@@ -130,6 +130,7 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         row = {"outer_step": n, "participants": len(metrics), "mean_inner_loss": round(loss, 4),
                "bytes_sent": sum(m["bytes_sent"] for m in metrics),
                "allreduce_s": round(max((m["allreduce_seconds"] for m in metrics), default=0.0), 3),
+               "algorithm": metrics[0].get("algorithm", "") if metrics else "",
                "attempts": max((m["attempts"] for m in metrics), default=0)}
         rows.append(row)
         logger.info("outer step %d/%d committed: %s", n, cfg.diloco.outer_steps, row)

@@ -171,9 +171,13 @@ class DilocoConfig(StrictModel):
     outer_lr: float = Field(0.7, gt=0, le=10, description="Outer SGD learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum.")
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
-    algorithm: Literal["direct", "ring-residual", "ring-owner", "ring"] = Field(
-        "direct",
-        description="int8 all-reduce. direct: each chunk straight to its owner, each result straight to all "
+    algorithm: Literal["auto", "direct", "ring-residual", "ring-owner", "ring"] = Field(
+        "auto",
+        description="int8 all-reduce. auto: per membership, from the bandwidth probe, whichever of direct and "
+        "ring-owner (on the solved ring) has the smaller link-bandwidth bound: ring-owner when a pair is far "
+        "slower than the solved ring's slowest link (below 0.22x of it at 4 workers), else direct (also when "
+        "unmeasured: fewer than 3 workers or bandwidth_probe_bytes 0); "
+        "direct: each chunk straight to its owner, each result straight to all "
         "(fewest bytes, every value quantized twice, all-to-all; a slow pair slows it); ring-residual: ring "
         "neighbours only, partial sums sent with an int8 residual (lowest error, 1.5x bytes); ring-owner: "
         "ring relaying the original contributions; ring: classic, requantizes every hop (error grows with W).",

@@ -34,7 +34,10 @@ Reduce-scatter algorithms:
   time behind the links (1.00-1.10x, 0.96-1.47 s). The cost: with one slow
   pair the all-gather crosses it too (testbed part 2, one 5 Mbit/s pair among
   100 Mbit/s, solved order: 1.19 -> 1.57 s); there, ``"ring-owner"`` on the
-  solved ring is the algorithm to use (0.40-0.44 s).
+  solved ring is the algorithm to use (0.40-0.44 s). A worker's
+  ``diloco.algorithm = "auto"`` (its config's default) makes that choice per
+  membership from the probed bandwidths: ``choose_algorithm`` compares the two
+  algorithms' link-bandwidth bounds.
 * ``"ring-residual"``: classic ring, but each hop sends its fp32 partial sum as
   int8 plus int8 of the residual that missed: the partial sums stay ~16-bit
   accurate, so only the owner's final quantization counts. Neighbour-only,
@@ -133,6 +136,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import re
 import time
 from collections import deque
@@ -163,8 +167,12 @@ __all__ = [
     "DEFAULT_CLIPS",
     "AllReduceError",
     "AllReduceStats",
+    "AUTO_CANDIDATES",
     "all_reduce_mean",
+    "choose_algorithm",
     "chunk_bounds",
+    "estimate_seconds",
+    "link_chunks",
     "layer_buckets",
     "merge_small",
     "relay_counts",
@@ -172,7 +180,8 @@ __all__ = [
 ]
 
 ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring", "prime")
-DEFAULT_ALGORITHM = "direct"
+DEFAULT_ALGORITHM = "direct"  # all_reduce_mean's; a worker's config defaults to "auto" (choose_algorithm)
+AUTO_CANDIDATES = ("direct", "ring-owner")
 DEFAULT_CLIPS = (4.0, DEFAULT_CLIP_SIGMAS)  # Gaussian optimum and the quantizer's default
 DEFAULT_CODEC = "zstd"
 
@@ -318,6 +327,87 @@ def _relay(algorithm: str, relay: int | None, world: int) -> int:
             raise ValueError(f"relay={relay!r} needs a ring algorithm and relay >= 1")
         return relay
     return max(world - 1, 1) if algorithm == "ring-owner" else 1
+
+
+def link_chunks(algorithm: str, order: Sequence[int], relay: int | None = None) -> dict[tuple[int, int], int]:
+    """Chunk messages (each 1/W of a bucket) every directed link (sender, receiver)
+    carries per bucket when every rank contributes; links not listed carry none.
+
+    ``"direct"``: every ordered pair, two chunks (a contribution, a result). Ring
+    algorithms: only ``order``'s links, each carrying its reduce-scatter pieces
+    (``relay_counts``, doubled for the residual) plus W-1 all-gather chunks.
+
+    >>> link_chunks("direct", [0, 1, 2])[(2, 0)]
+    2
+    >>> link_chunks("ring-owner", [0, 2, 1, 3])   # 1+2+3 relayed pieces + 3 gathered
+    {(0, 2): 9, (2, 1): 9, (1, 3): 9, (3, 0): 9}
+    """
+    W = len(order)
+    relay = _relay(algorithm, relay, W)
+    if W < 2:
+        return {}
+    if algorithm == "direct":
+        return {(i, j): 2 for i in range(W) for j in range(W) if i != j}
+    stages = 2 if algorithm == "ring-residual" else 1
+    per_link = stages * sum(relay_counts([True] * (W - 1), relay)) + (W - 1)
+    return {(order[k], order[(k + 1) % W]): per_link for k in range(W)}
+
+
+def estimate_seconds(bw: Sequence[Sequence[float]], algorithm: str, order: Sequence[int], nbytes: float = 1.0) -> float:
+    """Link-bandwidth bound of one all-reduce of ``nbytes`` wire bytes per rank:
+    the busiest link's bytes / its throughput (``bw[i][j]``: bytes/s from i to j,
+    as probed). Latency and CPU are left out: buckets are pipelined, and CPU time
+    does not depend on the link the bytes take.
+
+    Pairs are probed one at a time, so a shared uplink looks like W-1 independent
+    links and ``"direct"``'s true time can be up to W-1 times this; that never
+    changes its choice against ``"ring-owner"``, whose (W+2)/4 times larger
+    per-host bytes all cross one ring link, no faster than the host's fastest.
+
+    >>> estimate_seconds([[0, 2e6, 1e6], [2e6, 0, 2e6], [2e6, 2e6, 0]], "direct", [0, 1, 2], 3e6)
+    2.0
+    """
+    W = len(order)
+    if sorted(order) != list(range(W)) or len(bw) != W or any(len(row) != W for row in bw):
+        raise ValueError(f"estimate_seconds: need a {W} x {W} bandwidth matrix and a permutation order, got {order}")
+    worst = 0.0
+    for (i, j), k in link_chunks(algorithm, order).items():
+        rate = float(bw[i][j])
+        worst = max(worst, math.inf if rate <= 0 else k * nbytes / W / rate)
+    return worst
+
+
+def choose_algorithm(bw: Sequence[Sequence[float]], order: Sequence[int], nbytes: float = 1.0,
+                     candidates: Sequence[str] = AUTO_CANDIDATES) -> tuple[str, dict[str, float]]:
+    """The candidate with the smallest ``estimate_seconds`` (ties: the earlier one),
+    and every candidate's estimate. ``order``: the solved ring (``ring_order(bw)``).
+
+    With the defaults the rule is: ``"ring-owner"`` on the solved ring iff the
+    slowest pair is below 4/((W-1)(W+2)) of the ring's slowest link (W=3: 0.4,
+    W=4: 0.22, W=8: 0.057), since direct puts 2 chunks on every pair and
+    ring-owner W(W-1)/2 + W-1 on each ring link. The chunk size cancels, so the
+    choice does not depend on ``nbytes`` (it only scales the estimates).
+
+    Worked example, the WAN testbed's part 2: 4 hosts at 100 Mbit/s (12.5 MB/s)
+    but the pair 1<->2 at 5 Mbit/s, 4M int8 values per rank. Direct sends 2 of
+    its 1 MB chunks over the slow pair: 3.2 s; the solved ring 0-1-3-2 avoids it
+    and ring-owner moves 9 chunks per link: 0.72 s. With every link at 50 Mbit/s,
+    direct (0.32 s) beats ring-owner (1.44 s).
+
+    >>> fast, slow = 12.5e6, 0.625e6
+    >>> bw = [[0, fast, fast, fast], [fast, 0, slow, fast], [fast, slow, 0, fast], [fast, fast, fast, 0]]
+    >>> algo, est = choose_algorithm(bw, [0, 1, 3, 2], nbytes=4e6)
+    >>> algo, {a: round(s, 2) for a, s in est.items()}
+    ('ring-owner', {'direct': 3.2, 'ring-owner': 0.72})
+    >>> even = [[0 if i == j else 6.25e6 for j in range(4)] for i in range(4)]
+    >>> algo, est = choose_algorithm(even, [0, 1, 2, 3], nbytes=4e6)
+    >>> algo, {a: round(s, 2) for a, s in est.items()}
+    ('direct', {'direct': 0.32, 'ring-owner': 1.44})
+    """
+    if not candidates:
+        raise ValueError("choose_algorithm: give at least one candidate")
+    est = {a: estimate_seconds(bw, a, order, nbytes) for a in candidates}
+    return min(candidates, key=est.__getitem__), est
 
 
 # ---------------------------------------------------------------- the all-reduce

@@ -202,8 +202,8 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
         w = DilocoWorker(run, worker, index, host, int(port))
         while not w.done():
             r = step_runner(w) if step_runner else w.outer_step()
-            log.info("step %d committed=%s members=%s loss=%.4f bytes=%d digest=%s",
-                     r.step, r.committed, r.members, r.inner_loss, r.bytes_sent, r.digest[:12])
+            log.info("step %d committed=%s members=%s loss=%.4f bytes=%d algorithm=%s digest=%s",
+                     r.step, r.committed, r.members, r.inner_loss, r.bytes_sent, r.algorithm, r.digest[:12])
         return EXIT_DONE
     except StoreLost as e:
         log.error("stopping: %s", e)

@@ -11,7 +11,9 @@ One outer step ``t`` is four phases, each a method so a Prefect task can wrap it
 2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard;
    the inner optimizer state stays resident across outer steps.
 3. :meth:`DilocoWorker.sync` waits (bounded) for every member's
-   pseudo-gradient, all-reduces it in int8 with fp32 accumulation, votes, and
+   pseudo-gradient, all-reduces it in int8 with fp32 accumulation (ring order
+   and, under ``algorithm = "auto"``, the algorithm agreed per attempt from the
+   boundary's bandwidth probe: :meth:`DilocoWorker.plan`), votes, and
    commits only when every member succeeded; otherwise everyone discards and
    retries with the survivors (Decoupled DiLoCo: the average is over the
    contributors; a non-finite pseudo-gradient contributes nothing).
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from intellect.config import DilocoRunConfig, TrainConfig
 from intellect.data.arithmetic import documents
-from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
+from intellect.diloco.allreduce import AllReduceError, all_reduce_mean, choose_algorithm
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState
@@ -76,6 +78,8 @@ class StepReport:
     inner_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     bytes_sent: int = 0
+    algorithm: str = ""  # the all-reduce that committed (diloco.algorithm "auto" resolves per membership)
+    estimates: dict[str, float] = field(default_factory=dict)  # auto: each candidate's link-bandwidth bound, s
     onboarded: bool = False
     committed: bool = False
     digest: str = ""
@@ -87,6 +91,27 @@ def shard_stream(run: DilocoRunConfig, index: int):
     if run.diloco.data_split == "non_iid":
         data = data.model_copy(update={"ops": [data.ops[index % len(data.ops)]]})
     return documents(data, seed=data.seed * 1000 + index + 1)
+
+
+def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) -> dict:
+    """Ring order, algorithm and (``"auto"``) each candidate's estimated seconds for one
+    all-reduce of ``nbytes`` int8 values per rank, given the probed bytes/s ``bw`` (row:
+    sender; None when unmeasured: the ring stays unordered and auto runs ``"direct"``,
+    fastest on even links, as no slow pair is known).
+
+    >>> bw = [[0, 9e6, 9e6, 9e6], [9e6, 0, 1e5, 9e6], [9e6, 1e5, 0, 9e6], [9e6, 9e6, 9e6, 0]]
+    >>> allreduce_plan("auto", bw, 4e6)   # direct would push 2 MB over the 0.1 MB/s pair 1<->2
+    {'order': [0, 1, 3, 2], 'algorithm': 'ring-owner', 'estimates': {'direct': 20.0, 'ring-owner': 1.0}}
+    >>> allreduce_plan("auto", None, 4e6)["algorithm"], allreduce_plan("ring", bw, 4e6)["algorithm"]
+    ('direct', 'ring')
+    """
+    order = None if bw is None else ring_order(bw)
+    if algorithm != "auto":
+        return {"order": order, "algorithm": algorithm, "estimates": {}}
+    if bw is None:
+        return {"order": None, "algorithm": "direct", "estimates": {}}
+    chosen, est = choose_algorithm(bw, order, nbytes=nbytes)
+    return {"order": order, "algorithm": chosen, "estimates": {a: round(v, 4) for a, v in est.items()}}
 
 
 def _inner_train_config(run: DilocoRunConfig) -> TrainConfig:
@@ -142,6 +167,7 @@ class DilocoWorker:
         self.prev_members: list[str] = []
         self.attempt = 0
         self.rates: dict[tuple[str, str], float] = {}  # (sender, receiver) -> bytes/s
+        self.last_algorithm = ""  # logged when it changes
         self.m.start_heartbeat()
 
     # ------------------------------------------------------------------ helpers
@@ -250,11 +276,19 @@ class DilocoWorker:
                 if i != j:
                     self.rates[(sender, receiver)] = columns[j][i]
 
-    def ring(self, members: list[str]) -> list[int] | None:
-        """Ring order (group ranks) maximizing the slowest link among ``members``, if measured."""
+    def bandwidth(self, members: list[str]) -> list[list[float]] | None:
+        """Probed bytes/s between ``members`` (row: sender, in group rank order), if measured."""
         if len(members) < 3 or not all((a, b) in self.rates for a in members for b in members if a != b):
             return None
-        return ring_order([[self.rates[(a, b)] if a != b else 0.0 for b in members] for a in members])
+        return [[self.rates[(a, b)] if a != b else 0.0 for b in members] for a in members]
+
+    def plan(self, members: list[str]) -> dict:
+        """This worker's proposal for an attempt (``allreduce_plan`` of the probed matrix).
+
+        Every worker derives it from the same probe matrix, and the first proposal stored
+        under the attempt's key is what all of them run, as a restarted worker may lack rates.
+        """
+        return allreduce_plan(self.cfg.algorithm, self.bandwidth(members), sum(p.numel() for p in self.outer.params))
 
     def inner(self) -> tuple[float, float]:
         """H inner steps; returns (mean loss, seconds)."""
@@ -291,9 +325,15 @@ class DilocoWorker:
             try:
                 # built only once every member is ready: a member that died earlier cannot stall it
                 group = self._group(t, a, members)
-                order = json.loads(m.decide(f"order/{t}/{a}", json.dumps(self.ring(members))))
-                stats = all_reduce_mean(average, group, order=order, contribute=contribute,
-                                        algorithm=self.cfg.algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
+                plan = json.loads(m.decide(f"plan/{t}/{a}", json.dumps(self.plan(members))))
+                # a fixed algorithm stays this worker's own, so a misconfigured peer fails the plan digest
+                algorithm = plan["algorithm"] if self.cfg.algorithm == "auto" else self.cfg.algorithm
+                if algorithm != self.last_algorithm:
+                    log.info("%s: step %d attempt %d: all-reduce %s over ring %s (estimated s: %s)",
+                             me, t, a, algorithm, plan["order"], plan["estimates"] or "unmeasured")
+                    self.last_algorithm = algorithm
+                stats = all_reduce_mean(average, group, order=plan["order"], contribute=contribute,
+                                        algorithm=algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
                                         codec=self.cfg.wire_codec)
                 ok = True
             except (AllReduceError, CommError, dist.DistError) as e:
@@ -315,6 +355,7 @@ class DilocoWorker:
                 self.prev_members, self.members, self.attempt = members, members, a
                 report.members, report.contributors = members, len(stats.contributors)
                 report.bytes_sent += stats.bytes_sent
+                report.algorithm, report.estimates = stats.algorithm, plan["estimates"]
                 report.committed, report.digest = True, self.outer.digest()
                 m.set(f"digest/{t}/{me}", report.digest)
                 if me == members[0]:
@@ -375,4 +416,5 @@ class DilocoWorker:
         self.m.close()
 
 
-__all__ = ["DilocoWorker", "StepReport", "StoreLost", "init_run", "publish_outer_checkpoint", "shard_stream"]
+__all__ = ["DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "init_run", "publish_outer_checkpoint",
+           "shard_stream"]

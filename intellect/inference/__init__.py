@@ -1,13 +1,22 @@
 """Inference engines: seeded, reproducible sampling with final-hidden-state capture for TOPLOC."""
 
 from intellect.inference.protocol import Completion, FinishReason, InferenceEngine, Request, Scored
-from intellect.inference.sampling import SamplingParams, chosen_logprobs, sample, sample_token, top_p_mask, uniforms
+from intellect.inference.sampling import (
+    LowProb,
+    SamplingParams,
+    chosen_logprobs,
+    sample,
+    sample_token,
+    top_p_mask,
+    uniforms,
+)
 from intellect.inference.torch_engine import TorchEngine
 
 __all__ = [
     "Completion",
     "FinishReason",
     "InferenceEngine",
+    "LowProb",
     "Request",
     "SamplingParams",
     "Scored",

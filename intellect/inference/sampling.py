@@ -23,6 +23,8 @@ disagrees only when two candidates are within rounding of each other.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from pydantic import Field
 
@@ -137,3 +139,91 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: tor
     t = temperature.to(logits.device, torch.float32)
     z = logits.float() / torch.where(t > 0, t, 1.0)[:, None]
     return torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n, V]``: the distribution :func:`sample` draws from, per row: ``softmax(logits / T)``
+    over the top-p nucleus, 0 outside it; one-hot at the argmax (lowest id on ties) where ``T == 0``.
+
+    >>> logits = torch.tensor([[0.0, 2.0, 0.0], [0.0, 2.0, 0.0], [1.0, 1.0, 0.0]])
+    >>> sampling_probs(logits, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 0.5, 1.0])).numpy().round(3)
+    array([[0.107, 0.787, 0.107],
+           [0.   , 1.   , 0.   ],
+           [1.   , 0.   , 0.   ]])
+    """
+    logits = logits.float()
+    temperature = temperature.to(logits.device, torch.float32)
+    hot = temperature > 0
+    # the sampler's own steps: float32 z, then the float64 nucleus rule
+    z = logits / torch.where(hot, temperature, 1.0)[:, None]
+    if bool((top_p < 1).any()):
+        z = top_p_mask(z, top_p)
+    probs = torch.softmax(z.double(), -1)
+    greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(hot[:, None], probs, greedy)
+
+
+def low_prob_draws(probs: torch.Tensor, tokens: torch.Tensor, min_token_prob: float, floor: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(low, chance)``, both ``[n]``: whether each chosen token's probability is below
+    ``min_token_prob``, and the chance that an honest draw from ``probs`` is (the mass of the
+    tokens below it), raised to at least ``floor``.
+
+    >>> probs = torch.tensor([[0.90, 0.08, 0.02], [0.50, 0.49, 0.01], [0.90, 0.08, 0.02]], dtype=torch.float64)
+    >>> low, chance = low_prob_draws(probs, torch.tensor([0, 2, 2]), min_token_prob=0.05, floor=0.001)
+    >>> low.tolist(), chance.tolist()
+    ([False, True, True], [0.02, 0.01, 0.02])
+    """
+    chosen = probs.gather(-1, tokens[:, None].to(probs.device))[:, 0]
+    chance = (probs * (probs < min_token_prob)).sum(-1).clamp(min=floor)
+    return chosen < min_token_prob, chance
+
+
+@dataclass(frozen=True, slots=True)
+class LowProb:
+    """What a prefill needs to flag each scored token for the TOPLOC distribution check
+    (:func:`low_prob_draws`): the probability below which a token is *low*, and the least chance of
+    an honest low draw assumed at any position."""
+
+    min_token_prob: float
+    floor: float = 0.0
+
+
+def score_tokens(logits: torch.Tensor, claimed: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                 seeds: torch.Tensor, positions: torch.Tensor, low_prob: LowProb | None = None,
+                 max_elements: int = 1 << 24) -> dict[str, torch.Tensor]:
+    """Per-token results of scoring ``claimed`` [n] under ``logits`` [n, V] (rows: one scored token
+    each, with its temperature, top-p, request seed and generated position), all ``[n]`` on the CPU:
+    ``resampled`` (what :func:`sample` picks with the seed's noise), ``logprobs``
+    (:func:`chosen_logprobs`) and, with ``low_prob``, ``low`` and ``chance`` (:func:`low_prob_draws`
+    under :func:`sampling_probs`). Nothing of vocabulary size leaves the logits' device.
+
+    Rows are scored ``max_elements // V`` at a time: the float64 ``[rows, V]`` intermediates
+    (probabilities, the nucleus sort, the noise) stay bounded whatever the batch, and every step is
+    row-wise, so the results do not depend on the slicing.
+
+    >>> logits = torch.tensor([[0.0, 4.0, 0.0], [3.0, 0.0, 0.0]])
+    >>> out = score_tokens(logits, torch.tensor([1, 2]), torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]),
+    ...                    torch.tensor([7, 7]), torch.tensor([0, 1]), LowProb(0.05, floor=0.001))
+    >>> out["resampled"].tolist(), out["low"].tolist(), out["chance"].numpy().round(3).tolist()
+    ([1, 0], [False, True], [0.035, 0.001])
+    """
+    vocab, hot = logits.shape[-1], bool((temperature > 0).any())
+    step = max(1, max_elements // vocab)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for a in range(0, len(logits), step):
+        rows = slice(a, a + step)
+        flat, t, p = logits[rows].float(), temperature[rows], top_p[rows]
+        u = uniforms(seeds[rows], positions[rows], vocab) if hot else None
+        got = {"resampled": sample(flat, t, p, u), "logprobs": chosen_logprobs(flat, claimed[rows], t)}
+        if low_prob is not None:
+            got["low"], got["chance"] = low_prob_draws(sampling_probs(flat, t, p), claimed[rows],
+                                                       low_prob.min_token_prob, low_prob.floor)
+        for k, v in got.items():
+            parts.setdefault(k, []).append(v.cpu())
+    if not parts:
+        dtypes = {"resampled": torch.int64, "logprobs": torch.float32}
+        if low_prob is not None:
+            dtypes |= {"low": torch.bool, "chance": torch.float64}
+        return {k: torch.empty(0, dtype=d) for k, d in dtypes.items()}
+    return {k: torch.cat(v) for k, v in parts.items()}

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import torch
 
 from intellect.inference.protocol import Completion, Request, Scored, per_request
-from intellect.inference.sampling import SamplingParams, chosen_logprobs, sample, uniforms
+from intellect.inference.sampling import LowProb, SamplingParams, chosen_logprobs, sample, score_tokens, uniforms
 from intellect.model.generate import _cache_kwarg, _cache_of, left_pad
 
 
@@ -162,12 +162,14 @@ class TorchEngine:
         outputs: Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams],
         *,
-        keep_logits: bool = False,
+        low_prob: LowProb | None = None,
     ) -> list[Scored]:
         """Score claimed ``outputs`` in one forward per batch: what a validator recomputes.
 
         ``resampled[i] != outputs[i]`` marks a position where the claimed token is
-        not what this engine's logits and the request's seed select.
+        not what this engine's logits and the request's seed select. With ``low_prob``,
+        each token's ``low`` flag and ``chance`` come back too (computed on the device,
+        see :func:`~intellect.inference.sampling.score_tokens`); logits never do.
         """
         if len(outputs) != len(requests):
             raise ValueError(f"{len(outputs)} outputs for {len(requests)} requests")
@@ -175,26 +177,28 @@ class TorchEngine:
         out: list[Scored | None] = [None] * len(requests)
         todo = [i for i in range(len(requests)) if outputs[i]]
         for i in set(range(len(requests))) - set(todo):
-            out[i] = self._empty_score(keep_logits)
+            out[i] = self._empty_score(low_prob)
         for rows in self._batches([len(requests[i].prompt_ids) + len(outputs[i]) for i in todo]):
             idx = [todo[j] for j in rows]
             scored = self._prefill_batch(
-                [requests[i] for i in idx], [list(outputs[i]) for i in idx], [params[i] for i in idx], keep_logits
+                [requests[i] for i in idx], [list(outputs[i]) for i in idx], [params[i] for i in idx], low_prob
             )
             for i, s in zip(idx, scored):
                 out[i] = s
         return out  # type: ignore[return-value]
 
-    def _empty_score(self, keep_logits: bool) -> Scored:
+    def _empty_score(self, low_prob: LowProb | None) -> Scored:
         head = self.model.get_output_embeddings().weight
         return Scored(
             hidden_states=torch.empty(0, head.shape[1], dtype=torch.bfloat16),
             logprobs=torch.empty(0), resampled=torch.empty(0, dtype=torch.int64),
-            logits=torch.empty(0, head.shape[0]) if keep_logits else None,
+            low=None if low_prob is None else torch.empty(0, dtype=torch.bool),
+            chance=None if low_prob is None else torch.empty(0, dtype=torch.float64),
         )
 
     def _prefill_batch(
-        self, requests: list[Request], outputs: list[list[int]], params: list[SamplingParams], keep_logits: bool
+        self, requests: list[Request], outputs: list[list[int]], params: list[SamplingParams],
+        low_prob: LowProb | None,
     ) -> list[Scored]:
         dev = self.device
         # the last output token produces nothing we check, so it is not fed
@@ -207,21 +211,30 @@ class TorchEngine:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
         rows = [(r, c) for r in range(len(outputs)) for c in range(keep - n[r], keep)]
         r_idx, c_idx = (torch.tensor(x, device=dev) for x in zip(*rows))
-        flat_logits = logits[r_idx, c_idx].float()
-        flat_hidden = hidden[0][r_idx, c_idx]
-        claimed = torch.tensor([tok for o in outputs for tok in o], device=dev)
         temperature, top_p = self._row_params([p for p, k in zip(params, n) for _ in range(k)])
-        seeds = torch.tensor([r.seed for r, k in zip(requests, n) for _ in range(k)], device=dev)
-        pos = torch.tensor([t for k in n for t in range(k)], device=dev)
-        u = uniforms(seeds, pos, flat_logits.shape[-1]) if bool((temperature > 0).any()) else None
-        resampled = sample(flat_logits, temperature, top_p, u).cpu()
-        logprobs = chosen_logprobs(flat_logits, claimed, temperature).cpu()
-        flat_hidden, flat_logits = flat_hidden.cpu(), flat_logits.cpu()
-        bounds = torch.tensor([0] + n).cumsum(0).tolist()
-        return [
-            Scored(
-                hidden_states=flat_hidden[a:b].clone(), logprobs=logprobs[a:b].clone(),
-                resampled=resampled[a:b].clone(), logits=flat_logits[a:b].clone() if keep_logits else None,
-            )
-            for a, b in zip(bounds, bounds[1:])
-        ]
+        return scored_rows(hidden[0][r_idx, c_idx], logits[r_idx, c_idx], outputs, requests, temperature, top_p,
+                           low_prob)
+
+
+def scored_rows(hidden: torch.Tensor, logits: torch.Tensor, outputs: Sequence[Sequence[int]],
+                requests: Sequence[Request], temperature: torch.Tensor, top_p: torch.Tensor,
+                low_prob: LowProb | None) -> list[Scored]:
+    """One :class:`Scored` per row from a batch's producing positions, flattened row after row:
+    ``hidden`` [tokens, hidden] and ``logits`` [tokens, V] on the device, ``temperature`` and
+    ``top_p`` per token. Only per-token vectors and the hidden states reach the CPU."""
+    dev, n = logits.device, [len(o) for o in outputs]
+    claimed = torch.tensor([tok for o in outputs for tok in o], device=dev)
+    seeds = torch.tensor([r.seed for r, k in zip(requests, n) for _ in range(k)], device=dev)
+    pos = torch.tensor([t for k in n for t in range(k)], device=dev)
+    got = score_tokens(logits, claimed, temperature, top_p, seeds, pos, low_prob)
+    hidden = hidden.cpu()
+    bounds = torch.tensor([0] + n).cumsum(0).tolist()
+    return [
+        Scored(
+            hidden_states=hidden[a:b].clone(), logprobs=got["logprobs"][a:b].clone(),
+            resampled=got["resampled"][a:b].clone(),
+            low=got["low"][a:b].clone() if "low" in got else None,
+            chance=got["chance"][a:b].clone() if "chance" in got else None,
+        )
+        for a, b in zip(bounds, bounds[1:])
+    ]

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from intellect.shardcast.config import LOOPBACK
+from intellect.shardcast.config import LOOPBACK, ClientConfig, RelayConfig
 from intellect.shardcast.store import VersionStore, publish_folder
 
 # Each role imports only what it runs: ``publish`` is on the critical path of every broadcast (the
@@ -92,13 +92,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
     r = sub.add_parser("relay", help="mirror upstream versions and serve them")
     _server_args(r)
     r.add_argument("--upstream", action="append", required=True, help="Origin or relay base URL (repeatable).")
-    r.add_argument("--parallel", type=int, default=8, help="Shards fetched at once (default 8).")
+    r.add_argument("--parallel", type=int, default=RelayConfig.model_fields["parallel"].default,
+                   help="Shards fetched at once (default %(default)s).")
     r.add_argument("--poll", type=float, default=0.05, help="Seconds between looks upstream (default 0.05).")
     c = sub.add_parser("client", help="download a version from relays")
     c.add_argument("--relay", action="append", required=True, help="Relay base URL (repeatable).")
     c.add_argument("--version", type=int, help="Version to fetch (default: the newest complete one).")
     c.add_argument("--dest", required=True, help="Folder to create (atomically, STABLE last).")
-    c.add_argument("--parallel", type=int, default=8)
+    c.add_argument("--parallel", type=int, default=ClientConfig.model_fields["parallel"].default,
+                   help="Shards downloaded at once (default %(default)s).")
     c.add_argument("--deadline", type=float, default=600.0, help="Seconds for the whole download.")
     c.add_argument("--list", action="store_true", help="Only print the versions the relays hold.")
     args = ap.parse_args(argv)
@@ -118,14 +120,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
         print(json.dumps({"version": m.version, "bytes": m.total_size, "shards": len(m.shards), "sha256": m.sha256}))
         return 0
     if args.role == "relay":
-        from intellect.shardcast.config import RelayConfig
         from intellect.shardcast.relay import Relay
 
         store = VersionStore(args.data_dir)
         cfg = RelayConfig(upstreams=args.upstream, keep=args.keep, parallel=args.parallel, poll_interval=args.poll)
         return _serve(args, store, Relay(store, cfg))
     from intellect.shardcast.client import ShardcastClient, ShardcastError
-    from intellect.shardcast.config import ClientConfig
 
     with ShardcastClient(args.relay, ClientConfig(parallel=args.parallel, deadline=args.deadline)) as client:
         if args.list:

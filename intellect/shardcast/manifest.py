@@ -2,8 +2,8 @@
 
 A version is the concatenation of its files in manifest order (the *blob*), cut into shards of
 ``shard_size`` bytes (the last one shorter). The manifest lists every file with its offset in the
-blob and every shard with its offset, size and SHA-256, plus the whole blob's SHA-256 once the
-version is ``complete``. The origin rewrites the manifest as each shard lands, so a reader may see
+blob and every shard with its offset, size, SHA-256 and the blob's SHA-256 chaining value at its end
+(:mod:`~intellect.shardcast.chain`), plus the whole blob's SHA-256 once the version is ``complete``. The origin rewrites the manifest as each shard lands, so a reader may see
 a manifest that lists only the first shards and the files begun so far (``size`` None for the file
 still being written); every shard listed is final.
 
@@ -28,6 +28,8 @@ from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from intellect.shardcast.chain import INITIAL
+
 SHA256_HEX = r"^[0-9a-f]{64}$"
 # A file name of a version: one path component, no hidden or temporary names, so a client can
 # never be steered into writing outside its target folder.
@@ -49,6 +51,11 @@ class ShardEntry(_Strict):
     offset: int = Field(ge=0)
     size: int = Field(ge=1)
     sha256: str = Field(pattern=SHA256_HEX)
+    chain: str | None = Field(
+        None, pattern=SHA256_HEX, description="SHA-256 chaining value of the blob right after this shard "
+        "(:mod:`~intellect.shardcast.chain`): with the previous shard's, it checks this shard and, shard by "
+        "shard, the whole blob in one pass. None where the shard ends mid-block or the origin had no way to "
+        "compute it.")
 
 
 class Manifest(_Strict):
@@ -77,6 +84,8 @@ class Manifest(_Strict):
         for s in self.shards:
             if s.offset != s.index * self.shard_size or s.size > self.shard_size:
                 raise ValueError(f"shard {s.index} at {s.offset}+{s.size} does not fit shard_size {self.shard_size}")
+            if s.chain is not None and (s.offset + s.size) % 64:
+                raise ValueError(f"shard {s.index} ends mid-block ({s.offset + s.size}) but has a chaining value")
             if pos is not None and s.offset + s.size > pos:
                 raise ValueError(f"shard {s.index} ends past the files ({pos} bytes)")
         if len({s.index for s in self.shards}) != len(self.shards):
@@ -138,5 +147,21 @@ def compatible(a: Manifest, b: Manifest) -> bool:
     for fa, fb in zip(a.files, b.files):
         if fa.name != fb.name or fa.offset != fb.offset or (None not in (fa.size, fb.size) and fa.size != fb.size):
             return False
-    hb = {s.index: s.sha256 for s in b.shards}
-    return all(hb.get(s.index, s.sha256) == s.sha256 for s in a.shards)
+    hb = {s.index: s for s in b.shards}
+    return all(s.index not in hb or (hb[s.index].sha256 == s.sha256 and hb[s.index].chain == s.chain)
+               for s in a.shards)
+
+
+def chain_before(m: Manifest, entry: ShardEntry) -> str | None:
+    """The blob's chaining value where ``entry`` starts, if ``m`` says (SHA-256's initial one for the first).
+
+    >>> m = Manifest(version=1, shard_size=64, files=[FileEntry(name="w", offset=0)],
+    ...              shards=[ShardEntry(index=i, offset=64 * i, size=64, sha256="a" * 64, chain=c * 64)
+    ...                      for i, c in ((0, "b"), (2, "d"))])
+    >>> chain_before(m, m.shards[0])[:8], chain_before(m, m.shards[1])
+    ('6a09e667', None)
+    """
+    if entry.offset == 0:
+        return INITIAL
+    prev = m.shard(entry.index - 1)
+    return prev.chain if prev is not None else None

@@ -2,7 +2,8 @@
 
 Every ``poll_interval`` the relay lists its upstreams' versions, and for each of the newest
 ``keep`` it does not hold completely it fetches the shards it lacks (several at once, each
-checked against the upstream manifest's SHA-256 before it is renamed into place). While a version
+checked against the upstream manifest's SHA-256, or its chaining value, before it is renamed into
+place). While a version
 is being written upstream, the pause is a long poll instead: the upstream answers the manifest
 request as soon as it lists another shard, so a shard is seen at once and an idle wait costs no
 requests. Its own
@@ -26,7 +27,7 @@ import httpx
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.client import ShardError, http_client, download_shard, get_json, list_versions
 from intellect.shardcast.config import ClientConfig, RelayConfig
-from intellect.shardcast.manifest import Manifest, ShardEntry, compatible
+from intellect.shardcast.manifest import Manifest, ShardEntry, chain_before, compatible
 from intellect.shardcast.store import VersionStore, write_at
 
 log = logging.getLogger("intellect.shardcast.relay")
@@ -99,7 +100,7 @@ class Relay:
                 todo = [s for s in up.shards if s.index not in held and (v, s.index) not in self._inflight]
                 self._inflight.update((v, s.index) for s in todo)
             for s in todo:
-                self._pool.submit(self._fetch, v, s, listing[v])
+                self._pool.submit(self._fetch, v, s, listing[v], chain_before(up, s))
         with self._lock:
             for v in self.store.retain(self.cfg.keep):
                 self._held.pop(v, None)
@@ -144,7 +145,7 @@ class Relay:
         if mine != self.store.manifest(version):
             self.store.write_manifest(mine)
 
-    def _fetch(self, version: int, entry: ShardEntry, upstreams: list[str]) -> None:
+    def _fetch(self, version: int, entry: ShardEntry, upstreams: list[str], start: str | None) -> None:
         tmp = self.store.temp_file(version)
         upstream = None
         t0 = time.monotonic()
@@ -154,7 +155,7 @@ class Relay:
             fd = os.open(tmp, os.O_WRONLY)
             try:
                 download_shard(self._http, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
-                               self._timeout, float("inf"))
+                               self._timeout, float("inf"), start)
             finally:
                 os.close(fd)
             with self._lock:

@@ -20,6 +20,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from intellect.shardcast.chain import whole_hasher
 from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ShardEntry
 from intellect.storage import STABLE
 
@@ -30,8 +31,8 @@ _COPY_CHUNK = 4 << 20
 # Page-cache writes go in pieces this small: the kernel sizes a new file's folios by the write, and in
 # this VM (free-page reporting) a large folio's first touch costs ~1.5 s per GiB against ~0.3 s for
 # 16 KiB ones (perf: copy_folio_from_iter_atomic); the extra syscalls cost far less. curl writes so too.
-WRITE_PIECE = 16 << 10
-# A write at least this big is hashed (shard and whole checkpoint) on two helper threads while this
+WRITE_PIECE = 256 << 10
+# A piece at least this big is hashed (shard and whole checkpoint) on two helper threads while this
 # one writes it: the origin's writer is the head of the pipeline, so its latency is everyone's.
 _PARALLEL_MIN = 256 << 10
 
@@ -159,7 +160,7 @@ class VersionWriter:
         self.store, self.version, self.shard_size = store, version, shard_size
         self._files: list[FileEntry] = []
         self._shards: list[ShardEntry] = []
-        self._whole = hashlib.sha256()
+        self._whole = whole_hasher()
         self._pos = 0  # bytes written so far
         self._tmp: Path | None = None
         self._fh = None
@@ -181,21 +182,8 @@ class VersionWriter:
         if not self._files:
             raise RuntimeError("begin_file before write")
         view = memoryview(data)
-        parallel = len(view) >= _PARALLEL_MIN
-        whole = None
-        if parallel:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(2, thread_name_prefix="shardcast-hash")
-            whole = self._hasher.submit(self._whole.update, view)  # in order: each write waits for its own
-        else:
-            self._whole.update(view)
-        try:
-            self._cut(view, parallel)
-        finally:
-            if whole is not None:
-                whole.result()
-
-    def _cut(self, view: memoryview, parallel: bool) -> None:
+        if len(view) >= _PARALLEL_MIN and self._hasher is None:
+            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="shardcast-hash")
         while view:
             if self._fh is None:
                 self._tmp = self.store.temp_file(self.version)
@@ -203,14 +191,18 @@ class VersionWriter:
                 self._shard_hash = hashlib.sha256()
             in_shard = self._pos - len(self._shards) * self.shard_size
             take = view[: self.shard_size - in_shard]
-            if parallel:
-                shard = self._hasher.submit(self._shard_hash.update, take)
+            # the whole-blob hash goes piece by piece, so that its state at each shard's end (the
+            # chaining value) is there to read when the shard is sealed
+            if len(take) >= _PARALLEL_MIN:
+                hashing = [self._hasher.submit(h.update, take) for h in (self._whole, self._shard_hash)]
                 try:
                     write_at(self._fh, take, in_shard)
                 finally:
-                    shard.result()
+                    for f in hashing:
+                        f.result()
             else:
                 write_at(self._fh, take, in_shard)
+                self._whole.update(take)
                 self._shard_hash.update(take)
             self._pos += len(take)
             view = view[len(take):]
@@ -231,7 +223,7 @@ class VersionWriter:
         size = self._pos - index * self.shard_size
         self.store.put_shard(self.version, index, self._tmp)
         self._shards.append(ShardEntry(index=index, offset=index * self.shard_size, size=size,
-                                       sha256=self._shard_hash.hexdigest()))
+                                       sha256=self._shard_hash.hexdigest(), chain=self._whole.chain()))
         self._fh = self._tmp = None
         self._publish(complete=False)
 

@@ -13,15 +13,23 @@ and checks every chunk's proof against its own hidden states
 ``toploc_malformed``, ``toploc_null_proof``, ...); a checkpoint the validator cannot load fails its
 rows with ``toploc_no_checkpoint`` instead of raising.
 
-The same prefill's logits give two more checks, in this order after the computation check.
+The same prefill gives two more checks, in this order after the computation check. It computes
+on the logits' device what they need per scored token (the seeded choice, the claimed token's
+log-probability, and its ``low`` flag and ``chance`` below), so no ``[tokens x vocab]`` tensor
+reaches the CPU (:func:`~intellect.inference.sampling.score_tokens`).
 
 **Sampling** (``toploc_sampling``; which layer failed is logged, see :func:`sampling_detail`):
 
 * *seeded re-check* (``cfg.seeded_check``): the engines sample with seeded Gumbel-max, so the
   validator recomputes each token's choice from its own logits and the request seed; more than
   ``max_resampled_fraction`` of a rollout's tokens differing fails (an edited token, or the hybrid
-  attack: a small model samples, the claimed one builds the proofs). It needs a reproducible seeded
-  sampler on the worker, which a vLLM deployment does not have;
+  attack: a small model samples, the claimed one builds the proofs). The count is also pooled over
+  the submission's rows that passed the computation check, and they all fail when honest near-tie
+  flips at ``honest_flip_rate`` cannot plausibly make it (the Chernoff bound of
+  :func:`low_prob_surprise` below ``10 ** -max_low_prob_surprise``): a checkpoint a few RL updates
+  older than the claimed one passes the computation check but moves a few tokens in every few
+  hundred. It needs a reproducible seeded sampler on the worker, which a vLLM deployment does not
+  have;
 * *distribution check* (``cfg.distribution_check``, INTELLECT-2's): tokens another model sampled
   often have a low probability under the claimed model. A token is *low* when the validator's
   sampling distribution (:func:`sampling_probs`) gives it less than ``min_token_prob``; an honest
@@ -52,7 +60,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from intellect.inference.protocol import Request, Scored
-from intellect.inference.sampling import chosen_logprobs, sample, top_p_mask, uniforms
+from intellect.inference.sampling import LowProb, low_prob_draws, sampling_probs
+from intellect.inference.torch_engine import scored_rows
 from intellect.toploc.proofs import ToplocConfig, build_proofs_many, check_many
 
 if TYPE_CHECKING:
@@ -65,9 +74,13 @@ log = logging.getLogger("intellect.toploc.check")
 
 #: Policy step -> an engine holding that checkpoint's weights (raises ``FileNotFoundError`` if absent).
 EngineFor = Callable[[int], "InferenceEngine"]
-#: ``prefill(engine, requests, outputs, sampling, keep_logits) -> scored``: how the validator scores rows.
-Prefill = Callable[["InferenceEngine", Sequence[Request], Sequence[Sequence[int]], "SamplingParams", bool],
-                   "list[Scored]"]
+#: ``prefill(engine, requests, outputs, sampling, low_prob) -> scored``: how the validator scores rows
+#: (``low_prob`` None: no per-token ``low`` and ``chance``).
+Prefill = Callable[["InferenceEngine", Sequence[Request], Sequence[Sequence[int]], "SamplingParams",
+                    "LowProb | None"], "list[Scored]"]
+
+__all__ = ["Draws", "EngineFor", "Prefill", "completion_proofs", "engine_prefill", "low_prob_draws",
+           "low_prob_surprise", "right_padded_prefill", "sampling_detail", "sampling_probs", "toploc_check"]
 
 
 def completion_proofs(completions: Sequence[Completion], cfg: ToplocConfig) -> list[bytes]:
@@ -78,45 +91,6 @@ def completion_proofs(completions: Sequence[Completion], cfg: ToplocConfig) -> l
 
 
 # ---------------------------------------------------------------- distribution statistic (pure)
-
-
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """float64 ``[n, V]``: the distribution :func:`~intellect.inference.sampling.sample` draws from,
-    per row: ``softmax(logits / T)`` over the top-p nucleus, 0 outside it; one-hot at the argmax
-    (lowest id on ties) where ``T == 0``.
-
-    >>> logits = torch.tensor([[0.0, 2.0, 0.0], [0.0, 2.0, 0.0], [1.0, 1.0, 0.0]])
-    >>> sampling_probs(logits, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 0.5, 1.0])).numpy().round(3)
-    array([[0.107, 0.787, 0.107],
-           [0.   , 1.   , 0.   ],
-           [1.   , 0.   , 0.   ]])
-    """
-    logits = logits.float()
-    temperature = temperature.to(logits.device, torch.float32)
-    hot = temperature > 0
-    # the sampler's own steps: float32 z, then the float64 nucleus rule
-    z = logits / torch.where(hot, temperature, 1.0)[:, None]
-    if bool((top_p < 1).any()):
-        z = top_p_mask(z, top_p)
-    probs = torch.softmax(z.double(), -1)
-    greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(hot[:, None], probs, greedy)
-
-
-def low_prob_draws(probs: torch.Tensor, tokens: torch.Tensor, min_token_prob: float, floor: float = 0.0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(low, chance)``, both ``[n]``: whether each chosen token's probability is below
-    ``min_token_prob``, and the chance that an honest draw from ``probs`` is (the mass of the
-    tokens below it), raised to at least ``floor``.
-
-    >>> probs = torch.tensor([[0.90, 0.08, 0.02], [0.50, 0.49, 0.01], [0.90, 0.08, 0.02]], dtype=torch.float64)
-    >>> low, chance = low_prob_draws(probs, torch.tensor([0, 2, 2]), min_token_prob=0.05, floor=0.001)
-    >>> low.tolist(), chance.tolist()
-    ([False, True, True], [0.02, 0.01, 0.02])
-    """
-    chosen = probs.gather(-1, tokens[:, None].to(probs.device))[:, 0]
-    chance = (probs * (probs < min_token_prob)).sum(-1).clamp(min=floor)
-    return chosen < min_token_prob, chance
 
 
 def low_prob_surprise(low: torch.Tensor | float, expected: torch.Tensor | float) -> torch.Tensor:
@@ -154,17 +128,24 @@ class Draws:
         return float(low_prob_surprise(float(self.low), self.expected))
 
 
-def sampling_detail(layer: str, scope: str, draws: Draws | None = None, resampled: int = 0, tokens: int = 0
-                    ) -> str:
-    """What a ``toploc_sampling`` verdict was about, for the log (the ledger keeps only the reason).
+def sampling_detail(layer: str, scope: str, draws: Draws | None = None, resampled: int = 0, tokens: int = 0,
+                    expected: float | None = None) -> str:
+    """What a ``toploc_sampling`` verdict was about, for the log (the ledger keeps only the reason);
+    ``expected``: the differing tokens honest near-tie flips account for (the pooled seeded test).
 
     >>> sampling_detail("distribution", "submission", Draws(tokens=40, low=12, expected=0.5))
     'distribution (submission): 12 of 40 tokens below min_token_prob where 0.50 were expected, surprise 11.6'
     >>> sampling_detail("seeded", "rollout", resampled=3, tokens=20)
     'seeded re-check (rollout): 3 of 20 tokens differ from the seed and logits choice'
+    >>> sampling_detail("seeded", "submission", resampled=9, tokens=500, expected=0.005)
+    'seeded re-check (submission): 9 of 500 tokens differ from the seed and logits choice where 0.005 were expected, surprise 25.4'
     """
     if layer == "seeded":
-        return f"seeded re-check ({scope}): {resampled} of {tokens} tokens differ from the seed and logits choice"
+        text = f"seeded re-check ({scope}): {resampled} of {tokens} tokens differ from the seed and logits choice"
+        if expected is not None:
+            text += (f" where {expected:.2g} were expected, surprise "
+                     f"{float(low_prob_surprise(float(resampled), expected)):.1f}")
+        return text
     return (f"distribution ({scope}): {draws.low} of {draws.tokens} tokens below min_token_prob where "
             f"{draws.expected:.2f} were expected, surprise {draws.surprise:.1f}")
 
@@ -173,14 +154,14 @@ def sampling_detail(layer: str, scope: str, draws: Draws | None = None, resample
 
 
 def engine_prefill(engine: InferenceEngine, requests: Sequence[Request], outputs: Sequence[Sequence[int]],
-                   sampling: SamplingParams, keep_logits: bool = False) -> list[Scored]:
+                   sampling: SamplingParams, low_prob: LowProb | None = None) -> list[Scored]:
     """The engine's own prefill (left-padded batches for :class:`TorchEngine`)."""
-    return engine.prefill(requests, outputs, sampling, keep_logits=keep_logits)
+    return engine.prefill(requests, outputs, sampling, low_prob=low_prob)
 
 
 @torch.no_grad()
 def right_padded_prefill(engine: TorchEngine, requests: Sequence[Request], outputs: Sequence[Sequence[int]],
-                         sampling: SamplingParams, keep_logits: bool = False) -> list[Scored]:
+                         sampling: SamplingParams, low_prob: LowProb | None = None) -> list[Scored]:
     """:meth:`TorchEngine.prefill` with every batch padded on the right, in the given row order.
 
     Each row's tokens sit at columns ``0 .. len - 1`` with positions equal to the columns; the
@@ -198,7 +179,7 @@ def right_padded_prefill(engine: TorchEngine, requests: Sequence[Request], outpu
         reqs, outs = requests[start:start + engine.max_batch_size], outputs[start:start + engine.max_batch_size]
         n = [len(o) for o in outs]
         if not any(n):
-            out += engine.prefill(list(reqs), [[] for _ in reqs], sampling, keep_logits=keep_logits)
+            out += engine.prefill(list(reqs), [[] for _ in reqs], sampling, low_prob=low_prob)
             continue
         seqs = [r.prompt_ids + list(o[:-1]) for r, o in zip(reqs, outs)]  # the last token produces nothing checked
         width = max(len(s) for s in seqs)
@@ -218,22 +199,9 @@ def right_padded_prefill(engine: TorchEngine, requests: Sequence[Request], outpu
             handle.remove()
         rows = [(r, first[r] - skip + t) for r in range(len(outs)) for t in range(n[r])]
         r_idx, c_idx = (torch.tensor(x, device=dev) for x in zip(*rows))
-        flat_logits, flat_hidden = logits[r_idx, c_idx].float(), seen[0][r_idx, c_idx]
-        claimed = torch.tensor([tok for o in outs for tok in o], device=dev)
         temperature = torch.full((len(rows),), sampling.temperature, device=dev)
         top_p = torch.full((len(rows),), sampling.top_p, device=dev)
-        seeds = torch.tensor([r.seed for r, k in zip(reqs, n) for _ in range(k)], device=dev)
-        pos = torch.tensor([t for k in n for t in range(k)], device=dev)
-        u = uniforms(seeds, pos, flat_logits.shape[-1]) if sampling.temperature > 0 else None
-        resampled = sample(flat_logits, temperature, top_p, u).cpu()
-        logprobs = chosen_logprobs(flat_logits, claimed, temperature).cpu()
-        flat_hidden, flat_logits = flat_hidden.cpu(), flat_logits.cpu()
-        bounds = torch.tensor([0] + n).cumsum(0).tolist()
-        for a, b in zip(bounds, bounds[1:]):
-            out.append(Scored(
-                hidden_states=flat_hidden[a:b].clone(), logprobs=logprobs[a:b].clone(),
-                resampled=resampled[a:b].clone(), logits=flat_logits[a:b].clone() if keep_logits else None,
-            ))
+        out += scored_rows(seen[0][r_idx, c_idx], logits[r_idx, c_idx], outs, reqs, temperature, top_p, low_prob)
     return out
 
 
@@ -245,13 +213,16 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
     """The validator's row check: ``None`` for a row that passes the computation, sampling and
     termination checks, else the first failure (in that order). ``eos_ids`` empty: no termination
     check. ``prefill`` scores a checkpoint's rows (:func:`engine_prefill` or
-    :func:`right_padded_prefill`); the logits come back only when the distribution check needs them."""
+    :func:`right_padded_prefill`); each token's ``low`` and ``chance`` come back only when the
+    distribution check needs them."""
     eos = set(eos_ids)
+    low_prob = LowProb(cfg.min_token_prob, cfg.low_prob_floor) if cfg.distribution_check else None
 
     def check(rows: Sequence[Rollout]) -> list[str | None]:
         reasons: list[str | None] = [None] * len(rows)
         ends: list[str | None] = [None] * len(rows)  # termination verdicts: they come after every sampling one
-        draws: dict[int, Draws] = {}  # rows whose tokens the seeded re-check did not already disown
+        flips: dict[int, tuple[int, int]] = {}  # rows that passed the computation check: (tokens differing, tokens)
+        draws: dict[int, Draws] = {}
         by_policy: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_policy.setdefault(row.policy_step, []).append(i)
@@ -264,31 +235,46 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
                 continue
             requests = [Request(list(rows[i].prompt_tokens), rows[i].seed) for i in idx]
             outputs = [list(rows[i].output_tokens) for i in idx]
-            scored = prefill(engine, requests, outputs, sampling, cfg.distribution_check)
+            scored = prefill(engine, requests, outputs, sampling, low_prob)
             checks = check_many([s.hidden_states for s in scored], [rows[i].proof for i in idx], cfg.chunk, cfg.k, cfg)
             # the group's per-token results in one tensor each, so that per row only numbers remain
             n = [len(o) for o in outputs]
             claimed = torch.tensor([t for o in outputs for t in o], dtype=torch.int64)
             resampled = torch.cat([s.resampled for s in scored])
             row_of = torch.repeat_interleave(torch.arange(len(idx)), torch.tensor(n, dtype=torch.int64))
-            differ = torch.bincount(row_of, weights=(resampled != claimed).double(), minlength=len(idx)).long().tolist()
+
+            def per_row(values: torch.Tensor) -> list[float]:
+                return torch.bincount(row_of, weights=values.double(), minlength=len(idx)).tolist()
+
+            differ = [int(d) for d in per_row(resampled != claimed)]
+            lows = [int(x) for x in per_row(torch.cat([s.low for s in scored]))] if low_prob else []
+            expected = per_row(torch.cat([s.chance for s in scored])) if low_prob else []
             ends_at = [e - 1 for e in torch.tensor(n).cumsum(0).tolist()]
             same_last = (resampled == claimed).tolist()
             probs = torch.cat([s.logprobs for s in scored]).exp().tolist()
-            passed = []
             for j, (i, chunks) in enumerate(zip(idx, checks)):
                 bad = next((c.reason for c in chunks if not c.ok), None)
                 if bad:
                     reasons[i] = f"toploc_{bad}"
                     continue
+                flips[i] = differ[j], n[j]
                 if cfg.seeded_check and differ[j] > cfg.max_resampled_fraction * n[j]:
                     reasons[i] = _sampling(i, sampling_detail("seeded", "rollout", resampled=differ[j], tokens=n[j]))
                 last = ends_at[j]
                 ends[i] = _termination(outputs[j], sampling, cfg, eos, n[j] and same_last[last], n[j] and probs[last])
-                if reasons[i] is None:
-                    passed.append((i, scored[j]))
-            if cfg.distribution_check and passed:
-                draws.update(_draws(rows, passed, sampling, cfg))
+                if low_prob:
+                    draws[i] = Draws(n[j], lows[j], expected[j])
+        if cfg.seeded_check and flips:
+            # near-tie flips of honest rows are rare and independent, so a submission's count is tested
+            # pooled: a few differing tokens in each of many rows (a checkpoint a few updates stale) add up
+            differ, tokens = (sum(x) for x in zip(*flips.values()))
+            expect = cfg.honest_flip_rate * tokens
+            if float(low_prob_surprise(float(differ), expect)) > cfg.max_low_prob_surprise:
+                detail = sampling_detail("seeded", "submission", resampled=differ, tokens=tokens, expected=expect)
+                for i in flips:
+                    reasons[i] = reasons[i] or _sampling(i, detail)
+        # the distribution check weighs only tokens the seeded re-check did not already disown
+        draws = {i: d for i, d in draws.items() if reasons[i] is None}
         if draws:
             over = (low_prob_surprise(torch.tensor([float(d.low) for d in draws.values()], dtype=torch.float64),
                                       torch.tensor([d.expected for d in draws.values()], dtype=torch.float64))
@@ -308,21 +294,6 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
 def _sampling(row: int, detail: str) -> str:
     log.info("row %d: toploc_sampling: %s", row, detail)
     return "toploc_sampling"
-
-
-def _draws(rows: Sequence[Rollout], scored: list[tuple[int, Scored]], sampling: SamplingParams,
-           cfg: ToplocConfig) -> dict[int, Draws]:
-    """Every row's low-probability counts, from one vectorized pass over the group's logits."""
-    logits = torch.cat([s.logits for _, s in scored])
-    tokens = torch.tensor([t for i, _ in scored for t in rows[i].output_tokens], dtype=torch.int64)
-    probs = sampling_probs(logits, torch.full((len(tokens),), sampling.temperature),
-                           torch.full((len(tokens),), sampling.top_p))
-    low, chance = low_prob_draws(probs, tokens, cfg.min_token_prob, cfg.low_prob_floor)
-    n = [len(rows[i].output_tokens) for i, _ in scored]
-    row_of = torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n, dtype=torch.int64))
-    lows = torch.bincount(row_of, weights=low.double(), minlength=len(n)).long().tolist()
-    expected = torch.bincount(row_of, weights=chance, minlength=len(n)).tolist()
-    return {i: Draws(k, lo, e) for (i, _), k, lo, e in zip(scored, n, lows, expected)}
 
 
 def _termination(out: Sequence[int], sampling: SamplingParams, cfg: ToplocConfig, eos: set[int],

@@ -63,6 +63,25 @@ class ToplocConfig(StrictModel):
       mass): it is what greedy or top-p decoding needs so that rounding flips do not reject; a
       40-token greedy rollout needs 4 tokens off the validator's argmax (10%) to reach a surprise
       of 6 (3 give 4.3), over 30 times the near-tie flip rate of bf16 GPUs (0.1-0.3%).
+
+    The seeded re-check pooled per submission (``honest_flip_rate``) was measured with
+    ``benchmarks/toploc_stale.py`` on the rl-tiny run's checkpoints (``runs/rl-toploc``, lr 1e-4;
+    10 submissions per lag of 256 rows, ~970 tokens, generated with checkpoint ``k - lag`` for
+    ``k`` in 20, 60, ..., 180 and claiming ``k``):
+
+    * honest (lag 0): 0 of 9,733 tokens differ; CPU fp32 workers flip no near-tie (nor in the run's
+      102,400 honest rollouts, ~390k tokens, nor in the 2,048 rollouts of
+      ``tests/integration/test_toploc_nondeterminism.py`` under other batching and threads);
+    * lag 1: 7-17 tokens of a submission differ (1.3% pooled) and the computation check fails no
+      row: at the default 0.005 the surprise is 0.2-4.2 (no submission caught; only the 5% of rows
+      holding a flip fail the per-rollout bound); at 1e-4 it is 10.1-31.0 (all 10 caught);
+    * lag 2: 19-29 (2.3%): 4.9-12.6 at 0.005 (6 of 10 caught), 35-60 at 1e-4;
+      lag 3: 30-44 (3.7%): 12.7-25.8 at 0.005, 62-99 at 1e-4 (all caught).
+
+    So the default, safe on GPUs, catches from two or three updates stale; ``configs/rl-tiny.toml``
+    (CPU) may set 1e-4, 13 times the 95% bound on its measured honest rate (8e-6: 0 in ~390k
+    tokens), which catches one update stale (surprise >= 10.1 where 6 suffices; 5 differing tokens
+    of 1,000 would).
     """
 
     chunk: int = Field(32, ge=1, le=4096, description="Generated tokens per proof.")
@@ -86,6 +105,16 @@ class ToplocConfig(StrictModel):
         "validator's logits and the request seed select (near-ties flip under bf16 nondeterminism: 0.1-0.3% "
         "in INTELLECT-2; on CPU in fp32 none do).",
     )
+    honest_flip_rate: float = Field(
+        0.005, gt=0, le=0.1,
+        description="Sampling check, seeded layer pooled per submission: the share of an honest worker's tokens "
+        "assumed to differ from the validator's seeded choice (near-tie flips). A submission's rows that passed "
+        "the computation check fail together when a Chernoff bound on honest flips reaching their summed count "
+        "is below 10**-max_low_prob_surprise. Over many tokens the bound is tight around this rate, so it must "
+        "bound the hardware's rate from above: 0.005 is 1.7x the 0.1-0.3% of bf16 GPUs (INTELLECT-2), and "
+        "catches a submission only from ~2% of its tokens differing. CPU workers in fp32 flip none, so a CPU "
+        "run may set far less (configs/rl-tiny.toml: 1e-4; see the class docstring).",
+    )
     distribution_check: bool = Field(
         True, description="Sampling check, distribution layer (INTELLECT-2's): reject rollouts, and submissions "
         "pooled, whose tokens hold more low-probability draws under the validator's model than honest sampling "
@@ -98,8 +127,9 @@ class ToplocConfig(StrictModel):
     )
     max_low_prob_surprise: float = Field(
         6.0, gt=0, le=100,
-        description="Distribution check: reject when a Chernoff bound on honest sampling drawing at least the "
-        "observed number of low-probability tokens is below 10**-this (6: at most one honest rollout in a million).",
+        description="Distribution check, and the seeded re-check pooled per submission: reject when a Chernoff "
+        "bound on honest sampling drawing at least the observed number of low-probability tokens (or of "
+        "near-tie flips) is below 10**-this (6: at most one honest rollout or submission in a million).",
     )
     low_prob_floor: float = Field(
         0.001, ge=0, le=1,

@@ -89,6 +89,7 @@ def test_two_workers_commit_identical_replicas_and_checkpoints(tmp_path, coordin
     assert storage.complete_steps("checkpoints") == [0, 1, 2, 3]
     m = json.loads(c.store.get("metrics/2/w0"))
     assert m["members"] == ["w0", "w1"] and m["contributors"] == 2 and m["bytes_sent"] > 0
+    assert m["algorithm"] == "direct" and m["estimates"] == {}  # auto, two workers: no probe, direct
 
 
 def test_kill_during_inner_phase_survivors_continue(tmp_path, coordinator):
@@ -101,8 +102,13 @@ def test_kill_during_inner_phase_survivors_continue(tmp_path, coordinator):
     assert_identical_replicas(c, range(4))
     last = json.loads(c.store.get("metrics/3/w0"))
     assert last["members"] == ["w0", "w1"]
-    # three members: the ring was measured and solved, and everyone used the same order
-    assert sorted(json.loads(c.store.get("order/0/0"))) == [0, 1, 2]
+    # three members: the ring was measured and solved, auto chose from the estimates, and
+    # everyone ran the one agreed plan
+    plan = json.loads(c.store.get("plan/0/0"))
+    assert sorted(plan["order"]) == [0, 1, 2] and set(plan["estimates"]) == {"direct", "ring-owner"}
+    assert plan["algorithm"] == min(plan["estimates"], key=plan["estimates"].get)
+    first = [json.loads(c.store.get(f"metrics/0/{w}")) for w in ("w0", "w1")]  # w2 may die before writing its own
+    assert {m["algorithm"] for m in first} == {plan["algorithm"]}
 
 
 def test_sigterm_deathrattle_is_faster_than_the_heartbeat_timeout(tmp_path, coordinator):

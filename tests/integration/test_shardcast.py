@@ -133,6 +133,34 @@ def test_corrupt_shards_on_one_relay_are_detected_and_fetched_elsewhere(cdn, tmp
     assert_same(tmp_path / "out", files)
 
 
+def test_whole_checkpoint_check_with_and_without_chaining_values(tmp_path):
+    """Chained shards prove the whole SHA-256 without reading the files back; a manifest without chaining
+    values (or ``reread``) takes the read-back path; a whole hash that contradicts the chain fails."""
+    files = checkpoint(tmp_path / "ckpt", 3)
+    store = VersionStore(tmp_path / "origin")
+    for v in (1, 2, 3):
+        publish_folder(store, v, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    m = store.manifest(2)
+    assert all(s.chain for s in m.shards[:-1])
+    store.write_manifest(m.model_copy(update={"shards": [s.model_copy(update={"chain": None}) for s in m.shards]}))
+    m = store.manifest(3)
+    store.write_manifest(m.model_copy(update={"sha256": hashlib.sha256(b"not it").hexdigest()}))
+    server = Server(store, bind("127.0.0.1", 0)).start()
+    try:
+        with ShardcastClient([server.url], fast()) as client:
+            for v in (1, 2):
+                client.fetch(v, tmp_path / f"out{v}")
+                assert_same(tmp_path / f"out{v}", files)
+            with pytest.raises(ShardcastError, match="differs from the manifest's"):
+                client.fetch(3, tmp_path / "out3")
+            assert not (tmp_path / "out3").exists() and not list(tmp_path.glob(".tmp-*"))
+        with ShardcastClient([server.url], fast(reread=True)) as client:
+            client.fetch(1, tmp_path / "again")
+        assert_same(tmp_path / "again", files)
+    finally:
+        server.stop()
+
+
 def held(url: str, version: int = 1) -> list[int]:
     r = httpx.get(f"{url}/v/{version}/manifest")
     return [s["index"] for s in r.json()["shards"]] if r.status_code == 200 else []

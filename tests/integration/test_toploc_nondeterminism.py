@@ -3,7 +3,8 @@ layout and thread count are checked by a validator with other batch sizes, compo
 order) and thread count, once with left-padded prefill batches (the engine's) and once with
 right-padded ones; hidden states differ in their last bits, and not one rollout is rejected by the
 computation, sampling (seeded re-check and distribution check, per rollout and pooled over all
-1,024) or termination check."""
+1,024; the pooled seeded re-check also at the CPU flip rate of configs/rl-tiny.toml) or termination
+check."""
 
 import random
 
@@ -16,28 +17,26 @@ from intellect.inference.sampling import SamplingParams
 from intellect.inference.torch_engine import TorchEngine
 from intellect.model.checkpoint import build_model
 from intellect.rl.rollouts import Rollout
+from intellect.inference.sampling import LowProb
 from intellect.toploc.check import (
     Draws,
     completion_proofs,
     engine_prefill,
-    low_prob_draws,
+    low_prob_surprise,
     right_padded_prefill,
-    sampling_probs,
     toploc_check,
 )
 from intellect.toploc.proofs import ToplocConfig
 
 pytestmark = pytest.mark.slow
 
+#: configs/rl-tiny.toml's honest_flip_rate for CPU workers
+CPU_FLIP_RATE = 1e-4
 
-def surprises(done, scored, sampling, cfg):
+
+def surprises(scored):
     """The distribution check's largest rollout surprise and the pooled one (what it compared)."""
-    tokens = torch.tensor([t for c in done for t in c.tokens])
-    full = torch.full((len(tokens),), sampling.temperature), torch.full((len(tokens),), sampling.top_p)
-    low, chance = low_prob_draws(sampling_probs(torch.cat([s.logits for s in scored]), *full), tokens,
-                                 cfg.min_token_prob, cfg.low_prob_floor)
-    n = [len(c.tokens) for c in done]
-    draws = [Draws(k, int(a.sum()), float(b.sum())) for k, a, b in zip(n, low.split(n), chance.split(n))]
+    draws = [Draws(len(s.low), int(s.low.sum()), float(s.chance.sum())) for s in scored]
     return max(d.surprise for d in draws), sum(draws, Draws(0, 0, 0.0)).surprise
 
 
@@ -68,15 +67,23 @@ def test_a_thousand_honest_rollouts_pass_a_differently_batched_validator():
         for padding, prefill in (("left", engine_prefill), ("right", right_padded_prefill)):
             check = toploc_check(lambda policy: validator, sampling, cfg, [tok.eos_token_id], prefill=prefill)
             reasons = check([rows[i] for i in order])
-            rescored = prefill(validator, [requests[i] for i in order], [done[i].tokens for i in order], sampling, True)
+            rescored = prefill(validator, [requests[i] for i in order], [done[i].tokens for i in order], sampling,
+                               LowProb(cfg.min_token_prob, cfg.low_prob_floor))
             differ = sum(not torch.equal(done[i].hidden_states, s.hidden_states) for i, s in zip(order, rescored))
-            seen[padding] = reasons, differ, surprises([done[i] for i in order], rescored, sampling, cfg)
+            flips = sum(int((s.resampled != torch.tensor(done[i].tokens)).sum()) for i, s in zip(order, rescored))
+            seen[padding] = reasons, differ, flips, surprises(rescored)
     finally:
         torch.set_num_threads(threads)
     assert len(rows) == 1024 and sum(len(c.tokens) for c in done) > 1024 * 8
-    for padding, (reasons, differ, (most, pooled)) in seen.items():
+    tokens = sum(len(c.tokens) for c in done)
+    for padding, (reasons, differ, flips, (most, pooled)) in seen.items():
         assert len(reasons) == 1024 and [r for r in reasons if r is not None] == [], padding
         assert differ > 0, padding  # the validator really recomputed under other rounding
+        # nor at the CPU flip rate configs/rl-tiny.toml sets for the seeded re-check pooled (a verdict on flips alone)
+        assert float(low_prob_surprise(float(flips), CPU_FLIP_RATE * tokens)) <= cfg.max_low_prob_surprise, padding
         print(f"{padding} padding: 1024 rollouts checked, {differ} with bitwise-different hidden states, "
-              f"0 rejected; distribution surprise: largest rollout {most:.2f}, all pooled {pooled:.2f} "
-              f"(limit {cfg.max_low_prob_surprise})")
+              f"0 rejected; seeded re-check: {flips} of {tokens} tokens differ (pooled over all 1,024 at "
+              f"honest_flip_rate {cfg.honest_flip_rate} and at {CPU_FLIP_RATE:g}, the CPU rate: surprise "
+              f"{float(low_prob_surprise(float(flips), cfg.honest_flip_rate * tokens)):.2f} and "
+              f"{float(low_prob_surprise(float(flips), CPU_FLIP_RATE * tokens)):.2f}); distribution surprise: largest "
+              f"rollout {most:.2f}, all pooled {pooled:.2f} (limit {cfg.max_low_prob_surprise})")

@@ -1,7 +1,8 @@
 """TOPLOC inside an RL step: honest workers' proofs pass the validator's prefill check, and each
 cheat (another model, weights perturbed by 20%, an edited token, hybrid sampling, also with the
 seeded re-check off, early truncation, a copied or cut proof, an unknown checkpoint, a checkpoint
-older than the lag bound) is rejected with its reason, next to honest rows of the same submission."""
+older than the lag bound, a checkpoint one or three RL updates older than the claimed one) is
+rejected with its reason, next to honest rows of the same submission."""
 
 import copy
 import dataclasses
@@ -16,10 +17,11 @@ from intellect.inference import TorchEngine
 from intellect.model.checkpoint import build_model
 from intellect.rl.rollouts import RolloutLimits, write_submission
 from intellect.rl.submission import SubmissionConfig, generate_submission
+from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, samples_from_rows
 from intellect.rl.validator import validate_submission
 from intellect.storage import RunStorage
 from intellect.inference.protocol import Request
-from intellect.toploc.check import toploc_check
+from intellect.toploc.check import low_prob_surprise, toploc_check
 from intellect.toploc.proofs import ToplocConfig, build_proofs
 
 TINY = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)
@@ -178,7 +180,8 @@ def test_a_checkpoint_older_than_the_lag_bound(models, tmp_path):
 
     Checkpoint 1 here is one AdamW step at lr 1e-2 past 0. Only weights that moved beyond the
     computation check's tolerance are caught this way: two checkpoints of the tiny RL run one update
-    apart (lr 1e-4) are not told apart by it (0 or 1 of 128 rows rejected)."""
+    apart (lr 1e-4) are not told apart by it (0 or 1 of 128 rows rejected); the seeded re-check
+    pooled per submission catches those (the next test)."""
     tok = models["tok"]
     storage = RunStorage(f"file://{tmp_path}")
     checkpoints = {0: engine(models["model"], tok), 1: engine(models["updated"], tok)}
@@ -202,3 +205,77 @@ def test_a_checkpoint_older_than_the_lag_bound(models, tmp_path):
     got = [v.reason for v in verdicts(files[1])]
     assert len(got) == len(claimed) and set(got) <= COMPUTATION, got
     assert [(v.row, v.reason) for v in verdicts(files[2])] == [(-1, "stale")]
+
+
+#: a submission of configs/rl-tiny.toml: 32 prompts x 8 samples, 8 tokens at most, temperature 1
+RL_TINY = SubmissionConfig(prompts_per_submission=32, group_size=8, max_tokens=8, temperature=1.0)
+RL_TASKS = [Problem(a, op, b).to_task() for a in range(10) for op in "+-*" for b in range(10)]
+#: honest_flip_rate of CPU workers in fp32 (configs/rl-tiny.toml): they flip no near-tie
+CPU_FLIP_RATE = 1e-4
+
+
+def ones(text, _task):
+    """A reward the random model can learn (it cannot do arithmetic): the digits 1 it writes."""
+    return float(text.count("1"))
+
+
+@pytest.fixture(scope="module")
+def rl_checkpoints(models):
+    """Checkpoints 0 to 3 of a GRPO run at rl-tiny's lr (1e-4, one optimizer step per RL step, each
+    step on one rl-tiny-sized submission of the previous checkpoint's rollouts), after three steps
+    of burn-in so that AdamW's moments are a running optimizer's, not a first step's sign update."""
+    tok = models["tok"]
+    trainer = GRPOTrainer(copy.deepcopy(models["model"]), tok,
+                          RLTrainerConfig(lr=1e-4, warmup_steps=0, steps_per_rollout=1, micro_batch_size=128))
+    out = []
+    for step in range(7):
+        rows = generate_submission(engine(trainer.model.eval(), tok), tok, RL_TASKS, "trainer", step, 0, step, RL_TINY,
+                                   run="t", reward_fn=ones)
+        if step >= 3:
+            out.append(copy.deepcopy(trainer.model).eval())
+        if step < 6:
+            trainer.train_step(samples_from_rows(rows))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [1, 3])
+def test_a_checkpoint_a_few_rl_updates_stale_is_caught_pooled(models, rl_checkpoints, lag, caplog):
+    """A worker generates with checkpoint ``3 - lag`` of an RL run at rl-tiny's lr and claims 3. The
+    computation check does not tell such close weights apart, and few rows hold a token the seeded
+    re-check disowns; pooled per submission at the CPU flip rate those tokens fail every row that
+    passed the computation check. Honest submissions of checkpoint 3 pass at both rates."""
+    tok = models["tok"]
+    validator = engine(rl_checkpoints[3], tok)
+    sampling = RL_TINY.sampling()
+    cpu = PROOFS.model_copy(update={"honest_flip_rate": CPU_FLIP_RATE})
+    checks = {rate: toploc_check(lambda _p: validator, sampling, cfg, [tok.eos_token_id])
+              for rate, cfg in ((PROOFS.honest_flip_rate, PROOFS), (CPU_FLIP_RATE, cpu))}
+
+    def submission(model, worker):
+        return generate_submission(engine(model, tok), tok, RL_TASKS, worker, 9, 0, 3, RL_TINY, run="t", proofs=PROOFS)
+
+    honest = [submission(rl_checkpoints[3], f"h{s}") for s in range(2)]
+    stale = [submission(rl_checkpoints[3 - lag], f"s{s}") for s in range(2)]
+    for rows in honest:
+        for rate, check in checks.items():
+            assert check(rows) == [None] * len(rows), rate
+    for rows in stale:
+        scored = validator.prefill([Request(list(r.prompt_tokens), r.seed) for r in rows],
+                                   [list(r.output_tokens) for r in rows], sampling)
+        differ = [int((s.resampled != torch.tensor(r.output_tokens)).sum()) for s, r in zip(scored, rows)]
+        tokens = sum(len(r.output_tokens) for r in rows)
+        at_default = checks[PROOFS.honest_flip_rate](rows)
+        with caplog.at_level(logging.INFO, logger="intellect.toploc.check"):
+            caplog.clear()
+            reasons = checks[CPU_FLIP_RATE](rows)
+        computation = sum(r in COMPUTATION for r in reasons)
+        print(f"{lag} update(s) stale: {sum(differ)} of {tokens} tokens differ ({sum(d > 0 for d in differ)} rows); "
+              f"{computation} rows fail the computation check; surprise "
+              f"{float(low_prob_surprise(float(sum(differ)), CPU_FLIP_RATE * tokens)):.1f} at {CPU_FLIP_RATE:g}, "
+              f"{float(low_prob_surprise(float(sum(differ)), PROOFS.honest_flip_rate * tokens)):.1f} at "
+              f"{PROOFS.honest_flip_rate:g}; rows rejected at {PROOFS.honest_flip_rate:g}: "
+              f"{sum(r is not None for r in at_default)} of {len(rows)}")
+        assert computation < len(rows) // 4  # the computation check alone lets most rows through
+        assert set(reasons) <= COMPUTATION | {"toploc_sampling"}, reasons
+        assert any("seeded re-check (submission)" in m for m in caplog.messages)

@@ -7,13 +7,17 @@ import torch
 from intellect.diloco import allreduce, transport
 from intellect.diloco.allreduce import (
     all_reduce_mean,
+    choose_algorithm,
     chunk_bounds,
+    estimate_seconds,
     layer_buckets,
+    link_chunks,
     merge_small,
     payload_bytes,
     relay_counts,
 )
 from intellect.diloco.quantize import wire_nbytes
+from intellect.diloco.ring_order import bottleneck, ring_order
 
 
 def test_doctests():
@@ -139,3 +143,82 @@ def test_finite_check_handles_overflowing_sums():
     y = torch.full((10,), 3e38)
     y[3] = float("nan")
     assert not _finite(y)
+
+
+# ---------------------------------------------------------------- choosing the algorithm (diloco.algorithm "auto")
+
+
+def test_worker_plan_doctests():
+    from intellect.diloco import worker
+
+    assert doctest.testmod(worker).failed == 0
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("algorithm, relay", [("direct", None), ("ring", None), ("ring", 2), ("ring-owner", None),
+                                              ("ring-residual", None), ("prime", None)])
+def test_link_chunks_add_up_to_payload_bytes(W, algorithm, relay):
+    order = [0, *range(W - 1, 0, -1)]  # reversed: send to the rank below
+    chunk = 1000
+    links = link_chunks(algorithm, order, relay)
+    for pos, rank in enumerate(order):
+        sent = sum(k for (i, _), k in links.items() if i == rank) * wire_nbytes(chunk)
+        assert sent == payload_bytes([W * chunk], W, pos, algorithm, relay)
+    if algorithm != "direct":  # neighbour-only: exactly the ring's links
+        assert set(links) == {(order[k], order[(k + 1) % W]) for k in range(W)}
+
+
+def slow_pair(W: int, ratio: float, fast: float = 10e6) -> list[list[float]]:
+    bw = [[0.0 if i == j else fast for j in range(W)] for i in range(W)]
+    bw[1][2] = bw[2][1] = fast * ratio
+    return bw
+
+
+@pytest.mark.parametrize("W", [4, 5, 6, 8])
+def test_auto_switches_to_ring_owner_at_the_cost_model_threshold(W):
+    threshold = 4 / ((W - 1) * (W + 2))  # 2 chunks per pair vs W(W-1)/2 + W-1 per ring link
+    for ratio, expect in ((threshold * 0.9, "ring-owner"), (threshold * 1.1, "direct"), (1.0, "direct")):
+        bw = slow_pair(W, ratio)
+        order = ring_order(bw)
+        assert bottleneck(order, bw) == 10e6  # the solved ring avoids the slow pair
+        algo, est = choose_algorithm(bw, order, nbytes=1e6)
+        assert algo == expect, (ratio, est)
+        assert choose_algorithm(bw, order, nbytes=123.0)[0] == algo  # the chunk size cancels
+
+
+def test_auto_keeps_direct_when_the_ring_cannot_avoid_the_slow_pair():
+    bw = slow_pair(3, 0.01)  # every 3-cycle uses 1->2 or 2->1
+    order = ring_order(bw)
+    algo, est = choose_algorithm(bw, order)
+    assert algo == "direct" and est["ring-owner"] > est["direct"]
+
+
+def test_choose_algorithm_ties_go_to_the_first_candidate_and_dead_links_cost_inf():
+    two = [[0, 5.0], [5.0, 0]]  # W=2: both put 2 chunks on each direction of the one pair
+    assert choose_algorithm(two, [0, 1]) == ("direct", {"direct": 0.2, "ring-owner": 0.2})
+    assert choose_algorithm(two, [0, 1], candidates=("ring-owner", "direct"))[0] == "ring-owner"
+    with pytest.raises(ValueError):
+        choose_algorithm(two, [0, 1], candidates=())
+    bw = [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
+    bw[0][1] = 0
+    assert estimate_seconds(bw, "direct", [0, 1, 2]) == float("inf")
+    assert estimate_seconds(bw, "ring", [0, 2, 1]) < float("inf")  # 0->2->1->0 never uses 0->1
+
+
+@pytest.mark.parametrize("bw, order", [([[0, 1], [1, 0]], [0, 1, 2]), ([[0, 1, 1], [1, 0, 1], [1, 1, 0]], [0, 1, 1]),
+                                       ([[0, 1, 1], [1, 0, 1]], [0, 1, 2])])
+def test_estimate_rejects_mismatched_shapes(bw, order):
+    with pytest.raises(ValueError):
+        estimate_seconds(bw, "direct", order)
+
+
+def test_auto_is_the_config_default_and_bad_algorithms_name_the_choices():
+    from intellect import config as C
+
+    assert C.DilocoConfig().algorithm == "auto"
+    assert C.load_config(C.DilocoRunConfig, path="configs/diloco-tiny.toml", environ={}).diloco.algorithm == "auto"
+    with pytest.raises(C.ConfigError, match="diloco.algorithm: Input should be 'auto', 'direct', 'ring-residual', "
+                                            "'ring-owner' or 'ring'"):
+        C.load_config(C.DilocoRunConfig, overrides=["diloco.algorithm=tree"], environ={})
+    with pytest.raises(ValueError, match="unknown algorithm 'auto'"):  # resolved by the worker, never sent
+        payload_bytes([8], 2, 0, "auto")

@@ -236,15 +236,17 @@ def test_prefill_reproduces_hidden_states_logprobs_and_choices(tiny):
     sp = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12)
     engine = TorchEngine.for_tokenizer(model, tok, max_batch_size=4)
     gens = engine.generate(reqs, sp)
-    scored = engine.prefill(reqs, [c.tokens for c in gens], sp, keep_logits=True)
+    scored = engine.prefill(reqs, [c.tokens for c in gens], sp)
     for r, c, s in zip(reqs, gens, scored):
         assert s.hidden_states.dtype == torch.bfloat16 and s.hidden_states.shape == c.hidden_states.shape
         assert torch.allclose(s.hidden_states.float(), c.hidden_states.float(), rtol=1e-2, atol=1e-2)
         assert torch.allclose(s.logprobs, c.logprobs, atol=1e-4)
         assert s.resampled.tolist() == c.tokens
-        # the validator's own loop over sample_token gives the same choices
-        u = uniforms(r.seed, torch.arange(len(c.tokens)), s.logits.shape[-1])
-        assert [sample_token(s.logits[i], sp.temperature, sp.top_p, u[i]) for i in range(len(c.tokens))] == c.tokens
+        # a loop over sample_token on a plain forward's logits gives the same choices
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_ids + c.tokens[:-1]])).logits[0, len(r.prompt_ids) - 1:]
+        u = uniforms(r.seed, torch.arange(len(c.tokens)), logits.shape[-1])
+        assert [sample_token(logits[i], sp.temperature, sp.top_p, u[i]) for i in range(len(c.tokens))] == c.tokens
     # a forged token is caught by resampling
     forged = list(gens[0].tokens)
     forged[1] = (forged[1] + 1) % model.config.vocab_size

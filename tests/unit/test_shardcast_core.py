@@ -7,13 +7,13 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from intellect.shardcast import choice, manifest, store
+from intellect.shardcast import chain, choice, manifest, store
 from intellect.shardcast.choice import RelayScore, observe, pick, weights
 from intellect.shardcast.manifest import FileEntry, Manifest, ShardEntry
 from intellect.shardcast.store import VersionStore, VersionWriter, publish_folder
 
 
-@pytest.mark.parametrize("mod", [choice, manifest, store])
+@pytest.mark.parametrize("mod", [chain, choice, manifest, store])
 def test_doctests(mod):
     assert doctest.testmod(mod).failed == 0
 
@@ -50,6 +50,9 @@ def test_manifest_checks_its_layout():
         Manifest(version=1, files=files, shards=[ShardEntry(index=0, offset=0, size=8, sha256="not-hex")])
     with pytest.raises(ValidationError, match="extra"):
         Manifest.model_validate({"version": 1, "surprise": True})
+    with pytest.raises(ValidationError, match="mid-block"):  # a chaining value exists only on block boundaries
+        Manifest(version=1, files=files, shards=[ShardEntry(index=0, offset=0, size=8, sha256=H, chain=H)],
+                 shard_size=8)
 
 
 def test_segments_cross_file_boundaries_and_skip_empty_files():
@@ -116,6 +119,59 @@ def test_writer_publishes_each_shard_as_it_fills(tmp_path):
     assert [s.size for s in m.shards] == [4, 4, 2]
     with pytest.raises(FileExistsError):
         VersionWriter(st, version=7, shard_size=4)
+
+
+def test_a_chained_hash_resumes_anywhere_on_a_block_boundary():
+    rng = random.Random(0)
+    blob = rng.randbytes(10_000)
+    for _ in range(20):
+        cut = rng.randrange(0, len(blob) // 64) * 64
+        head = chain.ChainedSha256()
+        head.update(memoryview(blob)[:cut])
+        tail = chain.ChainedSha256(head.chain(), cut)
+        for a, b in zip([cut, cut + 7, cut + 900], [cut + 7, cut + 900, len(blob)]):  # uneven pieces
+            tail.update(blob[a:b])
+        assert tail.hexdigest() == hashlib.sha256(blob).hexdigest() and tail.length == len(blob)
+    h = chain.ChainedSha256()
+    h.update(b"x")
+    assert h.chain() is None  # mid-block: no chaining value to read
+    for bad in [(None, 64), ("0" * 64, 65), ("0" * 64, -64), ("00", 64)]:
+        with pytest.raises(ValueError):
+            chain.ChainedSha256(*bad)
+
+
+@pytest.mark.parametrize("shard_size,write", [(1 << 12, 3000), (1 << 12, 1 << 20), (100, 333)])
+def test_each_shard_checks_on_its_own_by_chaining_values(tmp_path, shard_size, write):
+    """The writer's chaining values: shard i is checked from shard i-1's value alone, and the last value
+    finished off is the whole blob's SHA-256 (shards that end mid-block carry none)."""
+    rng = random.Random(1)
+    st = VersionStore(tmp_path)
+    with VersionWriter(st, 1, shard_size) as w:
+        w.begin_file("w")
+        blob = b""
+        while len(blob) < 3 * shard_size + 77:
+            piece = rng.randbytes(write)  # pieces at or above the writer's threaded size hash on helpers
+            w.write(piece)
+            blob += piece
+    m = st.manifest(1)
+    for s in m.shards:
+        data = st.shard_path(1, s.index).read_bytes()
+        assert s.sha256 == hashlib.sha256(data).hexdigest()
+        start = manifest.chain_before(m, s)
+        if (s.offset + s.size) % 64:
+            assert s.chain is None
+        elif start is None:  # the previous shard ended mid-block
+            assert shard_size % 64
+        else:
+            h = chain.ChainedSha256(start, s.offset)
+            h.update(data)
+            assert h.chain() == s.chain
+    assert (m.shards[-1].chain is None) == (len(blob) % 64 != 0)
+    if shard_size % 64 == 0:
+        assert all(s.chain for s in m.shards[:-1])
+        last = chain.ChainedSha256(manifest.chain_before(m, m.shards[-1]), m.shards[-1].offset)
+        last.update(st.shard_path(1, m.shards[-1].index).read_bytes())
+        assert last.hexdigest() == m.sha256 == hashlib.sha256(blob).hexdigest()
 
 
 def test_a_failed_publish_leaves_no_version(tmp_path):

@@ -1,5 +1,7 @@
 """The TOPLOC validator's distribution statistic on hand-made probabilities, its bound against
-simulated honest sampling, and the right-padded prefill against the engine's left-padded one."""
+simulated honest sampling, the prefills' per-token statistics against the same maths on full
+logits, the right-padded prefill against the engine's left-padded one, and the seeded re-check
+pooled per submission."""
 
 import doctest
 import random
@@ -9,12 +11,21 @@ import torch
 
 from intellect.config import ModelConfig
 from intellect.inference.protocol import Request
-from intellect.inference.sampling import SamplingParams, sample, uniforms
+from intellect.inference.sampling import LowProb, SamplingParams, sample, score_tokens, uniforms
 from intellect.inference.torch_engine import TorchEngine
 from intellect.model.checkpoint import build_model
 from intellect.toploc import check
-from intellect.toploc.check import Draws, low_prob_draws, low_prob_surprise, right_padded_prefill, sampling_probs
+from intellect.toploc.check import (
+    Draws,
+    engine_prefill,
+    low_prob_draws,
+    low_prob_surprise,
+    right_padded_prefill,
+    sampling_probs,
+)
 from intellect.toploc.proofs import ToplocConfig, build_proofs_many, check_many
+
+LOW = LowProb(ToplocConfig().min_token_prob, ToplocConfig().low_prob_floor)
 
 
 def test_doctests():
@@ -85,6 +96,9 @@ def test_distribution_fields_are_bounded():
         ToplocConfig(max_low_prob_surprise=-1)
     with pytest.raises(ValueError):
         ToplocConfig(low_prob_floor=1.5)
+    for rate in (0, 0.5):
+        with pytest.raises(ValueError):
+            ToplocConfig(honest_flip_rate=rate)
     with pytest.raises(ValueError):
         ToplocConfig(distribution_checks=False)  # a typo is an error, not a silent default
 
@@ -100,15 +114,69 @@ def test_right_padded_prefill_matches_the_left_padded_one(sampling):
     engine = TorchEngine.for_tokenizer(model, tok, capture_hidden=True, max_batch_size=7)
     outputs = [c.tokens for c in engine.generate(requests, sampling)]
     outputs[3] = []  # a row with nothing to score
-    left = engine.prefill(requests, outputs, sampling, keep_logits=True)
-    right = right_padded_prefill(engine, requests, outputs, sampling, keep_logits=True)
+    left = engine.prefill(requests, outputs, sampling, low_prob=LOW)
+    right = right_padded_prefill(engine, requests, outputs, sampling, LOW)
     assert [len(s.resampled) for s in right] == [len(o) for o in outputs]
     for a, b in zip(left, right):
-        assert torch.equal(a.resampled, b.resampled)
-        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5) and torch.allclose(a.logits, b.logits, atol=1e-5)
+        assert torch.equal(a.resampled, b.resampled) and torch.equal(a.low, b.low)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5) and torch.allclose(a.chance, b.chance, atol=1e-6)
     proofs = build_proofs_many([s.hidden_states for s in left], chunk=8, k=32)
     verdicts = check_many([s.hidden_states for s in right], proofs, chunk=8, k=32)
     assert all(c.ok for chunks in verdicts for c in chunks)
     # the right-padded scores are each row's own, not the padding's: a row scored alone agrees
     alone = right_padded_prefill(engine, requests[5:6], outputs[5:6], sampling)[0]
     assert torch.equal(alone.resampled, right[5].resampled)
+
+
+SMALL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=96, init_seed=4)
+
+
+@pytest.fixture(scope="module")
+def confident():
+    """A confident model (the final norm x8), so that some claimed tokens are low and others not."""
+    model, tok = build_model(SMALL)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    return model, tok
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0, max_tokens=16),
+                                      SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16),
+                                      SamplingParams(temperature=0.0, max_tokens=16)])
+def test_per_token_statistics_equal_the_full_logits_computation(confident, sampling):
+    """Both prefills' ``low`` and ``chance`` are :func:`low_prob_draws` under :func:`sampling_probs` of
+    the very logits the LM head produced (caught by a hook here, as the validator used to copy them
+    to the CPU), bit for bit; the seeded choices and log-probabilities too."""
+    model, tok = confident
+    rng = random.Random(1)
+    requests = [Request([tok.bos_token_id] + [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 9))], seed=i)
+                for i in range(8)]
+    engine = TorchEngine.for_tokenizer(model, tok, capture_hidden=True)
+    outputs = [c.tokens for c in engine.generate(requests, sampling)]
+    outputs[2] = [(t + 7) % len(tok) for t in outputs[2]]  # tokens the model would rarely pick: low ones
+    tokens = torch.tensor([t for o in outputs for t in o])
+    full = torch.full((len(tokens),), sampling.temperature), torch.full((len(tokens),), sampling.top_p)
+    seeds = torch.tensor([r.seed for r, o in zip(requests, outputs) for _ in o])
+    pos = torch.tensor([t for o in outputs for t in range(len(o))])
+    one = TorchEngine.for_tokenizer(model, tok, capture_hidden=True, max_batch_size=1)
+    for prefill in (engine_prefill, right_padded_prefill):
+        seen: list[torch.Tensor] = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: seen.append(out))
+        try:
+            scored = [prefill(one, [r], [o], sampling, LOW)[0] for r, o in zip(requests, outputs)]
+        finally:
+            hook.remove()
+        # a row alone: both prefills keep the logits of exactly its producing positions, the last len(o)
+        logits = torch.cat([out[0, -len(o):] for out, o in zip(seen, outputs)]).float()
+        low, chance = low_prob_draws(sampling_probs(logits, *full), tokens, LOW.min_token_prob, LOW.floor)
+        assert torch.equal(torch.cat([s.low for s in scored]), low), prefill
+        assert torch.equal(torch.cat([s.chance for s in scored]), chance), prefill
+        assert 0 < int(low.sum()) < len(low)
+        again = score_tokens(logits, tokens, *full, seeds, pos)
+        assert torch.equal(torch.cat([s.resampled for s in scored]), again["resampled"])
+        assert torch.equal(torch.cat([s.logprobs for s in scored]), again["logprobs"])
+        assert "low" not in again and all(s.low is None and s.chance is None
+                                          for s in prefill(one, requests[:2], outputs[:2], sampling, None))
+    # the slicing that bounds the float64 intermediates does not change a bit
+    sliced = score_tokens(logits, tokens, *full, seeds, pos, LOW, max_elements=3 * logits.shape[-1])
+    assert torch.equal(sliced["low"], low) and torch.equal(sliced["chance"], chance)
