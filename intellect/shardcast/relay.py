@@ -3,14 +3,12 @@
 Every ``poll_interval`` the relay lists its upstreams' versions, and for each of the newest
 ``keep`` it does not hold completely it fetches the shards it lacks (several at once, each
 checked against the upstream manifest's SHA-256, or its chaining value, before it is renamed into
-place). While a version
-is being written upstream, the pause is a long poll instead: the upstream answers the manifest
-request as soon as it lists another shard, so a shard is seen at once and an idle wait costs no
-requests. Its own
-manifest is rewritten after each shard and lists only what it holds, so it starts serving a
-version's first shards while the origin is still writing the last ones, and never advertises a
-byte it cannot send. A bad shard is discarded and fetched again on a later pass (one bad hop does
-not spread). When every upstream is down, it keeps serving what it has.
+place). While a version is being written upstream, the pause is a long poll instead: the upstream
+answers the manifest request as soon as it lists another shard, so a shard is seen at once and an
+idle wait costs no requests. Its own manifest is rewritten after each shard and lists only what
+it holds, so it starts serving a version's first shards while the origin is still writing the last
+ones, and never advertises a byte it cannot send. A bad shard is discarded and fetched again on a
+later pass (one bad hop does not spread). When every upstream is down, it keeps serving what it has.
 """
 
 from __future__ import annotations

@@ -28,10 +28,12 @@ MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(0|[1-9][0-9]{0,9})$")
 _TMP = ".tmp-"
 _COPY_CHUNK = 4 << 20
-# Page-cache writes go in pieces this small: the kernel sizes a new file's folios by the write, and in
-# this VM (free-page reporting) a large folio's first touch costs ~1.5 s per GiB against ~0.3 s for
-# 16 KiB ones (perf: copy_folio_from_iter_atomic); the extra syscalls cost far less. curl writes so too.
-WRITE_PIECE = 256 << 10
+# Page-cache writes go in pieces this big: the kernel sizes a new file's folios by the write, and in
+# this VM (free-page reporting) large folios are dear to touch first (perf: copy_folio_from_iter_atomic).
+# Alone, a fresh 1 GiB file took 0.34 s in 16 KiB writes, 0.22 s in 64 KiB, 0.18 s in 256 KiB and
+# 0.47 s in 1 MiB; but with five processes writing at once (the loopback benchmark, end to end, median
+# of 3) 256 KiB pieces took 5.90-6.44 s against 5.63 s for 64 KiB and 5.67-5.71 s for 16 KiB.
+WRITE_PIECE = 64 << 10
 # A piece at least this big is hashed (shard and whole checkpoint) on two helper threads while this
 # one writes it: the origin's writer is the head of the pipeline, so its latency is everyone's.
 _PARALLEL_MIN = 256 << 10
