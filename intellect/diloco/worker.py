@@ -111,7 +111,8 @@ def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) 
     if bw is None:
         return {"order": None, "algorithm": "direct", "estimates": {}}
     chosen, est = choose_algorithm(bw, order, nbytes=nbytes)
-    return {"order": order, "algorithm": chosen, "estimates": {a: round(v, 4) for a, v in est.items()}}
+    # significant digits, not decimals: on fast links the estimates are microseconds
+    return {"order": order, "algorithm": chosen, "estimates": {a: float(f"{v:.4g}") for a, v in est.items()}}
 
 
 def _inner_train_config(run: DilocoRunConfig) -> TrainConfig:
