@@ -146,11 +146,9 @@ def whole_hasher():
 class _Plain:
     def __init__(self):
         self._h = hashlib.sha256()
-        self.length = 0
 
     def update(self, data) -> None:
         self._h.update(data)
-        self.length += len(data) if not isinstance(data, memoryview) else data.nbytes
 
     def chain(self) -> None:
         return None

@@ -212,9 +212,6 @@ class _Assembly:
 
         return write
 
-    def read(self, manifest: Manifest, entry: ShardEntry) -> bytes:
-        return b"".join(os.pread(self.fd(name), n, foff) for name, foff, n in manifest.segments(entry))
-
     def finish(self, manifest: Manifest) -> None:
         for f in manifest.files:  # empty files, and files whose bytes no shard carried
             os.ftruncate(self.fd(f.name), f.size)

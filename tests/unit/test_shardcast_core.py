@@ -50,6 +50,9 @@ def test_manifest_checks_its_layout():
         Manifest(version=1, files=files, shards=[ShardEntry(index=0, offset=0, size=8, sha256="not-hex")])
     with pytest.raises(ValidationError, match="extra"):
         Manifest.model_validate({"version": 1, "surprise": True})
+    assert ok.shard(1).size == 2 and ok.holding({1}).shard(0) is None and ok.shard(5) is None
+    with pytest.raises(ValidationError, match="index order"):  # lookups bisect, so the order is part of the format
+        Manifest(version=1, files=files, shards=ok.shards[::-1], shard_size=8)
     with pytest.raises(ValidationError, match="mid-block"):  # a chaining value exists only on block boundaries
         Manifest(version=1, files=files, shards=[ShardEntry(index=0, offset=0, size=8, sha256=H, chain=H)],
                  shard_size=8)
