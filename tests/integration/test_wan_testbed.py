@@ -34,6 +34,25 @@ def _pairs(n: int) -> list[tuple[int, int]]:
     return [(i, j) for i in range(n) for j in range(n) if i != j]
 
 
+def _assert_goodput(tb, pairs, mbit, nbytes, rel=0.2, tries=3):
+    """Concurrent transfers over ``pairs`` reach ``mbit`` (a link's tbf rate, or None: at least
+    500) within ``rel``.
+
+    A shaped link caps the rate, and a busy machine can only slow a transfer down (the probes
+    are Python processes on 2 shared cores: CI once measured 20.6 on a 30 Mbit/s uplink). So a
+    measurement above the cap fails at once, and one below is retried: the best of ``tries``.
+    """
+    best = [0.0] * len(pairs)
+    for _ in range(tries):
+        got = tb.throughput_mbit(pairs, nbytes=nbytes)
+        best = [max(b, g) for b, g in zip(best, got)]
+        for g, m in zip(got, mbit):
+            assert m is None or g <= m * GOODPUT * (1 + rel), (got, mbit)  # shaping must hold
+        if all(b > 500 if m is None else b >= m * GOODPUT * (1 - rel) for b, m in zip(best, mbit)):
+            return
+    raise AssertionError(f"goodput {best} Mbit/s over {pairs}, expected {mbit} x {GOODPUT} within {rel}")
+
+
 @pytest.mark.slow  # ~4 s of shaped transfers
 def test_mesh_reaches_every_pair_shapes_each_link_and_tears_down(wan_testbed):
     links_before = _root_links()
@@ -46,15 +65,12 @@ def test_mesh_reaches_every_pair_shapes_each_link_and_tears_down(wan_testbed):
     assert max(rtts) < 50, rtts
 
     # the slow link is slow while the others, loaded at the same time, are fast
-    slow, fast, fast2 = tb.throughput_mbit([(0, 1), (2, 3), (1, 2)], nbytes=2 * MB)
-    assert slow == pytest.approx(20 * GOODPUT, rel=0.2)
-    assert fast == pytest.approx(100 * GOODPUT, rel=0.2)
-    assert fast2 == pytest.approx(100 * GOODPUT, rel=0.2)
+    _assert_goodput(tb, [(0, 1), (2, 3), (1, 2)], [20, 100, 100], nbytes=2 * MB)
 
     tb.set_link(0, 1, rate_mbit=50)
-    assert tb.throughput_mbit([(1, 0)], nbytes=3 * MB)[0] == pytest.approx(50 * GOODPUT, rel=0.2)
+    _assert_goodput(tb, [(1, 0)], [50], nbytes=3 * MB)
     tb.set_link(0, 1)  # unshaped: veth speed
-    assert tb.throughput_mbit([(0, 1)], nbytes=20 * MB)[0] > 500
+    _assert_goodput(tb, [(0, 1)], [None], nbytes=20 * MB)
 
     tb.close()
     assert not {ns for ns in _netns() if ns.startswith(tb.id + "-")}
@@ -65,12 +81,10 @@ def test_mesh_reaches_every_pair_shapes_each_link_and_tears_down(wan_testbed):
 def test_star_shapes_uplink_and_downlink_per_host(wan_testbed):
     tb = wan_testbed(3, topology="star", rate_mbit=[30, 100, 100], downlink_mbit=[100, 100, 10])
     assert max(tb.rtt_ms(_pairs(3), n=3)) < 50
-    up0, down2 = tb.throughput_mbit([(0, 1), (1, 2)], nbytes=2 * MB)
-    assert up0 == pytest.approx(30 * GOODPUT, rel=0.2)  # host 0's uplink
-    assert down2 == pytest.approx(10 * GOODPUT, rel=0.2)  # host 2's downlink
+    _assert_goodput(tb, [(0, 1), (1, 2)], [30, 10], nbytes=2 * MB)  # host 0's uplink, host 2's downlink
     tb.set_uplink(0, rate_mbit=60)
     tb.set_downlink(2, rate_mbit=None)
-    assert tb.throughput_mbit([(0, 2)], nbytes=3 * MB)[0] == pytest.approx(60 * GOODPUT, rel=0.2)
+    _assert_goodput(tb, [(0, 2)], [60], nbytes=3 * MB)
 
 
 @pytest.mark.slow  # ~3 s; skipped on kernels without sch_netem
@@ -82,7 +96,7 @@ def test_delay_sets_round_trip_time(wan_testbed):
     assert tb.rtt_ms([(1, 0)], n=5)[0] == pytest.approx(55, abs=5)
     assert rtt12 == pytest.approx(30, abs=5)
     # rate still holds under delay (netem at the root, tbf below it)
-    assert tb.throughput_mbit([(1, 2)], nbytes=3 * MB)[0] == pytest.approx(20 * GOODPUT, rel=0.25)
+    _assert_goodput(tb, [(1, 2)], [20], nbytes=3 * MB, rel=0.25)
 
 
 def test_cleanup_removes_only_namespaces_of_dead_creators(wan_caps):
