@@ -30,6 +30,8 @@ from intellect.shardcast.store import VersionStore, publish_folder
 # Each role imports only what it runs: ``publish`` is on the critical path of every broadcast (the
 # trainer starts it per checkpoint), and the HTTP client stack alone took ~0.1 s of CPU to import here.
 MIB = 1 << 20
+_COPY_HELP = ("Copy the files into the origin's folder. By default they are hard-linked where the file system "
+              "allows (no second copy on disk), and must then not be rewritten in place afterwards.")
 
 
 def _serve(args, store: VersionStore, relay=None) -> int:
@@ -83,12 +85,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
     o.add_argument("--publish", help="A checkpoint folder (or one file) to publish before serving.")
     o.add_argument("--version", type=int, help="Version number of --publish.")
     o.add_argument("--shard-mib", type=float, default=16, help="Shard size in MiB (default 16).")
+    o.add_argument("--copy", action="store_true", help=_COPY_HELP)
     pub = sub.add_parser("publish", help="write a checkpoint into an origin's folder as a new version")
     pub.add_argument("--data-dir", required=True, help="The origin's folder.")
     pub.add_argument("--version", type=int, required=True)
     pub.add_argument("--src", required=True, help="A checkpoint folder or one file.")
     pub.add_argument("--shard-mib", type=float, default=16, help="Shard size in MiB (default 16).")
     pub.add_argument("--keep", type=int, default=5, help="Newest versions kept (default 5).")
+    pub.add_argument("--copy", action="store_true", help=_COPY_HELP)
     r = sub.add_parser("relay", help="mirror upstream versions and serve them")
     _server_args(r)
     r.add_argument("--upstream", action="append", required=True, help="Origin or relay base URL (repeatable).")
@@ -113,10 +117,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
         if args.publish:
             if args.version is None:
                 ap.error("--publish needs --version")
-            publish_folder(store, args.version, args.publish, int(args.shard_mib * MIB), args.keep)
+            publish_folder(store, args.version, args.publish, int(args.shard_mib * MIB), args.keep, link=not args.copy)
         return _serve(args, store)
     if args.role == "publish":
-        m = publish_folder(VersionStore(args.data_dir), args.version, args.src, int(args.shard_mib * MIB), args.keep)
+        m = publish_folder(VersionStore(args.data_dir), args.version, args.src, int(args.shard_mib * MIB), args.keep,
+                           link=not args.copy)
         print(json.dumps({"version": m.version, "bytes": m.total_size, "shards": len(m.shards), "sha256": m.sha256}))
         return 0
     if args.role == "relay":

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
-from intellect.shardcast.client import ShardError, http_client, download_shard, get_json, list_versions
+from intellect.shardcast.client import (ShardConnections, ShardError, download_shard, get_json, http_client,
+                                       list_versions)
 from intellect.shardcast.config import ClientConfig, RelayConfig
 from intellect.shardcast.manifest import Manifest, ShardEntry, chain_before, compatible
 from intellect.shardcast.store import VersionStore, write_at
@@ -41,7 +42,8 @@ class Relay:
         self.scores = {u: RelayScore() for u in self.upstreams}
         self.rng = random.Random(seed)
         self._timeout = httpx.Timeout(cfg.read_timeout, connect=cfg.connect_timeout)
-        self._http = http_client(cfg.parallel, len(self.upstreams))
+        self._http = http_client(len(self.upstreams))
+        self._conns = ShardConnections(cfg.connect_timeout, cfg.read_timeout, cfg.parallel)
         self._pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="relay-get")
         self._lock = threading.Lock()
         self._upstream: dict[int, Manifest] = {}  # newest upstream view of each version being mirrored
@@ -67,6 +69,7 @@ class Relay:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
+        self._conns.close()
 
     def sync_once(self) -> bool:
         """One pass over the upstreams; True when it waited on a version being written and got new
@@ -152,8 +155,8 @@ class Relay:
                 upstream = pick(self.scores, upstreams, self.rng)
             fd = os.open(tmp, os.O_WRONLY)
             try:
-                download_shard(self._http, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
-                               self._timeout, float("inf"), start)
+                download_shard(self._conns, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
+                               float("inf"), start)
             finally:
                 os.close(fd)
             with self._lock:

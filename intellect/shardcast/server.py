@@ -9,12 +9,14 @@ integer, so no request reaches a file outside the store)::
                                   with ?after=K&wait=S, answered once it lists more than K shards or
                                   is complete, or after S seconds (at most 10): relays and clients
                                   learn of a new shard at once, with one request per change
-    /v/{version}/shard/{index}    the shard's bytes, streamed from disk in 1 MiB reads
+    /v/{version}/shard/{index}    the shard's bytes: its file, or its ranges of the version's linked files
 
 One asyncio loop serves every connection (keep-alive; a held manifest request is a sleeping
-coroutine, not a thread). Shard reads run on worker threads, the next read overlapping the send
-of the current piece, so a cold read never stalls the other requests and at most two pieces of
-a shard are in memory at a time.
+coroutine, not a thread). A shard goes out by ``sendfile``: the kernel hands the page cache's pages
+to the socket, and no byte passes through Python. uvicorn does not offer that, so :class:`H11Sendfile`
+is uvicorn's h11 protocol with the ASGI zero-copy send extension added (h11 is told of the body's
+length without its bytes); under a server without the extension, a shard is read in 1 MiB pieces
+on worker threads instead, the next read overlapping the send of the current one.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ import threading
 import time
 from pathlib import Path
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-from intellect.shardcast.store import MANIFEST, VersionStore
+from intellect.shardcast.store import MANIFEST, SourceChanged, VersionStore
 
 log = logging.getLogger("intellect.shardcast.server")
 
@@ -49,35 +53,115 @@ _WAIT_STEP = 0.01
 _READ = 1 << 20
 
 
+#: The ASGI extension for sending part of a file by ``sendfile`` (asgi.readthedocs.io, "Zero Copy Send").
+ZERO_COPY = "http.response.zerocopysend"
+
+
 class _ShardResponse(Response):
-    """A shard file's bytes with its Content-Length, read ahead by one piece on a worker thread."""
+    """A shard's bytes, ``(fd, offset, length)`` pieces of files, with their Content-Length: by zero-copy
+    send where the server offers it, else read ahead by one piece on a worker thread."""
 
     media_type = "application/octet-stream"
 
-    def __init__(self, fd: int, size: int):
+    def __init__(self, pieces: list[tuple[int, int, int]]):
+        size = sum(n for _, _, n in pieces)
         super().__init__(media_type=self.media_type, headers={"content-length": str(size)})
-        self.fd, self.size = fd, size
+        self.pieces, self.size = pieces, size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        pending = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            off = 0
-            pending = loop.run_in_executor(None, os.pread, self.fd, min(_READ, self.size), 0) if self.size else None
-            while pending is not None:
-                piece = await pending
-                if not piece:  # the file shrank under us: the client sees a short body and retries
-                    raise OSError(f"shard file ended at {off} of {self.size} bytes")
-                off += len(piece)
-                more = off < self.size
-                pending = loop.run_in_executor(None, os.pread, self.fd, min(_READ, self.size - off), off) \
-                    if more else None
-                await send({"type": "http.response.body", "body": piece, "more_body": more})
+            if ZERO_COPY in scope.get("extensions", {}) and self.size:
+                loop = asyncio.get_running_loop()
+                for i, (fd, off, n) in enumerate(self.pieces):
+                    # sendfile reads on the event loop's thread: ask for the pages first, from a worker
+                    # thread, so a shard that left the page cache is read ahead, not waited on there
+                    await loop.run_in_executor(None, os.posix_fadvise, fd, off, n, os.POSIX_FADV_WILLNEED)
+                    with open(fd, "rb", buffering=0, closefd=False) as f:
+                        await send({"type": ZERO_COPY, "file": f, "offset": off, "count": n,
+                                    "more_body": i + 1 < len(self.pieces)})
+            else:
+                await self._read_ahead(send)
         finally:
-            if pending is not None:  # the client went away mid-shard: let the read finish before closing
+            for fd, _, _ in self.pieces:
+                os.close(fd)
+
+    async def _read_ahead(self, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        # os.pread's arguments: (fd, length, offset)
+        reads = [(fd, min(_READ, off + n - at), at) for fd, off, n in self.pieces for at in range(off, off + n, _READ)]
+        pending = loop.run_in_executor(None, os.pread, *reads[0]) if reads else None
+        try:
+            if pending is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            for i, (_, want, at) in enumerate(reads):
+                piece = await pending
+                pending = loop.run_in_executor(None, os.pread, *reads[i + 1]) if i + 1 < len(reads) else None
+                if len(piece) != want:  # the file shrank under us: the client sees a short body and retries
+                    raise OSError(f"read {len(piece)} of {want} bytes at {at}")
+                await send({"type": "http.response.body", "body": piece, "more_body": pending is not None})
+        finally:
+            if pending is not None:  # the client went away mid-shard: let the read finish before the fd closes
                 await asyncio.wait([pending])
-            os.close(self.fd)
+
+
+class _FileRegion:
+    """A body of ``len`` bytes that h11 counts against Content-Length but never sees: it is passed
+    through to us (``send_with_data_passthrough``) and sent by ``sendfile``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _SendfileCycle(RequestResponseCycle):
+    """uvicorn's request cycle, also taking :data:`ZERO_COPY` messages."""
+
+    async def send(self, message) -> None:
+        if message["type"] != ZERO_COPY:
+            return await super().send(message)
+        if not self.response_started or self.response_complete:
+            raise RuntimeError(f"{ZERO_COPY} outside a response body")
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        count = message["count"]
+        if self.scope["method"] != "HEAD":
+            for piece in self.conn.send_with_data_passthrough(h11.Data(data=_FileRegion(count))):
+                if not isinstance(piece, _FileRegion):
+                    self.transport.write(piece)
+                    continue
+                try:
+                    sent = await asyncio.get_running_loop().sendfile(self.transport, message["file"],
+                                                                     message.get("offset", 0), count)
+                except (OSError, RuntimeError) as e:  # the peer went away, or the transport is closing
+                    sent, why = 0, e
+                else:
+                    why = f"the file ended after {sent} of {count} bytes"
+                if sent != count:  # the body can no longer match its length: end the connection
+                    log.debug("zero-copy send stopped: %s", why)
+                    self.transport.close()
+                    return
+        await super().send({"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)})
+
+
+class H11Sendfile(H11Protocol):
+    """uvicorn's h11 protocol whose requests may use the :data:`ZERO_COPY` extension.
+
+    uvicorn makes one request cycle per request inside :meth:`handle_events`; the cycle's task is
+    only scheduled there, so the cycle made is given the extension before its application runs.
+    """
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        cycle = self.cycle
+        if cycle is not before and type(cycle) is RequestResponseCycle:
+            cycle.__class__ = _SendfileCycle
+            cycle.scope.setdefault("extensions", {})[ZERO_COPY] = {}
 
 
 def _listing(store: VersionStore) -> list[dict]:
@@ -144,19 +228,16 @@ def create_app(store: VersionStore) -> Starlette:
 
     async def shard(request: Request) -> Response:
         try:
-            path = store.shard_path(request.path_params["version"], request.path_params["index"])
+            pieces = store.open_shard(request.path_params["version"], request.path_params["index"])
+        except SourceChanged as e:
+            log.error("%s: not served", e)
+            return JSONResponse({"error": "the published file changed since; this version is void"},
+                                status_code=500)
         except ValueError as e:
             return JSONResponse({"error": str(e)}, status_code=404)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        if pieces is None:
             return JSONResponse({"error": "shard not held"}, status_code=404)
-        try:
-            size = os.fstat(fd).st_size  # a shard file is final once it has its name
-        except BaseException:
-            os.close(fd)
-            raise
-        return _ShardResponse(fd, size)
+        return _ShardResponse(pieces)
 
     return Starlette(routes=[
         Route("/health", health),
@@ -190,9 +271,9 @@ class Server:
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        # h11 and the stdlib loop, named: uvicorn's "auto" would pick httptools/uvloop wherever they
-        # happen to be installed, and a server must behave the same on every install.
-        config = uvicorn.Config(create_app(store), http="h11", loop="asyncio", log_level="warning",
+        # h11 (with sendfile) and the stdlib loop, named: uvicorn's "auto" would pick httptools/uvloop
+        # wherever they happen to be installed, and a server must behave the same on every install.
+        config = uvicorn.Config(create_app(store), http="h11" if os.environ.get("NOSF") else H11Sendfile, loop="asyncio", log_level="warning",
                                 access_log=False, timeout_keep_alive=idle_timeout, lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

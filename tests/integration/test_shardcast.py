@@ -169,7 +169,7 @@ def held(url: str, version: int = 1) -> list[int]:
 def test_a_relay_does_not_pass_on_a_bad_shard_from_upstream(tmp_path):
     files = checkpoint(tmp_path / "ckpt", 4)
     origin_store = VersionStore(tmp_path / "origin")
-    publish_folder(origin_store, 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    publish_folder(origin_store, 1, tmp_path / "ckpt", shard_size=MIB, keep=5, link=False)  # shard files
     good = origin_store.shard_path(1, 2).read_bytes()
     origin_store.shard_path(1, 2).write_bytes(bytes(len(good)))  # bit rot on the origin's disk
     origin = ServerProcess("origin", tmp_path / "origin")
@@ -192,6 +192,44 @@ def test_a_relay_does_not_pass_on_a_bad_shard_from_upstream(tmp_path):
     finally:
         relay.stop()
         origin.stop()
+
+
+def test_a_folder_is_published_by_hard_links_and_a_file_changed_afterwards_is_refused(cdn, tmp_path):
+    files = checkpoint(tmp_path / "ckpt", 3)
+    store = VersionStore(cdn.origin_dir)
+    m = publish_folder(store, 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    linked = store.version_dir(1) / "files" / "model.safetensors"
+    assert os.stat(linked).st_ino == os.stat(weights).st_ino  # no copy was made
+    assert not list(store.version_dir(1).glob("shard_*")) and m.complete and len(m.shards) == 4
+    with ShardcastClient(cdn.relay_urls, fast()) as client:
+        wait_complete(client, 1)
+        client.fetch(1, tmp_path / "out1")
+    assert_same(tmp_path / "out1", files)
+
+    # the trainer rewrites the weights in place (same inode): the origin refuses them from then on
+    publish_folder(store, 2, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 100)
+    for i in range(4):  # every shard holds weights bytes (the config is the first 20 bytes of the blob)
+        r = httpx.get(f"{cdn.origin.url}/v/2/shard/{i}", timeout=5)
+        assert r.status_code == 500 and "changed" in r.json()["error"], (i, r.text)
+
+
+def test_a_folder_on_another_file_system_is_copied(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another file system than the test's folder")
+    src = Path(__import__("tempfile").mkdtemp(dir=shm))
+    try:
+        files = checkpoint(src / "ckpt", 1)
+        store = VersionStore(tmp_path / "origin")
+        m = publish_folder(store, 1, src / "ckpt", shard_size=MIB // 2, keep=5)
+        assert m.complete and not (store.version_dir(1) / "files").exists()
+        assert b"".join(store.shard_path(1, s.index).read_bytes() for s in m.shards) == \
+            files["config.json"] + files["empty.txt"] + files["model.safetensors"]
+    finally:
+        __import__("shutil").rmtree(src, ignore_errors=True)
 
 
 def test_relays_keep_serving_when_the_origin_stops(cdn, tmp_path):
@@ -252,7 +290,7 @@ def test_a_manifest_request_can_wait_for_the_next_shard(tmp_path):
 def test_shard_requests_fail_cleanly_on_bad_answers():
     """What a misbehaving server can do to one shard request: each is a ShardError (the client then
     tries elsewhere), and a keep-alive connection the server dropped while idle is reopened silently."""
-    from intellect.shardcast.client import ShardError, download_shard, http_client
+    from intellect.shardcast.client import ShardConnections, ShardError, download_shard
     from intellect.shardcast.manifest import ShardEntry
 
     body = b"0123456789"
@@ -288,29 +326,29 @@ def test_shard_requests_fail_cleanly_on_bad_answers():
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     base = "http://%s:%d" % listener.getsockname()[:2]
-    http, timeout = http_client(2, 1), httpx.Timeout(1.0)
+    conns = ShardConnections(connect_timeout=1.0, read_timeout=1.0, per_server=2)
     got = bytearray(10)
 
     def sink(pos, piece):
         got[pos: pos + len(piece)] = piece
 
     try:
-        for expected in ["HTTP 404", "11 bytes announced", "RemoteProtocolError", "None bytes announced",
-                         "sha256 mismatch", "ReadTimeout"]:
+        for expected in ["HTTP 404", "11 bytes announced", "5 of 10 bytes: the server closed",
+                         "None bytes announced", "sha256 mismatch", "TimeoutError"]:
             with pytest.raises(ShardError, match=expected):
-                download_shard(http, base, 1, entry, sink, timeout, time.monotonic() + 10)
+                download_shard(conns, base, 1, entry, sink, time.monotonic() + 10)
         timed_out.set()
-        download_shard(http, base, 1, entry, sink, timeout, time.monotonic() + 10)
+        download_shard(conns, base, 1, entry, sink, time.monotonic() + 10)
         time.sleep(1)  # the server has closed the pooled connection by now
         got[:] = bytes(10)
-        download_shard(http, base, 1, entry, sink, timeout, time.monotonic() + 10)
+        download_shard(conns, base, 1, entry, sink, time.monotonic() + 10)
         assert bytes(got) == body
     finally:
-        http.close()
+        conns.close()
         listener.close()
     t.join(5)
-    with pytest.raises(ShardError, match="ConnectError"):  # nobody listens any more
-        download_shard(http_client(1, 1), base, 1, entry, sink, timeout, time.monotonic() + 10)
+    with pytest.raises(ShardError, match="ConnectionRefusedError"):  # nobody listens any more
+        download_shard(ShardConnections(1.0, 1.0, 1), base, 1, entry, sink, time.monotonic() + 10)
 
 
 def test_path_traversal_is_refused(cdn, tmp_path):

@@ -201,6 +201,34 @@ def test_retention_keeps_the_newest_versions(tmp_path):
     assert [f.name for f in m.files] == ["model.safetensors"]
 
 
+@pytest.mark.parametrize("link", [True, False])
+def test_shards_are_served_exactly_without_the_zero_copy_extension(tmp_path, link):
+    """Under an ASGI server that does not offer sendfile (Starlette's test client), a shard goes out
+    in pieces read on worker threads: of its file, or of the linked files it spans."""
+    from starlette.testclient import TestClient
+
+    from intellect.shardcast.server import create_app
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    rnd = random.Random(0)
+    files = {"a.json": b"{}", "b.bin": rnd.randbytes(3 << 20), "c.bin": rnd.randbytes(5)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    st = VersionStore(tmp_path / "origin")
+    m = publish_folder(st, 1, src, shard_size=(1 << 20) + 3, keep=5, link=link)
+    assert (st.version_dir(1) / "files").is_dir() == link
+    blob = b"".join(files[f.name] for f in m.files)
+    with TestClient(create_app(st)) as http:
+        got = b""
+        for s in m.shards:
+            r = http.get(f"/v/1/shard/{s.index}")
+            assert r.status_code == 200 and int(r.headers["content-length"]) == s.size
+            got += r.content
+        assert got == blob and hashlib.sha256(got).hexdigest() == m.sha256
+        assert http.get(f"/v/1/shard/{len(m.shards)}").status_code == 404
+
+
 def test_store_names_only_come_from_integers(tmp_path):
     st = VersionStore(tmp_path)
     with pytest.raises(ValueError):
