@@ -4,8 +4,10 @@ One payload of ``--size-mib`` random bytes, origin -> 2 relays -> 1 client, each
 process on 127.0.0.1. Per round:
 
 * **ours, end to end**: the clock starts when the trainer begins publishing the file into the
-  origin's store (shards appear as they are cut) and stops when the client holds the verified
-  file; relays and client start pulling as soon as the first shards appear.
+  origin's store (shards appear as they are hashed; the file is hard-linked there, not copied) and
+  stops when the client holds the verified file; relays and client start pulling as soon as the
+  first shards appear. Each process's CPU time over that span is recorded too: on 2 cores, the
+  five processes' CPU total over two is a floor under end to end.
 * **ours, client only**: a second client fetches the same version once both relays hold it.
 * **plain GET**: ``curl`` fetches the same file in one request from a uvicorn/Starlette server
   (``FileResponse``; h11 and the asyncio loop, as our servers run), no hashing: a plain HTTP
@@ -56,6 +58,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) -> dict:
     procs = []
     try:
@@ -66,6 +77,9 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
         procs += relays
         cfg = ClientConfig(parallel=parallel, deadline=600)
         with ShardcastClient([r.url for r in relays], cfg) as client:
+            servers = {"origin": origin.pid, "relay0": relays[0].pid, "relay1": relays[1].pid}
+            before = {k: cpu_s(pid) for k, pid in servers.items()}
+            mine = os.times()
             t0 = time.perf_counter()
             # the trainer publishes from its own process, as in a run
             pub = subprocess.Popen([sys.executable, "-m", "intellect.shardcast", "publish", "--data-dir",
@@ -76,9 +90,14 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
             t_listed = time.perf_counter()
             client.fetch(1, work / "out1")
             end_to_end = time.perf_counter() - t0
-            if pub.wait(600) != 0:
+            cpu = {k: cpu_s(pid) - before[k] for k, pid in servers.items()}
+            now = os.times()
+            cpu["client"] = now.user + now.system - mine.user - mine.system
+            _, status, usage = os.wait4(pub.pid, 0)  # it has published all by now (it may still be exiting)
+            pub.returncode = os.waitstatus_to_exitcode(status)
+            if pub.returncode != 0:
                 raise RuntimeError("publish failed")
-            published = time.perf_counter() - t0
+            cpu["publish"] = usage.ru_utime + usage.ru_stime
         ok = sha256_file(work / "out1" / payload.name) == digest
         shutil.rmtree(work / "out1")
         os.sync()
@@ -91,8 +110,8 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
             client.fetch(1, work / "out2")
             client_only = time.perf_counter() - t1
         ok = ok and sha256_file(work / "out2" / payload.name) == digest
-        return {"end_to_end_s": end_to_end, "first_listed_s": t_listed - t0, "publish_s": published,
-                "client_only_s": client_only, "ok": ok}
+        return {"end_to_end_s": end_to_end, "first_listed_s": t_listed - t0, "client_only_s": client_only,
+                "cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "ok": ok}
     finally:
         for p in procs:
             p.stop()
@@ -200,6 +219,12 @@ def main() -> None:
             ratios["ours_e2e_over_plain_get"] = med["ours_end_to_end_s"] / med["plain_get_s"]
         for k, v in ratios.items():
             print(f"  {k:28s} {v:6.2f}x")
+        cpus = [row["ours"]["cpu_s"] for row in rounds if row.get("ours", {}).get("ok")]
+        if cpus:
+            med["ours_cpu_s"] = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
+            med["ours_cpu_s"]["all"] = statistics.median(sum(c.values()) for c in cpus)
+            print("  ours, CPU seconds per process from publish start to verified file (medians): " +
+                  ", ".join(f"{k} {v:.2f}" for k, v in med["ours_cpu_s"].items()))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"size_mib": args.size_mib, "rounds": rounds, "medians": med,
                                               "ratios": ratios}, indent=1))

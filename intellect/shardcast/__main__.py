@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
     c.add_argument("--list", action="store_true", help="Only print the versions the relays hold.")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per shard request otherwise
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per manifest request otherwise
 
     if args.role == "origin":
         store = VersionStore(args.data_dir)

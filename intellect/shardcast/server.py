@@ -267,14 +267,16 @@ def write_port_file(path: str | os.PathLike, host: str, port: int) -> None:
 class Server:
     """uvicorn serving ``store`` on ``sock``, in this thread (:meth:`run`) or a daemon thread (:meth:`start`)."""
 
-    def __init__(self, store: VersionStore, sock: socket.socket, idle_timeout: float = 30.0):
+    def __init__(self, store: VersionStore, sock: socket.socket, idle_timeout: float = 30.0, zero_copy: bool = True):
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        # h11 (with sendfile) and the stdlib loop, named: uvicorn's "auto" would pick httptools/uvloop
-        # wherever they happen to be installed, and a server must behave the same on every install.
-        config = uvicorn.Config(create_app(store), http="h11" if os.environ.get("NOSF") else H11Sendfile, loop="asyncio", log_level="warning",
-                                access_log=False, timeout_keep_alive=idle_timeout, lifespan="off")
+        # h11 (with sendfile unless told otherwise) and the stdlib loop, named: uvicorn's "auto" would
+        # pick httptools/uvloop wherever they happen to be installed, and a server must behave the same
+        # on every install.
+        config = uvicorn.Config(create_app(store), http=H11Sendfile if zero_copy else "h11", loop="asyncio",
+                                log_level="warning", access_log=False, timeout_keep_alive=idle_timeout,
+                                lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

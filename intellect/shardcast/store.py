@@ -11,9 +11,10 @@ shards come out as soon as they fill, so relays and clients start before the che
 A checkpoint folder that already exists on the origin's file system is published without a copy
 (:func:`publish_folder`): its files are hard-linked into ``v<N>/files/``, hashed once, and each
 shard is served as a range of them. A 62 GB checkpoint then takes no second 62 GB on the trainer's
-disk, and publishing writes nothing but manifests (on loopback, 1 GiB origin -> 2 relays -> 1 client:
-7.1 -> 6.0 CPU-s in all, most of it the page-cache writes of the copy, which are dear in a VM). The sizes and modification times of the linked files
-are kept in ``v<N>/linked.json``; a file changed in place after publishing is refused, not served.
+disk, and publishing writes nothing but manifests (on loopback, 1 GiB origin -> 2 relays -> 1
+client: 7.1 -> 6.0 CPU-s in all, most of it the page-cache writes of the copy, dear in a VM). The
+sizes and modification times of the linked files are kept in ``v<N>/linked.json``; a file changed
+in place after publishing is refused, not served.
 """
 
 from __future__ import annotations
