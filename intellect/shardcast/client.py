@@ -42,7 +42,7 @@ from intellect.shardcast import chain
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, ShardEntry, chain_before, compatible
-from intellect.shardcast.store import write_at
+from intellect.shardcast.store import preallocate, write_at
 from intellect.storage import STABLE
 
 log = logging.getLogger("intellect.shardcast.client")
@@ -240,10 +240,12 @@ class _Assembly:
                 self.fds[name] = os.open(self.folder / name, os.O_RDWR | os.O_CREAT, 0o644)
             return self.fds[name]
 
-    def sink(self, manifest: Manifest, entry: ShardEntry) -> Callable[[int, bytes], None]:
+    def sink(self, manifest: Manifest, entry: ShardEntry) -> Callable[[int, memoryview], None]:
         segs = [(self.fd(name), foff, n) for name, foff, n in manifest.segments(entry)]
+        for fd, foff, n in segs:
+            preallocate(fd, foff, n)
 
-        def write(pos: int, data: bytes) -> None:
+        def write(pos: int, data: memoryview) -> None:
             view, seg_start = memoryview(data), 0
             for fd, foff, n in segs:  # shard-relative [seg_start, seg_start + n) lies at foff in its file
                 lo, hi = max(pos, seg_start), min(pos + len(view), seg_start + n)

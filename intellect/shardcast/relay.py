@@ -27,7 +27,7 @@ from intellect.shardcast.client import (ShardConnections, ShardError, download_s
                                        list_versions)
 from intellect.shardcast.config import ClientConfig, RelayConfig
 from intellect.shardcast.manifest import Manifest, ShardEntry, chain_before, compatible
-from intellect.shardcast.store import VersionStore, write_at
+from intellect.shardcast.store import VersionStore, preallocate, write_at
 
 log = logging.getLogger("intellect.shardcast.relay")
 
@@ -155,6 +155,7 @@ class Relay:
                 upstream = pick(self.scores, upstreams, self.rng)
             fd = os.open(tmp, os.O_WRONLY)
             try:
+                preallocate(fd, 0, entry.size)
                 download_shard(self._conns, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
                                float("inf"), start)
             finally:

