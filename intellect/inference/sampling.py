@@ -192,7 +192,7 @@ class LowProb:
 def score_tokens(logits: torch.Tensor, claimed: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  seeds: torch.Tensor, positions: torch.Tensor, low_prob: LowProb | None = None,
                  max_elements: int = 1 << 24) -> dict[str, torch.Tensor]:
-    """Per-token results of scoring ``claimed`` [n] under ``logits`` [n, V] (rows: one scored token
+    """Per-token results of scoring ``claimed`` [n >= 1] under ``logits`` [n, V] (rows: one scored token
     each, with its temperature, top-p, request seed and generated position), all ``[n]`` on the CPU:
     ``resampled`` (what :func:`sample` picks with the seed's noise), ``logprobs``
     (:func:`chosen_logprobs`) and, with ``low_prob``, ``low`` and ``chance`` (:func:`low_prob_draws`
@@ -221,9 +221,4 @@ def score_tokens(logits: torch.Tensor, claimed: torch.Tensor, temperature: torch
                                                        low_prob.min_token_prob, low_prob.floor)
         for k, v in got.items():
             parts.setdefault(k, []).append(v.cpu())
-    if not parts:
-        dtypes = {"resampled": torch.int64, "logprobs": torch.float32}
-        if low_prob is not None:
-            dtypes |= {"low": torch.bool, "chance": torch.float64}
-        return {k: torch.empty(0, dtype=d) for k, d in dtypes.items()}
     return {k: torch.cat(v) for k, v in parts.items()}

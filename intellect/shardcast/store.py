@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 from intellect.shardcast.chain import whole_hasher
 from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ShardEntry
@@ -104,7 +105,8 @@ class VersionStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
-        self._parsed: dict[int, tuple[tuple[int, int, int], Manifest]] = {}
+        # file name -> version -> (the file's inode, mtime and size, its parsed content)
+        self._parsed: dict[str, dict[int, tuple[tuple[int, int, int], Any]]] = {}
 
     def version_dir(self, version: int) -> Path:
         if not 0 <= version < 10**10:
@@ -131,11 +133,10 @@ class VersionStore:
             raise
 
     def _open_linked(self, version: int, index: int) -> list[tuple[int, int, int]] | None:
-        d = self.version_dir(version)
-        try:
-            stats = json.loads((d / _LINKED_STAT).read_text())
-        except FileNotFoundError:
+        stats = self._read(version, _LINKED_STAT, json.loads)  # read once per version, not per request
+        if stats is None:
             return None
+        d = self.version_dir(version)
         m = self.manifest(version)
         entry = m.shard(index) if m is not None else None
         if entry is None:  # not listed yet: not hashed yet
@@ -165,22 +166,27 @@ class VersionStore:
         return sorted(out)
 
     def manifest(self, version: int) -> Manifest | None:
-        # Servers answer every poll (relays and clients poll every 50 ms) from here: a manifest is
-        # parsed again only when its file was replaced (every write is a new inode).
-        path = self.version_dir(version) / MANIFEST
+        # Servers answer every poll (relays and clients poll every 50 ms) from here
+        return self._read(version, MANIFEST, Manifest.model_validate_json)
+
+    def _read(self, version: int, name: str, parse: Callable[[bytes], Any]) -> Any:
+        """``parse`` of the version's file ``name`` (None when there is none), parsed again only when the
+        file was replaced (every write is a new inode) or changed."""
+        path = self.version_dir(version) / name
+        cache = self._parsed.setdefault(name, {})
         try:
             st = path.stat()
             key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            hit = self._parsed.get(version)
+            hit = cache.get(version)
             if hit is not None and hit[0] == key:
                 return hit[1]
             raw = path.read_bytes()
         except FileNotFoundError:
-            self._parsed.pop(version, None)
+            cache.pop(version, None)
             return None
-        m = Manifest.model_validate_json(raw)
-        self._parsed[version] = (key, m)
-        return m
+        value = parse(raw)
+        cache[version] = (key, value)
+        return value
 
     def write_manifest(self, manifest: Manifest) -> None:
         d = self.version_dir(manifest.version)
@@ -212,7 +218,8 @@ class VersionStore:
         """Delete one version, its manifest first so it stops being served before its shards go."""
         d = self.version_dir(version)
         (d / MANIFEST).unlink(missing_ok=True)
-        self._parsed.pop(version, None)
+        for cache in self._parsed.values():
+            cache.pop(version, None)
         shutil.rmtree(d, ignore_errors=True)
 
     def clean_temp(self) -> None:
