@@ -3,11 +3,12 @@
 One payload of ``--size-mib`` random bytes, origin -> 2 relays -> 1 client, each server its own
 process on 127.0.0.1. Per round:
 
-* **ours, end to end**: the clock starts when the trainer begins publishing the file into the
-  origin's store (shards appear as they are hashed; the file is hard-linked there, not copied) and
-  stops when the client holds the verified file; relays and client start pulling as soon as the
-  first shards appear. Each process's CPU time over that span is recorded too: on 2 cores, the
-  five processes' CPU total over two is a floor under end to end.
+* **ours, end to end**: the clock starts when the trainer (a running process with the package
+  loaded, as the RL step's trainer is and as the peer's origin is when asked to broadcast) begins
+  publishing the file into the origin's store (shards appear as they are hashed; the file is
+  hard-linked there, not copied) and stops when the client holds the verified file; relays and
+  client start pulling as soon as the first shards appear. Each process's CPU time over that span
+  is recorded too: on 2 cores, the five processes' CPU total over two is a floor under end to end.
 * **ours, client only**: a second client fetches the same version once both relays hold it.
 * **plain GET**: ``curl`` fetches the same file in one request from a uvicorn/Starlette server
   (``FileResponse``; h11 and the asyncio loop, as our servers run), no hashing: a plain HTTP
@@ -67,37 +68,52 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+# The trainer: a running process that publishes each checkpoint in-process (``publish_folder``, as the
+# RL step does), asked here over stdin, as the peer's origin process is asked to broadcast.
+_TRAINER = """
+import json, sys
+from intellect.shardcast.store import VersionStore, publish_folder
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    publish_folder(VersionStore(job["data_dir"]), job["version"], job["src"], job["shard_bytes"], keep=5)
+    print("published", flush=True)
+"""
+
+
 def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) -> dict:
-    procs = []
+    procs, trainer = [], None
     try:
         origin = ServerProcess("origin", work / "origin")
         procs.append(origin)
         relays = [ServerProcess("relay", work / f"relay{i}", extra=["--upstream", origin.url, "--parallel", str(parallel)])
                   for i in range(2)]
         procs += relays
+        trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], cwd=ROOT, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        if trainer.stdout.readline().strip() != "ready":
+            raise RuntimeError("the trainer process did not start")
         cfg = ClientConfig(parallel=parallel, deadline=600)
         with ShardcastClient([r.url for r in relays], cfg) as client:
             servers = {"origin": origin.pid, "relay0": relays[0].pid, "relay1": relays[1].pid}
             before = {k: cpu_s(pid) for k, pid in servers.items()}
+            before["publish"] = cpu_s(trainer.pid)
             mine = os.times()
             t0 = time.perf_counter()
-            # the trainer publishes from its own process, as in a run
-            pub = subprocess.Popen([sys.executable, "-m", "intellect.shardcast", "publish", "--data-dir",
-                                    str(work / "origin"), "--version", "1", "--src", str(payload),
-                                    "--shard-mib", str(shard_mib)], cwd=ROOT, stdout=subprocess.DEVNULL)
+            trainer.stdin.write(json.dumps({"data_dir": str(work / "origin"), "version": 1, "src": str(payload),
+                                            "shard_bytes": shard_mib * MIB}) + "\n")
+            trainer.stdin.flush()
             while 1 not in client.versions():
                 time.sleep(0.02)  # each look is two requests: faster looks take CPU from the publisher
             t_listed = time.perf_counter()
             client.fetch(1, work / "out1")
             end_to_end = time.perf_counter() - t0
-            cpu = {k: cpu_s(pid) - before[k] for k, pid in servers.items()}
             now = os.times()
-            cpu["client"] = now.user + now.system - mine.user - mine.system
-            _, status, usage = os.wait4(pub.pid, 0)  # it has published all by now (it may still be exiting)
-            pub.returncode = os.waitstatus_to_exitcode(status)
-            if pub.returncode != 0:
+            if trainer.stdout.readline().strip() != "published":  # it has published all by now
                 raise RuntimeError("publish failed")
-            cpu["publish"] = usage.ru_utime + usage.ru_stime
+            servers["publish"] = trainer.pid
+            cpu = {k: cpu_s(pid) - before[k] for k, pid in servers.items()}
+            cpu["client"] = now.user + now.system - mine.user - mine.system
         ok = sha256_file(work / "out1" / payload.name) == digest
         shutil.rmtree(work / "out1")
         os.sync()
@@ -113,6 +129,9 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
         return {"end_to_end_s": end_to_end, "first_listed_s": t_listed - t0, "client_only_s": client_only,
                 "cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "ok": ok}
     finally:
+        if trainer is not None:
+            trainer.kill()
+            trainer.wait(10)
         for p in procs:
             p.stop()
 

@@ -21,6 +21,7 @@ bounded by one deadline.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import http.client
 import logging
 import os
@@ -41,7 +42,7 @@ import httpx
 from intellect.shardcast import chain
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientConfig
-from intellect.shardcast.manifest import Manifest, ShardEntry, chain_before, compatible
+from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
 from intellect.shardcast.store import preallocate, write_at
 from intellect.storage import STABLE
 
@@ -342,16 +343,19 @@ class ShardcastClient:
         errors: dict[str, str] = {}
         asm = _Assembly(folder)
         pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="shardcast-get")
-        inflight: dict[Future, tuple[int, str, float]] = {}
+        inflight: dict[Future, tuple[ShardEntry, str, float]] = {}
+        busy: set[int] = set()
         done: set[int] = set()
         tries: dict[int, list[str]] = {}
         by_relay: dict[str, int] = {}
-        ref: Manifest | None = None  # the most complete view of the version
-        advertised: dict[int, list[str]] = {}
-        latest: dict[str, Manifest] = {}  # each answering relay's newest manifest
-        told_total = dirty = False
+        view = ManifestView(version)  # every relay's listing, each answer costing only its news
+        ref: Manifest | None = None  # the view when last looked at: what downloads are started from
+        pending: list[int] = []  # a heap of listed shards not yet started: lowest index first
+        heard: list[ShardEntry] = []  # listed since ref was last made
+        told_total = False
         unheard, first_heard = set(self.relays), 0.0
-        watch = {_in_thread(self._watch, relay, version, None, 0.0, deadline): relay for relay in self.relays}
+        watch = {_in_thread(self._watch, relay, version, view.query(relay), 0.0, 0.0, deadline): relay
+                 for relay in self.relays}
         hasher = _OrderedHasher(asm)
         try:
             while True:
@@ -360,20 +364,25 @@ class ShardcastClient:
                     raise ShardcastError(self._why(f"version {version} not fetched within {cfg.deadline:.0f} s",
                                                    errors, done, ref))
                 if ref is not None:
-                    busy = {i for i, _, _ in inflight.values()}
-                    for s in ref.shards:
-                        if len(inflight) >= cfg.parallel:
-                            break
-                        if s.index in done or s.index in busy or s.index not in advertised:
+                    unheld = []
+                    while pending and len(inflight) < cfg.parallel:
+                        index = heapq.heappop(pending)
+                        s, relays = view.shard(index), view.holders.get(index)
+                        if index in done or index in busy or s is None or ref.shard(index) != s:
+                            continue  # done, started, or no longer listed as it was
+                        if not relays:  # its relays went quiet: wait for one to list it again
+                            unheld.append(index)
                             continue
-                        relays = advertised[s.index]
-                        fresh = [r for r in relays if r not in tries.get(s.index, [])] or relays
+                        fresh = [r for r in relays if r not in tries.get(index, [])] or relays
                         with self._lock:
                             relay = pick(self.scores, fresh, self.rng)
-                        tries.setdefault(s.index, []).append(relay)
+                        tries.setdefault(index, []).append(relay)
                         fut = pool.submit(download_shard, self._conns, relay, version, s, asm.sink(ref, s),
                                           deadline, chain_before(ref, s))
-                        inflight[fut] = (s.index, relay, time.monotonic())
+                        inflight[fut] = (s, relay, time.monotonic())
+                        busy.add(index)
+                    for index in unheld:
+                        heapq.heappush(pending, index)
                     if ref.complete and len(done) == len(ref.shards):
                         if progress is not None and not told_total:  # the total became known after the last shard
                             progress(len(done), len(ref.shards))
@@ -386,33 +395,36 @@ class ShardcastClient:
                     if fut in watch:
                         unheard.discard(watch[fut])
                         first_heard = first_heard or time.monotonic()
-                        self._watched(fut, watch, latest, errors, version, deadline)
-                        dirty = True
+                        heard += self._watched(fut, watch, view, errors, version, deadline)
                         continue
-                    index, relay, started = inflight.pop(fut)
-                    entry = ref.shard(index)
+                    entry, relay, started = inflight.pop(fut)
+                    busy.discard(entry.index)
                     err = fut.exception()
                     with self._lock:
                         observe(self.scores, relay, ok=err is None, nbytes=entry.size,
                                 seconds=time.monotonic() - started, alpha=cfg.alpha, heal=cfg.heal)
                     if err is None:
-                        done.add(index)
+                        done.add(entry.index)
                         by_relay[relay] = by_relay.get(relay, 0) + 1
-                        hasher.add(index, fut.result() and not cfg.reread)
+                        hasher.add(entry.index, fut.result() and not cfg.reread)
                         if progress is not None:
                             told_total = ref.complete
                             progress(len(done), len(ref.shards) if ref.complete else None)
                         continue
-                    errors[relay] = f"shard {index}: {err}"
-                    log.warning("shard %d of v%d from %s failed: %s", index, version, relay, err)
-                    if len(tries[index]) >= cfg.attempts:
-                        raise ShardcastError(self._why(f"shard {index} of version {version} failed "
-                                                       f"{len(tries[index])} tries", errors, done, ref))
+                    errors[relay] = f"shard {entry.index}: {err}"
+                    log.warning("shard %d of v%d from %s failed: %s", entry.index, version, relay, err)
+                    if len(tries[entry.index]) >= cfg.attempts:
+                        raise ShardcastError(self._why(f"shard {entry.index} of version {version} failed "
+                                                       f"{len(tries[entry.index])} tries", errors, done, ref))
+                    heapq.heappush(pending, entry.index)
                 # the first look waits (briefly) for every relay, so the first wave of shards is
                 # spread over all of them, not sent to whichever answered first
-                if dirty and (not unheard or time.monotonic() - first_heard >= cfg.poll_interval):
-                    dirty = False
-                    ref, advertised = self._merge(latest, ref, errors)
+                if (heard or (view.header is not None and (ref is None or view.header.complete != ref.complete))) \
+                        and (not unheard or time.monotonic() - first_heard >= cfg.poll_interval):
+                    ref = view.manifest()
+                    for e in heard:
+                        heapq.heappush(pending, e.index)
+                    heard = []
                     if ref is not None:
                         hasher.manifest = ref
             digest = hasher.result(deadline)
@@ -429,68 +441,41 @@ class ShardcastClient:
             pool.shutdown(wait=True, cancel_futures=True)
             asm.close()
 
-    def _watch(self, relay: str, version: int, known: Manifest | None, delay: float, deadline: float) -> Manifest:
-        """``relay``'s manifest of ``version``, after ``delay`` s; when ``known`` is an incomplete one, the
-        relay answers once its manifest lists more shards (a long poll, at most _LONG_POLL s)."""
+    def _watch(self, relay: str, version: int, query: str, hold: float, delay: float,
+               deadline: float) -> ManifestDelta:
+        """``relay``'s answer to ``query`` about ``version`` after ``delay`` s, held up to ``hold`` s until
+        it has news (a long poll)."""
         if delay > 0:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        url = f"{relay}/v/{version}/manifest"
-        if known is not None and not known.complete:
-            hold = max(0.0, min(_LONG_POLL, self.cfg.read_timeout / 2, deadline - time.monotonic()))
-            url += f"?after={len(known.shards)}&wait={hold:.3f}"
-        m = Manifest.model_validate(get_json(self._http, url, self._timeout))
-        if m.version != version:
-            raise ValueError(f"manifest of version {m.version} served for {version}")
-        return m
+        hold = max(0.0, min(hold, deadline - time.monotonic()))
+        return ManifestDelta.model_validate(
+            get_json(self._http, f"{relay}/v/{version}/manifest?{query}&wait={hold:.3f}", self._timeout))
 
-    def _watched(self, fut: Future, watch: dict[Future, str], latest: dict[str, Manifest], errors: dict[str, str],
-                 version: int, deadline: float) -> None:
-        """Take one answer of a relay's watcher and start its next look (none once its copy is complete)."""
+    def _watched(self, fut: Future, watch: dict[Future, str], view: ManifestView, errors: dict[str, str],
+                 version: int, deadline: float) -> list[ShardEntry]:
+        """Take one answer of a relay's watcher into ``view`` (returns the shards new to it) and start
+        its next look (none once it listed the whole version)."""
         relay = watch.pop(fut)
-        err, prev = fut.exception(), latest.get(relay)
+        err, new = fut.exception(), []
+        # an answer with nothing new (the long poll expired, or a server that does not hold
+        # requests) is followed by a pause, so no relay is asked in a tight loop
+        delay = self.cfg.poll_interval
         if err is None:
-            m = latest[relay] = fut.result()
-            # an answer with nothing new (the long poll expired, or a server that does not hold
-            # requests) is followed by a pause, so no relay is asked in a tight loop
-            delay = self.cfg.poll_interval if prev is not None and len(m.shards) == len(prev.shards) else 0.0
+            try:
+                new = view.apply(relay, fut.result())
+                if fut.result().shards or fut.result().complete:
+                    delay = 0.0
+            except ValueError as e:
+                errors[relay] = f"manifest disagrees with the other relays ({str(e)[:200]})"
         else:
             if not isinstance(err, (httpx.HTTPError, ValueError)):
                 raise err
             errors[relay] = f"manifest: {str(err).splitlines()[0][:200]}"
-            latest.pop(relay, None)  # not used until it answers again
-            delay = self.cfg.poll_interval
-        if relay not in latest or not latest[relay].complete:
-            watch[_in_thread(self._watch, relay, version, latest.get(relay), delay, deadline)] = relay
-
-    @staticmethod
-    def _merge(manifests: dict[str, Manifest], ref: Manifest | None,
-               errors: dict[str, str]) -> tuple[Manifest | None, dict[int, list[str]]]:
-        """One view of the version from every relay's manifest (each lists only the shards that relay
-        holds): the longest file list, the union of the shards, complete once any relay's copy is; and
-        which relays advertise each shard. A relay that disagrees with the view is not used."""
-        agreeing: dict[str, Manifest] = {}
-        for relay, m in sorted(manifests.items(), key=lambda kv: (not kv[1].complete, -len(kv[1].files))):
-            if ref is None or compatible(m, ref):
-                agreeing[relay] = m
-                if ref is None:
-                    ref = m
-            else:
-                errors[relay] = "manifest disagrees with the other relays"
-        if ref is None:
-            return None, {}
-        shards = {s.index: s for s in ref.shards}
-        best = ref
-        for m in agreeing.values():
-            shards.update((s.index, s) for s in m.shards)
-            if (m.complete, len(m.files), m.files[-1].size is not None if m.files else False) > \
-                    (best.complete, len(best.files), best.files[-1].size is not None if best.files else False):
-                best = m
-        view = best.model_copy(update={"shards": [shards[i] for i in sorted(shards)]})
-        advertised: dict[int, list[str]] = {}
-        for relay, m in agreeing.items():
-            for s in m.shards:
-                advertised.setdefault(s.index, []).append(relay)
-        return view, advertised
+            view.drop(relay)  # not used until it answers again
+        if not view.complete_at(relay):
+            hold = min(_LONG_POLL, self.cfg.read_timeout / 2) if relay in view.servers() else 0.0
+            watch[_in_thread(self._watch, relay, version, view.query(relay), hold, delay, deadline)] = relay
+        return new
 
     @staticmethod
     def _why(head: str, errors: dict[str, str], done: set[int], ref: Manifest | None) -> str:

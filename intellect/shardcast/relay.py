@@ -5,9 +5,10 @@ Every ``poll_interval`` the relay lists its upstreams' versions, and for each of
 checked against the upstream manifest's SHA-256, or its chaining value, before it is renamed into
 place). While a version is being written upstream, the pause is a long poll instead: the upstream
 answers the manifest request as soon as it lists another shard, so a shard is seen at once and an
-idle wait costs no requests. Its own manifest is rewritten after each shard and lists only what
-it holds, so it starts serving a version's first shards while the origin is still writing the last
-ones, and never advertises a byte it cannot send. A bad shard is discarded and fetched again on a
+idle wait costs no requests; each answer carries only the shards new to the relay
+(:class:`~intellect.shardcast.manifest.ManifestDelta`). Each shard it fetched is appended to its own
+listing, which lists only what it holds, so it starts serving a version's first shards while the
+origin is still writing the last ones, and never advertises a byte it cannot send. A bad shard is discarded and fetched again on a
 later pass (one bad hop does not spread). When every upstream is down, it keeps serving what it has.
 """
 
@@ -26,7 +27,7 @@ from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.client import (ShardConnections, ShardError, download_shard, get_json, http_client,
                                        list_versions)
 from intellect.shardcast.config import ClientConfig, RelayConfig
-from intellect.shardcast.manifest import Manifest, ShardEntry, chain_before, compatible
+from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
 from intellect.shardcast.store import VersionStore, preallocate, write_at
 
 log = logging.getLogger("intellect.shardcast.relay")
@@ -46,13 +47,14 @@ class Relay:
         self._conns = ShardConnections(cfg.connect_timeout, cfg.read_timeout, cfg.parallel)
         self._pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="relay-get")
         self._lock = threading.Lock()
-        self._upstream: dict[int, Manifest] = {}  # newest upstream view of each version being mirrored
-        self._held: dict[int, set[int]] = {}
+        self._views: dict[int, ManifestView] = {}  # the upstreams' listings of each version being mirrored
+        self._mine: dict[int, dict[int, ShardEntry]] = {}  # what this relay lists, by version
+        self._missing: dict[int, set[int]] = {}  # listed upstream, not held here, not being fetched
         self._inflight: set[tuple[int, int]] = set()
         store.clean_temp()
         for v in store.versions():
             m = store.manifest(v)
-            self._held[v] = {s.index for s in m.shards if store.shard_path(v, s.index).is_file()}
+            self._mine[v] = {s.index: s for s in m.shards if store.shard_path(v, s.index).is_file()}
 
     # ------------------------------------------------------------------ loop
 
@@ -77,35 +79,40 @@ class Relay:
         listing = self._upstream_versions()
         news = held_on = False
         for v in sorted(listing)[-self.cfg.keep:]:
-            local = self.store.manifest(v)
+            local, _ = self.store.state(v)
             if local is not None and local.complete:
                 continue
-            known = self._upstream.get(v)
+            view = self._views.get(v) or ManifestView(v)
             hold = 0.0
-            if not held_on and known is not None and not known.complete:
+            if not held_on and view.header is not None and not view.header.complete:
                 # one long poll per pass: the upstream answers when it has another shard
                 hold, held_on = min(_LONG_POLL, self.cfg.read_timeout / 2), True
-            up = self._upstream_manifest(v, listing[v], known if hold else None, hold)
-            if up is None:
+            new = self._follow(view, listing[v], hold)
+            if view.header is None:
                 continue
-            if hold and len(up.shards) > len(known.shards):
-                news = True
+            news = news or bool(hold and new)
             with self._lock:
-                if local is not None and not compatible(local, up):
+                self._views[v] = view
+                mine = self._mine.setdefault(v, {})
+                if any(e.index in mine and mine[e.index] != e for e in new) or \
+                        (mine and local is not None and local.shard_size != view.header.shard_size):
                     log.warning("version %d changed upstream; dropping the local copy", v)
                     self.store.drop(v)
-                    self._held[v] = set()
-                self._upstream[v] = up
-                held = self._held.setdefault(v, set())
-                self._publish(v)
-                todo = [s for s in up.shards if s.index not in held and (v, s.index) not in self._inflight]
-                self._inflight.update((v, s.index) for s in todo)
-            for s in todo:
-                self._pool.submit(self._fetch, v, s, listing[v], chain_before(up, s))
+                    mine.clear()
+                    new = list(view.entries.values())
+                missing = self._missing.setdefault(v, set())
+                missing.update(e.index for e in new if e.index not in mine)
+                self._publish(v, [])
+                todo = sorted(i for i in missing if (v, i) not in self._inflight)
+                missing.difference_update(todo)
+                self._inflight.update((v, i) for i in todo)
+            for i in todo:
+                e = view.entries[i]
+                self._pool.submit(self._fetch, v, e, view.holders.get(i) or listing[v], chain_before(view, e))
         with self._lock:
             for v in self.store.retain(self.cfg.keep):
-                self._held.pop(v, None)
-                self._upstream.pop(v, None)
+                for d in (self._views, self._mine, self._missing):
+                    d.pop(v, None)
         return news
 
     # ------------------------------------------------------------------ parts
@@ -120,35 +127,39 @@ class Relay:
                 log.debug("upstream %s: %s", u, e)
         return out
 
-    def _upstream_manifest(self, version: int, upstreams: list[str], known: Manifest | None = None,
-                           hold: float = 0.0) -> Manifest | None:
-        """The fullest of the upstreams' manifests; with ``known``, the first upstream is asked to hold
-        the answer up to ``hold`` s until it lists more shards than ``known``."""
-        best = None
+    def _follow(self, view: ManifestView, upstreams: list[str], hold: float) -> list[ShardEntry]:
+        """Ask each upstream listing the version for what ``view`` has not heard from it; the first
+        may hold the answer up to ``hold`` s until it has news. Returns the shards new to the view."""
+        new: list[ShardEntry] = []
         for i, u in enumerate(upstreams):
-            url = f"{u}/v/{version}/manifest"
-            if i == 0 and known is not None:
-                url += f"?after={len(known.shards)}&wait={hold:.3f}"
-            try:
-                m = Manifest.model_validate(get_json(self._http, url, self._timeout))
-            except (httpx.HTTPError, ValueError) as e:
-                log.debug("upstream %s manifest v%d: %s", u, version, e)
+            if view.complete_at(u):
                 continue
-            fuller = best is None or (m.complete, len(m.shards)) > (best.complete, len(best.shards))
-            if m.version == version and fuller:
-                best = m
-        return best
+            url = f"{u}/v/{view.version}/manifest?{view.query(u)}&wait={hold if i == 0 else 0.0:.3f}"
+            try:
+                new += view.apply(u, ManifestDelta.model_validate(get_json(self._http, url, self._timeout)))
+            except (httpx.HTTPError, ValueError) as e:
+                log.debug("upstream %s manifest v%d: %s", u, view.version, e)
+        return new
 
-    def _publish(self, version: int) -> None:
-        """Rewrite this relay's manifest of ``version`` to list exactly the shards it holds (under the lock)."""
-        up = self._upstream[version]
-        mine = up.holding(self._held[version])
-        if mine != self.store.manifest(version):
-            self.store.write_manifest(mine)
+    def _publish(self, version: int, added: list[ShardEntry]) -> None:
+        """List ``added`` (now held) in this relay's manifest, after its header (under the lock). The
+        header follows the upstreams'; once every shard is here, the complete manifest replaces both."""
+        view, mine = self._views[version], self._mine[version]
+        mine.update((e.index, e) for e in added)
+        head, _ = self.store.state(version)
+        up = view.header
+        if up.complete and len(mine) == len(view.entries):
+            if head is None or not head.complete:
+                self.store.write_manifest(view.manifest())
+            return
+        if head is None or (head.files, head.shard_size) != (up.files, up.shard_size):
+            self.store.write_manifest(Manifest(version=version, files=up.files, shard_size=up.shard_size))
+        if added:
+            self.store.append_listing(version, added)
 
     def _fetch(self, version: int, entry: ShardEntry, upstreams: list[str], start: str | None) -> None:
         tmp = self.store.temp_file(version)
-        upstream = None
+        upstream, held = None, False
         t0 = time.monotonic()
         try:
             with self._lock:
@@ -163,11 +174,11 @@ class Relay:
             with self._lock:
                 observe(self.scores, upstream, ok=True, nbytes=entry.size, seconds=time.monotonic() - t0,
                         alpha=_CHOICE.alpha, heal=_CHOICE.heal)
-                if version not in self._upstream:  # retired while we fetched
-                    return
+                if self._views.get(version, None) is None or self._views[version].entries.get(entry.index) != entry:
+                    return  # retired, or changed upstream, while we fetched
                 self.store.put_shard(version, entry.index, tmp)
-                self._held[version].add(entry.index)
-                self._publish(version)
+                self._publish(version, [entry])
+                held = True
         except ShardError as e:
             log.warning("shard %d of v%d from %s: %s (will retry)", entry.index, version, upstream, e)
             with self._lock:
@@ -180,3 +191,5 @@ class Relay:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self._inflight.discard((version, entry.index))
+                if not held and version in self._missing:  # fetched again on a later pass
+                    self._missing[version].add(entry.index)

@@ -5,10 +5,13 @@ integer, so no request reaches a file outside the store)::
 
     /health                       {"ok": true}
     /versions                     {"versions": [{"version": 3, "complete": true, "shards": 4}, ...]}
-    /v/{version}/manifest         the manifest as this server holds it (only shards it can send);
-                                  with ?after=K&wait=S, answered once it lists more than K shards or
-                                  is complete, or after S seconds (at most 10): relays and clients
-                                  learn of a new shard at once, with one request per change
+    /v/{version}/manifest         the manifest as this server holds it (only shards it can send)
+    /v/{version}/manifest?since=K&listing=T&wait=S
+                                  a ManifestDelta: the header and the shards of this server's
+                                  listing T from position K on, answered once there are any (or the
+                                  version is complete, or after S seconds, at most 10): relays and
+                                  clients learn of a new shard at once, one request per change,
+                                  each answer as long as the news, not the whole list
     /v/{version}/shard/{index}    the shard's bytes: its file, or its ranges of the version's linked files
 
 One asyncio loop serves every connection (keep-alive; a held manifest request is a sleeping
@@ -39,13 +42,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-from intellect.shardcast.store import MANIFEST, SourceChanged, VersionStore
+from intellect.shardcast.store import SourceChanged, VersionStore
 
 log = logging.getLogger("intellect.shardcast.server")
 
 _WAIT_MAX = 10.0
-# How often a held manifest request looks at the file: the origin's writer is another process, so
-# a stat is how news is seen; a stat of an unchanged manifest costs microseconds (the parse is cached).
+# How often a held manifest request looks at the files: the origin's writer is another process, so
+# a stat is how news is seen; a look at an unchanged version costs microseconds (the parse is cached,
+# the listing log read on from where the last look stopped).
 _WAIT_STEP = 0.01
 # Each read is a hop to a worker thread and each send a trip through the event loop, yet bigger
 # pieces cost more: what the socket does not take at once is copied into the transport's buffer, and
@@ -168,40 +172,37 @@ def _listing(store: VersionStore) -> list[dict]:
     out = []
     for v in store.versions():
         try:
-            m = store.manifest(v)
+            m, listed = store.state(v)
         except ValueError as e:  # a manifest this server cannot read is not served as a version
             log.warning("version %d: unreadable manifest (%s)", v, str(e).splitlines()[0])
             continue
         if m is not None:  # deleted between listing and reading
-            out.append({"version": v, "complete": m.complete, "shards": len(m.shards)})
+            out.append({"version": v, "complete": m.complete, "shards": len(m.shards) + len(listed)})
     return out
 
 
-async def _await_change(store: VersionStore, version: int, after: int, wait: float) -> None:
-    """Return once ``version``'s manifest is gone, complete, lists more than ``after`` shards, or
-    ``wait`` seconds passed."""
+async def _delta(store: VersionStore, version: int, since: int, listing: str, wait: float):
+    """``version``'s :class:`ManifestDelta` from ``since``, once it has shards past ``since`` (or is
+    complete, or gone, or ``wait`` seconds passed)."""
     until = time.monotonic() + wait
     while True:
-        try:
-            m = store.manifest(version)
-        except ValueError:  # being replaced, or unreadable: the caller reads it and decides
-            return
+        d = store.delta(version, since, listing)
         left = until - time.monotonic()
-        if m is None or m.complete or len(m.shards) > after or left <= 0:
-            return
+        if d is None or d.complete or d.shards or left <= 0:
+            return d
         await asyncio.sleep(min(_WAIT_STEP, left))
 
 
-def _long_poll(query) -> tuple[int, float] | None:
-    """``(after, wait)`` of a manifest request's query; None without one; ValueError when malformed."""
+def _long_poll(query) -> tuple[int, str, float] | None:
+    """``(since, listing, wait)`` of a manifest request's query; None without one; ValueError when malformed."""
     if not query:
         return None
-    if set(query) != {"after", "wait"} or len(query.getlist("after")) != 1 or len(query.getlist("wait")) != 1:
-        raise ValueError("after and wait, once each")
-    after, wait = int(query["after"]), float(query["wait"])
-    if after < 0 or not (math.isfinite(wait) and 0 <= wait <= _WAIT_MAX):
-        raise ValueError(f"after={after}, wait={wait}")
-    return after, wait
+    if set(query) != {"since", "listing", "wait"} or any(len(query.getlist(k)) != 1 for k in query):
+        raise ValueError("since, listing and wait, once each")
+    since, listing, wait = int(query["since"]), query["listing"], float(query["wait"])
+    if since < 0 or len(listing) > 32 or not (math.isfinite(wait) and 0 <= wait <= _WAIT_MAX):
+        raise ValueError(f"since={since}, listing={listing!r}, wait={wait}")
+    return since, listing, wait
 
 
 def create_app(store: VersionStore) -> Starlette:
@@ -216,15 +217,15 @@ def create_app(store: VersionStore) -> Starlette:
         try:
             poll = _long_poll(request.query_params)
         except ValueError:
-            return JSONResponse({"error": f"query must be after=<shards>&wait=<0..{_WAIT_MAX:g} seconds>"},
-                                status_code=400)
+            return JSONResponse({"error": f"query must be since=<shards>&listing=<name>&wait=<0..{_WAIT_MAX:g} "
+                                          "seconds>"}, status_code=400)
         try:
-            if poll is not None:
-                await _await_change(store, version, *poll)
-            body = (store.version_dir(version) / MANIFEST).read_bytes()
-        except (ValueError, FileNotFoundError):
+            m = await _delta(store, version, *poll) if poll is not None else store.manifest(version)
+        except (ValueError, FileNotFoundError):  # a version out of range, or being deleted
+            m = None
+        if m is None:
             return JSONResponse({"error": "no such version"}, status_code=404)
-        return Response(body, media_type="application/json")
+        return Response(m.model_dump_json(), media_type="application/json")
 
     async def shard(request: Request) -> Response:
         try:
@@ -249,8 +250,13 @@ def create_app(store: VersionStore) -> Starlette:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: a free one), bound before uvicorn starts so the port is known."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
+    # without it every answer sent in two writes (h11: head, then body; a shard's last partial
+    # segment after sendfile) waited for the client's delayed ACK: 44 ms per small shard or manifest
+    # answer on a kept-alive connection, against 1 ms
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it (Linux)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)

@@ -32,12 +32,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from intellect.shardcast.chain import whole_hasher
-from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ShardEntry
+from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ManifestDelta, ShardEntry
 from intellect.storage import STABLE
 
 log = logging.getLogger("intellect.shardcast.store")
 
 MANIFEST = "manifest.json"
+# A version being written is its manifest's header (files, shard size; no shards) and this log of
+# its shards in listing order, one JSON line each: a new shard is one append, not a rewrite of a list
+# that grows with every shard (quadratic: ~4,000 shards for a 62 GB checkpoint). Its first line
+# names the listing. The complete manifest lists every shard itself.
+LISTING = "listing.jsonl"
 LINKED = "files"  # a version's hard-linked files (origin only)
 _LINKED_STAT = "linked.json"
 _VERSION_DIR = re.compile(r"^v(0|[1-9][0-9]{0,9})$")
@@ -99,6 +104,43 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+class _Listing:
+    """A version's listing log as read so far: read on from where the last look stopped."""
+
+    def __init__(self, inode: int):
+        self.inode, self.offset, self.name = inode, 0, ""
+        self.entries: list[ShardEntry] = []
+        self.by_index: dict[int, ShardEntry] = {}
+        self.broken = False
+
+    def take(self, raw: bytes, path: Path) -> None:
+        end = raw.rfind(b"\n") + 1  # a line being appended is read once it is whole
+        for line in raw[:end].splitlines():
+            if self.broken:
+                break
+            try:
+                if not self.name:
+                    self.name = _LISTING_NAME.match(line).group(1).decode()
+                    continue
+                e = ShardEntry.model_validate_json(line)
+            except (ValueError, AttributeError) as err:
+                log.warning("%s: unreadable line after %d shards, listing stops there (%s)", path,
+                            len(self.entries), str(err).splitlines()[0])
+                self.broken = True
+                break
+            known = self.by_index.get(e.index)
+            if known is None:
+                self.entries.append(e)
+                self.by_index[e.index] = e
+            elif known != e:
+                log.warning("%s: shard %d listed twice, differently; listing stops there", path, e.index)
+                self.broken = True
+        self.offset += end
+
+
+_LISTING_NAME = re.compile(rb'^\{"listing": ?"([0-9a-f]{1,32})"\}$')
+
+
 class VersionStore:
     """Versions under ``root``; every name is built from integers, never from a request path."""
 
@@ -107,6 +149,8 @@ class VersionStore:
         self.root.mkdir(parents=True, exist_ok=True)
         # file name -> version -> (the file's inode, mtime and size, its parsed content)
         self._parsed: dict[str, dict[int, tuple[tuple[int, int, int], Any]]] = {}
+        self._listings: dict[int, _Listing] = {}
+        self._merged: dict[int, tuple[Manifest, int, Manifest]] = {}  # version -> (header, listed, manifest)
 
     def version_dir(self, version: int) -> Path:
         if not 0 <= version < 10**10:
@@ -137,8 +181,13 @@ class VersionStore:
         if stats is None:
             return None
         d = self.version_dir(version)
-        m = self.manifest(version)
-        entry = m.shard(index) if m is not None else None
+        m, listed = self.state(version)
+        entry = None
+        if m is not None:
+            entry = m.shard(index)
+            state = self._listings.get(version)
+            if entry is None and state is not None:
+                entry = state.by_index.get(index)
         if entry is None:  # not listed yet: not hashed yet
             return None
         pieces: list[tuple[int, int, int]] = []
@@ -166,8 +215,79 @@ class VersionStore:
         return sorted(out)
 
     def manifest(self, version: int) -> Manifest | None:
-        # Servers answer every poll (relays and clients poll every 50 ms) from here
-        return self._read(version, MANIFEST, Manifest.model_validate_json)
+        """The version's manifest: its header with every shard listed so far (None: no such version)."""
+        head, listed = self.state(version)
+        if head is None or head.complete or not listed:
+            return head
+        hit = self._merged.get(version)
+        if hit is not None and hit[0] is head and hit[1] == len(listed):
+            return hit[2]
+        shards = sorted(listed, key=lambda e: e.index)  # every entry was validated as it was read
+        m = Manifest.model_construct(**{**{k: getattr(head, k) for k in Manifest.model_fields}, "shards": shards})
+        self._merged[version] = (head, len(listed), m)
+        return m
+
+    def state(self, version: int) -> tuple[Manifest | None, list[ShardEntry]]:
+        """The version's manifest as written (for a version being written: the header) and the shards it
+        lists beyond those, in listing order. Servers answer every poll from here: a look reads only
+        what was appended since the last."""
+        # the log before the header: a shard is appended after the header that lists its files, so a
+        # header read afterwards covers every shard read
+        listing = self._listing(version)
+        head = self._read(version, MANIFEST, Manifest.model_validate_json)
+        if head is None or head.complete or listing is None:
+            return head, []
+        if not head.shards:
+            return head, listing.entries
+        return head, [e for e in listing.entries if head.shard(e.index) is None]
+
+    def delta(self, version: int, since: int, listing: str) -> ManifestDelta | None:
+        """What a server answers a manifest long poll with: the header and the shards of its listing
+        from ``since`` on (from the start when ``listing`` is not the current listing's name)."""
+        head, listed = self.state(version)
+        if head is None:
+            return None
+        fields = {k: getattr(head, k) for k in ("version", "files", "shard_size", "total_size", "sha256", "complete")}
+        if head.complete:
+            return ManifestDelta.model_construct(**fields, listing="", since=0, shards=head.shards)
+        state = self._listings.get(version)
+        name = state.name if state is not None else ""
+        entries = [*head.shards, *listed] if head.shards else listed
+        if listing != name or since > len(entries):
+            since = 0
+        return ManifestDelta.model_construct(**fields, listing=name, since=since, shards=entries[since:])
+
+    def _listing(self, version: int) -> _Listing | None:
+        path = self.version_dir(version) / LISTING
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._listings.pop(version, None)
+            return None
+        try:
+            st = os.fstat(fd)
+            state = self._listings.get(version)
+            if state is None or state.inode != st.st_ino or st.st_size < state.offset:
+                state = self._listings[version] = _Listing(st.st_ino)
+            if st.st_size > state.offset and not state.broken:
+                state.take(os.pread(fd, st.st_size - state.offset, state.offset), path)
+            return state
+        finally:
+            os.close(fd)
+
+    def append_listing(self, version: int, entries: list[ShardEntry]) -> None:
+        """List ``entries`` (shards now held, checked and in place) after those listed before."""
+        path = self.version_dir(version) / LISTING
+        if not path.exists():
+            _atomic_write(path, b'{"listing": "%s"}\n' % os.urandom(8).hex().encode())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            data = b"".join(e.model_dump_json().encode() + b"\n" for e in entries)
+            view = memoryview(data)
+            while view:  # one write for a line, so a reader never sees half of one but at the end
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
 
     def _read(self, version: int, name: str, parse: Callable[[bytes], Any]) -> Any:
         """``parse`` of the version's file ``name`` (None when there is none), parsed again only when the
@@ -220,6 +340,8 @@ class VersionStore:
         (d / MANIFEST).unlink(missing_ok=True)
         for cache in self._parsed.values():
             cache.pop(version, None)
+        self._listings.pop(version, None)
+        self._merged.pop(version, None)
         shutil.rmtree(d, ignore_errors=True)
 
     def clean_temp(self) -> None:
@@ -258,6 +380,7 @@ class VersionWriter:
         self.store, self.version, self.shard_size, self.linked = store, version, shard_size, linked
         self._linked_stat: dict[str, list[int]] = {}
         self._files: list[FileEntry] = []
+        self._header_files: list[FileEntry] | None = None  # the files the manifest on disk lists
         self._shards: list[ShardEntry] = []
         self._whole = whole_hasher()
         self._pos = 0  # bytes written so far
@@ -354,16 +477,19 @@ class VersionWriter:
         if self._fh is not None:
             os.close(self._fh)
             self.store.put_shard(self.version, index, self._tmp)
-        self._shards.append(ShardEntry(index=index, offset=index * self.shard_size, size=size,
-                                       sha256=self._shard_hash.hexdigest(), chain=self._whole.chain()))
+        entry = ShardEntry(index=index, offset=index * self.shard_size, size=size,
+                           sha256=self._shard_hash.hexdigest(), chain=self._whole.chain())
+        self._shards.append(entry)
         self._fh = self._tmp = self._shard_hash = None
-        self._publish(complete=False)
+        if self._files != self._header_files:  # the header first: it must cover the shard's files
+            self._header_files = list(self._files)
+            self.store.write_manifest(Manifest(version=self.version, files=self._files, shard_size=self.shard_size))
+        self.store.append_listing(self.version, [entry])
 
-    def _publish(self, complete: bool) -> None:
+    def _publish(self) -> None:
         self.store.write_manifest(Manifest(
             version=self.version, files=self._files, shards=self._shards, shard_size=self.shard_size,
-            total_size=self._pos if complete else None, sha256=self._whole.hexdigest() if complete else None,
-            complete=complete))
+            total_size=self._pos, sha256=self._whole.hexdigest(), complete=True))
 
     def finish(self) -> Manifest:
         self._stop_hasher()
@@ -372,7 +498,7 @@ class VersionWriter:
         if self._files:
             last = self._files[-1]
             self._files[-1] = last.model_copy(update={"size": self._pos - last.offset})
-        self._publish(complete=True)
+        self._publish()
         self._done = True
         return self.store.manifest(self.version)
 

@@ -4,6 +4,7 @@ Each server is ``python -m intellect.shardcast`` in its own process group, stopp
 """
 
 import hashlib
+import http.server
 import json
 import os
 import subprocess
@@ -262,7 +263,8 @@ def test_with_every_relay_down_the_client_fails_within_its_deadline_and_leaves_n
 
 
 def test_a_manifest_request_can_wait_for_the_next_shard(tmp_path):
-    """The long poll relays and clients use while a version is written: the answer comes with the news."""
+    """The long poll relays and clients use while a version is written: the answer comes with the
+    news, and carries only the news."""
     store = VersionStore(tmp_path / "origin")
     server = Server(store, bind("127.0.0.1", 0)).start()
     try:
@@ -271,18 +273,24 @@ def test_a_manifest_request_can_wait_for_the_next_shard(tmp_path):
         w.write(b"abcd")
         url = f"{server.url}/v/1/manifest"
         assert [s["index"] for s in httpx.get(url, timeout=5).json()["shards"]] == [0]
+        first = httpx.get(f"{url}?since=0&listing=&wait=0", timeout=5).json()
+        assert [s["index"] for s in first["shards"]] == [0] and first["since"] == 0 and first["listing"]
         got = {}
-        waiter = threading.Thread(target=lambda: got.update(httpx.get(f"{url}?after=1&wait=10", timeout=20).json()))
+        ask = f"{url}?since=1&listing={first['listing']}"
+        waiter = threading.Thread(target=lambda: got.update(httpx.get(f"{ask}&wait=10", timeout=20).json()))
         waiter.start()
-        w.write(b"efgh")  # the second shard: the held request answers with it
+        w.write(b"efgh")  # the second shard: the held request answers with it, and only it
         waiter.join(20)
-        assert [s["index"] for s in got["shards"]] == [0, 1] and not got["complete"]
+        assert [s["index"] for s in got["shards"]] == [1] and got["since"] == 1 and not got["complete"]
+        # another listing's position is no position here: the answer starts over
+        assert [s["index"] for s in httpx.get(f"{url}?since=1&listing=beef&wait=0", timeout=5).json()["shards"]] == [0, 1]
         w.finish()
-        assert httpx.get(f"{url}?after=2&wait=10", timeout=20).json()["complete"]  # complete: no wait
-        assert httpx.get(f"{url}?after=9&wait=0", timeout=5).json()["complete"]
-        for bad in ["after=1", "after=x&wait=1", "after=1&wait=-1", "after=1&wait=nan", "after=1&wait=99"]:
+        done = httpx.get(f"{ask.replace('since=1', 'since=2')}&wait=10", timeout=20).json()  # complete: no wait
+        assert done["complete"] and done["since"] == 0 and [s["index"] for s in done["shards"]] == [0, 1]
+        for bad in ["since=1", "since=x&listing=&wait=1", "since=1&listing=&wait=-1", "since=1&listing=&wait=nan",
+                    "since=1&listing=&wait=99", "since=-1&listing=&wait=1", "after=1&wait=1"]:
             assert httpx.get(f"{url}?{bad}", timeout=5).status_code == 400, bad
-        assert httpx.get(f"{server.url}/v/2/manifest?after=0&wait=1", timeout=5).status_code == 404
+        assert httpx.get(f"{server.url}/v/2/manifest?since=0&listing=&wait=1", timeout=5).status_code == 404
     finally:
         server.stop()
 
@@ -369,19 +377,36 @@ def test_a_manifest_naming_a_file_outside_the_folder_is_rejected(tmp_path):
     evil = {"version": 1, "files": [{"name": "../escape", "offset": 0, "size": 4}], "shard_size": 4,
             "shards": [{"index": 0, "offset": 0, "size": 4, "sha256": hashlib.sha256(b"evil").hexdigest()}],
             "total_size": 4, "sha256": hashlib.sha256(b"evil").hexdigest(), "complete": True}
-    store = VersionStore(tmp_path / "hostile")
+    store = VersionStore(tmp_path / "honest")
     store.version_dir(1).mkdir()
-    (store.version_dir(1) / "manifest.json").write_text(json.dumps(evil))  # served as it is on disk
-    (store.version_dir(1) / "shard_00000.bin").write_bytes(b"evil")
+    (store.version_dir(1) / "manifest.json").write_text(json.dumps(evil))
     server = Server(store, bind("127.0.0.1", 0)).start()
+    try:  # our own server does not serve what it cannot parse
+        assert httpx.get(server.url + "/v/1/manifest", timeout=5).status_code == 404
+        assert httpx.get(server.url + "/versions", timeout=5).json() == {"versions": []}
+    finally:
+        server.stop()
+    body = json.dumps({**evil, "listing": "", "since": 0}).encode()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):  # any manifest question gets the evil one
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    hostile = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=hostile.serve_forever, daemon=True).start()
     try:
-        assert httpx.get(server.url + "/v/1/manifest", timeout=5).json() == evil
-        assert httpx.get(server.url + "/versions", timeout=5).json() == {"versions": []}  # it cannot parse it either
-        with ShardcastClient([server.url], fast(deadline=1.0)) as client:
+        with ShardcastClient([f"http://127.0.0.1:{hostile.server_address[1]}"], fast(deadline=1.0)) as client:
             with pytest.raises(ShardcastError, match="manifest"):
                 client.fetch(1, tmp_path / "dest" / "step_1")
     finally:
-        server.stop()
+        hostile.shutdown()
+        hostile.server_close()
     assert not (tmp_path / "dest" / "escape").exists() and not (tmp_path / "escape").exists()
 
 
