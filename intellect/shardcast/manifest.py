@@ -60,6 +60,13 @@ class ShardEntry(_Strict):
         "compute it.")
 
 
+def _check_fits(s: ShardEntry, shard_size: int) -> None:
+    if s.offset != s.index * shard_size or s.size > shard_size:
+        raise ValueError(f"shard {s.index} at {s.offset}+{s.size} does not fit shard_size {shard_size}")
+    if s.chain is not None and (s.offset + s.size) % 64:
+        raise ValueError(f"shard {s.index} ends mid-block ({s.offset + s.size}) but has a chaining value")
+
+
 class Manifest(_Strict):
     version: int = Field(ge=0, description="The checkpoint's step.")
     files: list[FileEntry] = Field(default_factory=list)
@@ -84,10 +91,7 @@ class Manifest(_Strict):
         if len({f.name for f in self.files}) != len(self.files):
             raise ValueError("duplicate file names")
         for s in self.shards:
-            if s.offset != s.index * self.shard_size or s.size > self.shard_size:
-                raise ValueError(f"shard {s.index} at {s.offset}+{s.size} does not fit shard_size {self.shard_size}")
-            if s.chain is not None and (s.offset + s.size) % 64:
-                raise ValueError(f"shard {s.index} ends mid-block ({s.offset + s.size}) but has a chaining value")
+            _check_fits(s, self.shard_size)
             if pos is not None and s.offset + s.size > pos:
                 raise ValueError(f"shard {s.index} ends past the files ({pos} bytes)")
         if len({s.index for s in self.shards}) != len(self.shards):
@@ -185,10 +189,7 @@ class ManifestDelta(_Strict):
         if self.complete and (self.since or self.total_size is None or self.sha256 is None):
             raise ValueError("a complete version's answer lists every shard, with total_size and sha256")
         for s in self.shards:
-            if s.offset != s.index * self.shard_size or s.size > self.shard_size:
-                raise ValueError(f"shard {s.index} at {s.offset}+{s.size} does not fit shard_size {self.shard_size}")
-            if s.chain is not None and (s.offset + s.size) % 64:
-                raise ValueError(f"shard {s.index} ends mid-block ({s.offset + s.size}) but has a chaining value")
+            _check_fits(s, self.shard_size)
         return self
 
     @property
@@ -273,7 +274,8 @@ class ManifestView:
         if d.since == 0 and (d.complete or d.listing != listing):
             self.drop(server, forget=not d.complete)  # a listing from the start replaces its last one
         elif (d.listing, d.since) != (listing, since):
-            raise ValueError(f"an answer from position {d.since} of listing {d.listing!r}, asked from {since} of {listing!r}")
+            raise ValueError(f"an answer from position {d.since} of listing {d.listing!r}, "
+                             f"asked from {since} of {listing!r}")
         try:
             self._check(d)
         except ValueError:

@@ -8,8 +8,9 @@ answers the manifest request as soon as it lists another shard, so a shard is se
 idle wait costs no requests; each answer carries only the shards new to the relay
 (:class:`~intellect.shardcast.manifest.ManifestDelta`). Each shard it fetched is appended to its own
 listing, which lists only what it holds, so it starts serving a version's first shards while the
-origin is still writing the last ones, and never advertises a byte it cannot send. A bad shard is discarded and fetched again on a
-later pass (one bad hop does not spread). When every upstream is down, it keeps serving what it has.
+origin is still writing the last ones, and never advertises a byte it cannot send. A bad shard is
+discarded and fetched again on a later pass (one bad hop does not spread). When every upstream is
+down, it keeps serving what it has.
 """
 
 from __future__ import annotations
