@@ -271,7 +271,7 @@ class ManifestView:
         if d.version != self.version:
             raise ValueError(f"manifest of version {d.version} served for {self.version}")
         listing, since = self._position.get(server, ("", 0))
-        if d.since == 0 and (d.complete or d.listing != listing):
+        if d.since == 0 and (d.complete or d.listing != listing or since):
             self.drop(server, forget=not d.complete)  # a listing from the start replaces its last one
         elif (d.listing, d.since) != (listing, since):
             raise ValueError(f"an answer from position {d.since} of listing {d.listing!r}, "

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -150,6 +151,7 @@ class VersionStore:
         # file name -> version -> (the file's inode, mtime and size, its parsed content)
         self._parsed: dict[str, dict[int, tuple[tuple[int, int, int], Any]]] = {}
         self._listings: dict[int, _Listing] = {}
+        self._lock = threading.Lock()
         self._merged: dict[int, tuple[Manifest, int, Manifest]] = {}  # version -> (header, listed, manifest)
 
     def version_dir(self, version: int) -> Path:
@@ -181,13 +183,14 @@ class VersionStore:
         if stats is None:
             return None
         d = self.version_dir(version)
-        m, listed = self.state(version)
+        m, _ = self.state(version)
         entry = None
         if m is not None:
             entry = m.shard(index)
-            state = self._listings.get(version)
-            if entry is None and state is not None:
-                entry = state.by_index.get(index)
+            with self._lock:
+                listing = self._listings.get(version)
+                if entry is None and listing is not None:
+                    entry = listing.by_index.get(index)
         if entry is None:  # not listed yet: not hashed yet
             return None
         pieces: list[tuple[int, int, int]] = []
@@ -216,7 +219,7 @@ class VersionStore:
 
     def manifest(self, version: int) -> Manifest | None:
         """The version's manifest: its header with every shard listed so far (None: no such version)."""
-        head, listed = self.state(version)
+        head, listed, _ = self._state(version)
         if head is None or head.complete or not listed:
             return head
         hit = self._merged.get(version)
@@ -231,27 +234,32 @@ class VersionStore:
         """The version's manifest as written (for a version being written: the header) and the shards it
         lists beyond those, in listing order. Servers answer every poll from here: a look reads only
         what was appended since the last."""
-        # the log before the header: a shard is appended after the header that lists its files, so a
-        # header read afterwards covers every shard read
-        listing = self._listing(version)
-        head = self._read(version, MANIFEST, Manifest.model_validate_json)
-        if head is None or head.complete or listing is None:
-            return head, []
-        if not head.shards:
-            return head, listing.entries
-        return head, [e for e in listing.entries if head.shard(e.index) is None]
+        head, listed, _ = self._state(version)
+        return head, listed
+
+    def _state(self, version: int) -> tuple[Manifest | None, list[ShardEntry], str]:
+        # one look at a time: a relay's server and its sync threads share the store
+        with self._lock:
+            # the log before the header: a shard is appended after the header that lists its files,
+            # so a header read afterwards covers every shard read
+            listing = self._listing(version)
+            head = self._read(version, MANIFEST, Manifest.model_validate_json)
+            if head is None or head.complete or listing is None:
+                return head, [], ""
+            listed = listing.entries[:]  # a snapshot: the next look appends to the list
+            if head.shards:
+                listed = [e for e in listed if head.shard(e.index) is None]
+            return head, listed, listing.name
 
     def delta(self, version: int, since: int, listing: str) -> ManifestDelta | None:
         """What a server answers a manifest long poll with: the header and the shards of its listing
         from ``since`` on (from the start when ``listing`` is not the current listing's name)."""
-        head, listed = self.state(version)
+        head, listed, name = self._state(version)
         if head is None:
             return None
         fields = {k: getattr(head, k) for k in ("version", "files", "shard_size", "total_size", "sha256", "complete")}
         if head.complete:
             return ManifestDelta.model_construct(**fields, listing="", since=0, shards=head.shards)
-        state = self._listings.get(version)
-        name = state.name if state is not None else ""
         entries = [*head.shards, *listed] if head.shards else listed
         if listing != name or since > len(entries):
             since = 0
@@ -338,10 +346,11 @@ class VersionStore:
         """Delete one version, its manifest first so it stops being served before its shards go."""
         d = self.version_dir(version)
         (d / MANIFEST).unlink(missing_ok=True)
-        for cache in self._parsed.values():
-            cache.pop(version, None)
-        self._listings.pop(version, None)
-        self._merged.pop(version, None)
+        with self._lock:
+            for cache in self._parsed.values():
+                cache.pop(version, None)
+            self._listings.pop(version, None)
+            self._merged.pop(version, None)
         shutil.rmtree(d, ignore_errors=True)
 
     def clean_temp(self) -> None:

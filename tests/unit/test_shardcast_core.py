@@ -3,6 +3,7 @@
 import doctest
 import hashlib
 import random
+import socket
 
 import pytest
 from pydantic import ValidationError
@@ -315,3 +316,20 @@ def test_a_version_being_written_grows_by_appends_not_rewrites(tmp_path):
     with open(st.version_dir(1) / store.LISTING, "ab") as f:
         f.write(b'{"index": "x"}\n')
     assert len(VersionStore(tmp_path).manifest(1).shards) == 52
+
+
+def test_server_sockets_send_small_answers_at_once():
+    """Without TCP_NODELAY each answer sent in two writes (h11: head, then body) waited for the
+    client's delayed ACK: 44 ms per manifest answer or small shard on a kept-alive connection."""
+    from intellect.shardcast.server import bind
+
+    listener = bind("127.0.0.1", 0)
+    client = socket.create_connection(listener.getsockname()[:2], timeout=5)
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            for sock in (listener, conn):  # asyncio sets it only where proto says TCP; Linux inherits it
+                assert sock.proto == socket.IPPROTO_TCP and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        client.close()
+        listener.close()
