@@ -2,10 +2,11 @@
 
 :meth:`ShardcastClient.fetch` starts as soon as any relay lists the version, even while the origin
 is still writing it, and downloads each shard from a relay that advertises it (picked by
-:mod:`~intellect.shardcast.choice`). One thread per relay watches its manifest with long polls
-(the relay answers when it holds another shard). Each shard is read from a kept-alive connection
-into one reused buffer (:class:`ShardConnections`), hashed piece by piece as it arrives, and
-written to its place in the checkpoint's files (no second copy). The hash starts from the blob's
+:mod:`~intellect.shardcast.choice`). One thread per relay watches its listing with long polls (the
+relay answers when it holds another shard, with only the shards new to this client), and one
+:class:`~intellect.shardcast.manifest.ManifestView` unites the relays' listings. Each shard is read
+from a kept-alive connection into one reused buffer (:class:`ShardConnections`), hashed piece by
+piece as it arrives, and written to its place in the checkpoint's files (no second copy). The hash starts from the blob's
 SHA-256 chaining value where the shard begins (:mod:`~intellect.shardcast.chain`), so one pass
 checks the shard against the manifest's chaining value at its end and also extends the
 whole-checkpoint SHA-256; a shard that does not match is discarded and fetched again from another
