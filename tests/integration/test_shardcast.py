@@ -195,6 +195,57 @@ def test_a_relay_does_not_pass_on_a_bad_shard_from_upstream(tmp_path):
         origin.stop()
 
 
+def wait_held(url: str, want: list[int], version: int = 1, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while held(url, version) != want:
+        assert time.monotonic() < deadline, (held(url, version), want)
+        time.sleep(0.05)
+
+
+def test_a_restarted_relay_lists_on_and_a_version_rewritten_upstream_is_mirrored_anew(tmp_path):
+    """The listing a relay follows and serves survives its restart (followers keep their place), and
+    a version the origin withdrew and wrote again differently replaces the relay's copy."""
+    rnd = __import__("random").Random(3)
+    blob = rnd.randbytes(5 * MIB)
+    store = VersionStore(tmp_path / "origin")
+    origin = ServerProcess("origin", tmp_path / "origin")
+    relay = ServerProcess("relay", tmp_path / "relay", extra=["--upstream", origin.url])
+    w = VersionWriter(store, 1, shard_size=MIB)
+    try:
+        w.begin_file("model.safetensors")
+        w.write(blob[:3 * MIB])
+        wait_held(relay.url, [0, 1, 2])
+        name = httpx.get(f"{relay.url}/v/1/manifest?since=0&listing=&wait=0", timeout=5).json()["listing"]
+        relay.stop()
+        w.write(blob[3 * MIB:])
+        relay = ServerProcess("relay", tmp_path / "relay", extra=["--upstream", origin.url])
+        wait_held(relay.url, [0, 1, 2, 3, 4])
+        news = httpx.get(f"{relay.url}/v/1/manifest?since=3&listing={name}&wait=0", timeout=5).json()
+        assert news["listing"] == name and sorted(s["index"] for s in news["shards"]) == [3, 4]  # listed on
+        w.finish()
+        with ShardcastClient([relay.url], fast()) as client:
+            wait_complete(client, 1)
+            client.fetch(1, tmp_path / "v1")
+            assert (tmp_path / "v1" / "model.safetensors").read_bytes() == blob
+            # version 2: two shards out, then the trainer's run dies and the version is written again
+            first = VersionWriter(store, 2, shard_size=MIB)
+            first.begin_file("model.safetensors")
+            first.write(bytes(2 * MIB))
+            wait_held(relay.url, [0, 1], version=2)
+            first.abort()
+            again = rnd.randbytes(3 * MIB)
+            with VersionWriter(store, 2, shard_size=MIB) as w2:
+                w2.begin_file("model.safetensors")
+                w2.write(again)
+            wait_complete(client, 2)
+            client.fetch(2, tmp_path / "v2")
+            assert (tmp_path / "v2" / "model.safetensors").read_bytes() == again
+        assert "version 2 changed upstream; dropping the local copy" in relay.log_path.read_text()
+    finally:
+        relay.stop()
+        origin.stop()
+
+
 def test_a_folder_is_published_by_hard_links_and_a_file_changed_afterwards_is_refused(cdn, tmp_path):
     files = checkpoint(tmp_path / "ckpt", 3)
     store = VersionStore(cdn.origin_dir)
