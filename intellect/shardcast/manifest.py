@@ -264,6 +264,8 @@ class ManifestView:
             self._sorted = [e for e in self._sorted if e.index in self.entries]
             self._manifest = None
         self._position.pop(server, None)
+        if forget and not self.entries and not self._position:
+            self.header = None  # nothing is left of what was heard: the version may be laid out anew
 
     def apply(self, server: str, d: ManifestDelta) -> list[ShardEntry]:
         """Take one answer of ``server``; returns the shards new to the view. ValueError when the answer

@@ -1,17 +1,18 @@
-"""The folder an origin or relay serves: ``v<N>/manifest.json`` and ``v<N>/shard_<i>.bin``.
+"""The folder an origin or relay serves: ``v<N>/manifest.json``, ``v<N>/listing.jsonl`` and ``v<N>/shard_<i>.bin``.
 
 Files are the contract between the process that writes a version (the trainer's publish, a relay's
 sync thread) and the server that serves it: each shard is written to a temporary name, checked, and
-renamed into place before the manifest lists it, and the manifest itself is replaced atomically.
-So a server never advertises a shard it cannot send, and a crash leaves at most a ``.tmp-*`` file,
-which is ignored and removed.
+renamed into place before it is listed (one line appended to the version's listing, after the
+manifest header that covers its files), and a manifest is replaced atomically. So a server never
+advertises a shard it cannot send, and a crash leaves at most a ``.tmp-*`` file, which is ignored
+and removed, or a last line half appended, which is not read.
 
 :class:`VersionWriter` is how the origin publishes: bytes go in as the checkpoint is written,
 shards come out as soon as they fill, so relays and clients start before the checkpoint is whole.
 A checkpoint folder that already exists on the origin's file system is published without a copy
 (:func:`publish_folder`): its files are hard-linked into ``v<N>/files/``, hashed once, and each
 shard is served as a range of them. A 62 GB checkpoint then takes no second 62 GB on the trainer's
-disk, and publishing writes nothing but manifests (on loopback, 1 GiB origin -> 2 relays -> 1
+disk, and publishing writes nothing but manifests and listings (on loopback, 1 GiB origin -> 2 relays -> 1
 client: 7.1 -> 6.0 CPU-s in all, most of it the page-cache writes of the copy, dear in a VM). The
 sizes and modification times of the linked files are kept in ``v<N>/linked.json``; a file changed
 in place after publishing is refused, not served.

@@ -287,6 +287,20 @@ def test_a_complete_listing_overrules_what_relays_listed_before():
     assert "liar" not in view.servers()
 
 
+def test_a_version_written_anew_in_another_layout_replaces_the_view():
+    """The origin withdrew a half-written version and wrote it again with another shard size."""
+    old = Manifest(version=1, files=[FileEntry(name="w", offset=0)], shard_size=4,
+                   shards=[ShardEntry(index=0, offset=0, size=4, sha256=H)])
+    view = ManifestView(1)
+    view.apply("origin", _delta(old, "aa"))
+    new = Manifest(version=1, files=[FileEntry(name="w", offset=0, size=8)], shard_size=8, total_size=8, sha256=H,
+                   complete=True, shards=[ShardEntry(index=0, offset=0, size=8, sha256="d" * 64)])
+    with pytest.raises(ValueError, match="layout"):  # from another server, it contradicts the view
+        view.apply("relay", _delta(new, ""))
+    view.apply("origin", _delta(new.model_copy(update={"complete": False, "total_size": None, "sha256": None}), "bb"))
+    assert view.manifest().shard_size == 8 and view.entries[0].sha256 == "d" * 64 and view.holders == {0: ["origin"]}
+
+
 def test_a_version_being_written_grows_by_appends_not_rewrites(tmp_path):
     """Each new shard is one line appended to the listing: rewriting a manifest that lists every shard
     at every shard made a 4,096-shard version cost a relay 71 CPU-s."""
