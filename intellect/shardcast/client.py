@@ -6,8 +6,9 @@ is still writing it, and downloads each shard from a relay that advertises it (p
 relay answers when it holds another shard, with only the shards new to this client), and one
 :class:`~intellect.shardcast.manifest.ManifestView` unites the relays' listings. Each shard is read
 from a kept-alive connection into one reused buffer (:class:`ShardConnections`), hashed piece by
-piece as it arrives, and written to its place in the checkpoint's files (no second copy). The hash starts from the blob's
-SHA-256 chaining value where the shard begins (:mod:`~intellect.shardcast.chain`), so one pass
+piece as it arrives, and written to its place in the checkpoint's files (no second copy). The
+hash starts from the blob's SHA-256 chaining value where the shard begins
+(:mod:`~intellect.shardcast.chain`), so one pass
 checks the shard against the manifest's chaining value at its end and also extends the
 whole-checkpoint SHA-256; a shard that does not match is discarded and fetched again from another
 relay, up to ``attempts`` tries. The whole checkpoint's SHA-256 is then the last chaining value
@@ -205,11 +206,14 @@ def get_json(http: httpx.Client, url: str, timeout: httpx.Timeout):
     return r.json()
 
 
-def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout) -> list[tuple[int, bool]]:
-    """``(version, complete)`` for each version the server at ``base`` lists; raises httpx.HTTPError or
-    ValueError when it does not answer or answers something else."""
+def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout, newer: int | None = None,
+                  wait: float = 0.0) -> list[tuple[int, bool]]:
+    """``(version, complete)`` for each version the server at ``base`` lists (with ``newer``: once it
+    lists a newer version, or after ``wait`` s); raises httpx.HTTPError or ValueError when it does not
+    answer or answers something else."""
+    query = f"?newer={newer}&wait={wait:.3f}" if newer is not None else ""
     try:
-        listed = get_json(http, f"{base}/versions", timeout)["versions"]
+        listed = get_json(http, f"{base}/versions{query}", timeout)["versions"]
         return [(int(v["version"]), bool(v["complete"])) for v in listed]
     except (KeyError, TypeError) as e:
         raise ValueError(f"{base}/versions: unexpected answer ({e!r})") from e

@@ -1,6 +1,7 @@
 """A relay: mirrors the newest versions of its upstreams into its own store, shard by shard.
 
-Every ``poll_interval`` the relay lists its upstreams' versions, and for each of the newest
+Every ``poll_interval`` the relay lists its upstreams' versions (when it has nothing to mirror, a long
+poll instead, answered when a new version appears), and for each of the newest
 ``keep`` it does not hold completely it fetches the shards it lacks (several at once, each
 checked against the upstream manifest's SHA-256, or its chaining value, before it is renamed into
 place). While a version is being written upstream, the pause is a long poll instead: the upstream
@@ -52,6 +53,8 @@ class Relay:
         self._mine: dict[int, dict[int, ShardEntry]] = {}  # what this relay lists, by version
         self._missing: dict[int, set[int]] = {}  # listed upstream, not held here, not being fetched
         self._inflight: set[tuple[int, int]] = set()
+        self._newest = -1  # the newest version an upstream listed
+        self._idle = False  # the last pass found nothing to mirror: the next one may wait upstream
         store.clean_temp()
         for v in store.versions():
             m = store.manifest(v)
@@ -75,14 +78,16 @@ class Relay:
         self._conns.close()
 
     def sync_once(self) -> bool:
-        """One pass over the upstreams; True when it waited on a version being written and got new
-        shards of it (the next pass may start at once: the wait replaced the pause)."""
-        listing = self._upstream_versions()
-        news = held_on = False
+        """One pass over the upstreams; True when it waited upstream (on a version being written, and
+        got new shards of it; or, idle, on the next version) so the next pass may start at once: the
+        wait replaced the pause."""
+        listing, news = self._upstream_versions(min(_LONG_POLL, self.cfg.read_timeout / 2) if self._idle else 0.0)
+        held_on = busy = False
         for v in sorted(listing)[-self.cfg.keep:]:
             local, _ = self.store.state(v)
             if local is not None and local.complete:
                 continue
+            busy = True
             view = self._views.get(v) or ManifestView(v)
             hold = 0.0
             if not held_on and view.header is not None and not view.header.complete:
@@ -114,19 +119,33 @@ class Relay:
             for v in self.store.retain(self.cfg.keep):
                 for d in (self._views, self._mine, self._missing):
                     d.pop(v, None)
+            self._idle = not busy and not self._inflight
         return news
 
     # ------------------------------------------------------------------ parts
 
-    def _upstream_versions(self) -> dict[int, list[str]]:
+    def _upstream_versions(self, hold: float = 0.0) -> tuple[dict[int, list[str]], bool]:
+        """Which upstreams list which versions. With ``hold``, the first upstream is asked to answer
+        once it lists a version newer than any seen (a long poll); True when it did, or held the
+        request that long."""
         out: dict[int, list[str]] = {}
-        for u in self.upstreams:
+        waited = False
+        for i, u in enumerate(self.upstreams):
+            t0 = time.monotonic()
             try:
-                for v, _ in list_versions(self._http, u, self._timeout):
-                    out.setdefault(v, []).append(u)
+                if i == 0 and hold:
+                    listed = list_versions(self._http, u, self._timeout, newer=self._newest, wait=hold)
+                    # an answer at once with nothing newer (a server that does not hold) is no wait
+                    waited = any(v > self._newest for v, _ in listed) or time.monotonic() - t0 >= hold / 2
+                else:
+                    listed = list_versions(self._http, u, self._timeout)
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s: %s", u, e)
-        return out
+                continue
+            for v, _ in listed:
+                out.setdefault(v, []).append(u)
+        self._newest = max([self._newest, *out])
+        return out, waited
 
     def _follow(self, view: ManifestView, upstreams: list[str], hold: float) -> list[ShardEntry]:
         """Ask each upstream listing the version for what ``view`` has not heard from it; the first

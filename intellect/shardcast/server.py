@@ -5,6 +5,9 @@ integer, so no request reaches a file outside the store)::
 
     /health                       {"ok": true}
     /versions                     {"versions": [{"version": 3, "complete": true, "shards": 4}, ...]}
+    /versions?newer=V&wait=S      the same, once a version newer than V is listed (or after S
+                                  seconds, at most 10): an idle relay learns of a new version at
+                                  once, with one request a second instead of twenty
     /v/{version}/manifest         the manifest as this server holds it (only shards it can send)
     /v/{version}/manifest?since=K&listing=T&wait=S
                                   a ManifestDelta: the header and the shards of this server's
@@ -48,9 +51,9 @@ from intellect.shardcast.store import SourceChanged, VersionStore
 log = logging.getLogger("intellect.shardcast.server")
 
 _WAIT_MAX = 10.0
-# How often a held manifest request looks at the files: the origin's writer is another process, so
-# a stat is how news is seen; a look at an unchanged version costs microseconds (the parse is cached,
-# the listing log read on from where the last look stopped).
+# How often held requests look at the files (one look for all, :class:`_Changes`): the origin's
+# writer is another process, so a stat is how news is seen; a look at an unchanged version costs
+# microseconds (the parse is cached, the listing log read on from where the last look stopped).
 _WAIT_STEP = 0.01
 # Each read is a hop to a worker thread and each send a trip through the event loop, yet bigger
 # pieces cost more: what the socket does not take at once is copied into the transport's buffer, and
@@ -182,17 +185,96 @@ def _listing(store: VersionStore) -> list[dict]:
     return out
 
 
-async def _delta(store: VersionStore, version: int, since: int, listing: str,
+class _Changes:
+    """Held requests sleep here until the store changes: one look at the store per step for all of
+    them (the versions, and how many shards each version being waited on lists), not one per request.
+    Dozens of clients following a version at one relay would otherwise each wake 100 times a second."""
+
+    def __init__(self, store: VersionStore):
+        self.store = store
+        self.stamp = 0  # counts the changes seen
+        self._watched: dict[int | None, int] = {}  # version (None: the version list) -> requests held on it
+        self._cond: asyncio.Condition | None = None
+        self._task: asyncio.Task | None = None
+
+    def _look(self) -> list:
+        seen: list = [self.store.versions()]
+        for v in self._watched:
+            if v is not None:
+                head, listed = self.store.state(v)
+                seen.append((v, id(head), len(listed)))
+        return seen
+
+    async def _run(self) -> None:
+        last = None
+        while self._watched:
+            try:
+                now = self._look()
+            except (ValueError, OSError):  # a version being deleted: look again next step
+                now = None
+            if now != last:
+                last = now
+                self.stamp += 1
+                async with self._cond:
+                    self._cond.notify_all()
+            await asyncio.sleep(_WAIT_STEP)
+        self._task = None
+
+    async def wait(self, stamp: int, seconds: float, version: int | None = None) -> None:
+        """Return once a change after ``stamp`` (read before the caller's last look) was seen, or after
+        ``seconds``."""
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        self._watched[version] = self._watched.get(version, 0) + 1
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            async with self._cond:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self.stamp != stamp), seconds)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._watched[version] -= 1
+            if not self._watched[version]:
+                del self._watched[version]
+
+
+async def _delta(store: VersionStore, changes: _Changes, version: int, since: int, listing: str,
                  wait: float) -> ManifestDelta | None:
     """``version``'s :class:`ManifestDelta` from ``since``, once it has shards past ``since`` (or is
     complete, or gone, or ``wait`` seconds passed)."""
     until = time.monotonic() + wait
     while True:
+        stamp = changes.stamp
         d = store.delta(version, since, listing)
         left = until - time.monotonic()
         if d is None or d.complete or d.shards or left <= 0:
             return d
-        await asyncio.sleep(min(_WAIT_STEP, left))
+        await changes.wait(stamp, left, version)
+
+
+async def _await_newer(store: VersionStore, changes: _Changes, newer: int, wait: float) -> None:
+    """Return once a version newer than ``newer`` is listed, or ``wait`` seconds passed."""
+    until = time.monotonic() + wait
+    while True:
+        stamp = changes.stamp
+        versions = store.versions()
+        left = until - time.monotonic()
+        if (versions and versions[-1] > newer) or left <= 0:
+            return
+        await changes.wait(stamp, left)
+
+
+def _versions_poll(query) -> tuple[int, float] | None:
+    """``(newer, wait)`` of a versions request's query; None without one; ValueError when malformed."""
+    if not query:
+        return None
+    if set(query) != {"newer", "wait"} or any(len(query.getlist(k)) != 1 for k in query):
+        raise ValueError("newer and wait, once each")
+    newer, wait = int(query["newer"]), float(query["wait"])
+    if newer < -1 or not (math.isfinite(wait) and 0 <= wait <= _WAIT_MAX):
+        raise ValueError(f"newer={newer}, wait={wait}")
+    return newer, wait
 
 
 def _long_poll(query) -> tuple[int, str, float] | None:
@@ -208,10 +290,19 @@ def _long_poll(query) -> tuple[int, str, float] | None:
 
 
 def create_app(store: VersionStore) -> Starlette:
+    changes = _Changes(store)
+
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
     async def versions(request: Request) -> Response:
+        try:
+            poll = _versions_poll(request.query_params)
+        except ValueError:
+            return JSONResponse({"error": f"query must be newer=<version>&wait=<0..{_WAIT_MAX:g} seconds>"},
+                                status_code=400)
+        if poll is not None:
+            await _await_newer(store, changes, *poll)
         return JSONResponse({"versions": _listing(store)})
 
     async def manifest(request: Request) -> Response:
@@ -222,7 +313,7 @@ def create_app(store: VersionStore) -> Starlette:
             return JSONResponse({"error": f"query must be since=<shards>&listing=<name>&wait=<0..{_WAIT_MAX:g} "
                                           "seconds>"}, status_code=400)
         try:
-            m = await _delta(store, version, *poll) if poll is not None else store.manifest(version)
+            m = await _delta(store, changes, version, *poll) if poll is not None else store.manifest(version)
         except (ValueError, FileNotFoundError):  # a version out of range, or being deleted
             m = None
         if m is None:

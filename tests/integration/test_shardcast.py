@@ -347,6 +347,32 @@ def test_a_manifest_request_can_wait_for_the_next_shard(tmp_path):
         server.stop()
 
 
+def test_a_versions_request_can_wait_for_the_next_version(tmp_path):
+    """The long poll an idle relay makes: answered when a newer version is listed, one request a
+    second at most while nothing happens (it polled 20 times a second before)."""
+    store = VersionStore(tmp_path / "origin")
+    server = Server(store, bind("127.0.0.1", 0)).start()
+    try:
+        url = f"{server.url}/versions"
+        t0 = time.monotonic()
+        assert httpx.get(f"{url}?newer=-1&wait=0.3", timeout=5).json() == {"versions": []}  # held, then answered
+        assert time.monotonic() - t0 >= 0.25
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(httpx.get(f"{url}?newer=-1&wait=10", timeout=20).json()))
+        waiter.start()
+        time.sleep(0.2)
+        with VersionWriter(store, 4, shard_size=4) as w:
+            w.begin_file("w")
+            w.write(b"abcd")
+        waiter.join(20)
+        assert [v["version"] for v in got["versions"]] == [4]
+        assert [v["version"] for v in httpx.get(f"{url}?newer=3&wait=10", timeout=5).json()["versions"]] == [4]
+        for bad in ["newer=1", "newer=x&wait=1", "newer=1&wait=11", "newer=-2&wait=1", "newer=1&wait=1&x=2"]:
+            assert httpx.get(f"{url}?{bad}", timeout=5).status_code == 400, bad
+    finally:
+        server.stop()
+
+
 def test_shard_requests_fail_cleanly_on_bad_answers():
     """What a misbehaving server can do to one shard request: each is a ShardError (the client then
     tries elsewhere), and a keep-alive connection the server dropped while idle is reopened silently."""
