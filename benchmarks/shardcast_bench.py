@@ -95,9 +95,8 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
             raise RuntimeError("the trainer process did not start")
         cfg = ClientConfig(parallel=parallel, deadline=600)
         with ShardcastClient([r.url for r in relays], cfg) as client:
-            servers = {"origin": origin.pid, "relay0": relays[0].pid, "relay1": relays[1].pid}
-            before = {k: cpu_s(pid) for k, pid in servers.items()}
-            before["publish"] = cpu_s(trainer.pid)
+            pids = {"origin": origin.pid, "relay0": relays[0].pid, "relay1": relays[1].pid, "publish": trainer.pid}
+            before = {k: cpu_s(pid) for k, pid in pids.items()}
             mine = os.times()
             t0 = time.perf_counter()
             trainer.stdin.write(json.dumps({"data_dir": str(work / "origin"), "version": 1, "src": str(payload),
@@ -111,8 +110,7 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
             now = os.times()
             if trainer.stdout.readline().strip() != "published":  # it has published all by now
                 raise RuntimeError("publish failed")
-            servers["publish"] = trainer.pid
-            cpu = {k: cpu_s(pid) - before[k] for k, pid in servers.items()}
+            cpu = {k: cpu_s(pid) - before[k] for k, pid in pids.items()}
             cpu["client"] = now.user + now.system - mine.user - mine.system
         ok = sha256_file(work / "out1" / payload.name) == digest
         shutil.rmtree(work / "out1")

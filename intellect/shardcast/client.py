@@ -8,16 +8,15 @@ relay answers when it holds another shard, with only the shards new to this clie
 from a kept-alive connection into one reused buffer (:class:`ShardConnections`), hashed piece by
 piece as it arrives, and written to its place in the checkpoint's files (no second copy). The
 hash starts from the blob's SHA-256 chaining value where the shard begins
-(:mod:`~intellect.shardcast.chain`), so one pass
-checks the shard against the manifest's chaining value at its end and also extends the
-whole-checkpoint SHA-256; a shard that does not match is discarded and fetched again from another
-relay, up to ``attempts`` tries. The whole checkpoint's SHA-256 is then the last chaining value
-finished off, compared with the manifest's. Shards without chaining values (an origin without
-OpenSSL's SHA-256 calls, a last shard ending mid-block, or ``reread``) are checked by their own
-SHA-256 and read back from the page cache by a thread that hashes the finished prefix, so the
-whole hash is ready right after the last shard. Only then is the temporary folder renamed to its
-final name and ``STABLE`` written: a failed fetch leaves nothing visible, and every wait is
-bounded by one deadline.
+(:mod:`~intellect.shardcast.chain`), so one pass checks the shard against the manifest's chaining
+value at its end and also extends the whole-checkpoint SHA-256; a shard that does not match is
+discarded and fetched again from another relay, up to ``attempts`` tries. The whole checkpoint's
+SHA-256 is then the last chaining value finished off, compared with the manifest's. Shards without
+chaining values (an origin without OpenSSL's SHA-256 calls, a last shard ending mid-block, or
+``reread``) are checked by their own SHA-256 and read back from the page cache by a thread that
+hashes the finished prefix, so the whole hash is ready right after the last shard. Only then is
+the temporary folder renamed to its final name and ``STABLE`` written: a failed fetch leaves
+nothing visible, and every wait is bounded by one deadline.
 """
 
 from __future__ import annotations
@@ -206,6 +205,14 @@ def get_json(http: httpx.Client, url: str, timeout: httpx.Timeout):
     return r.json()
 
 
+def fetch_delta(http: httpx.Client, base: str, version: int, query: str, wait: float,
+                timeout: httpx.Timeout) -> ManifestDelta:
+    """The server's answer to a :meth:`ManifestView.query` about ``version``, held up to ``wait`` s until
+    it has news; raises httpx.HTTPError or ValueError (a malformed answer)."""
+    return ManifestDelta.model_validate(get_json(http, f"{base}/v/{version}/manifest?{query}&wait={wait:.3f}",
+                                                 timeout))
+
+
 def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout, newer: int | None = None,
                   wait: float = 0.0) -> list[tuple[int, bool]]:
     """``(version, complete)`` for each version the server at ``base`` lists (with ``newer``: once it
@@ -349,7 +356,6 @@ class ShardcastClient:
         asm = _Assembly(folder)
         pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="shardcast-get")
         inflight: dict[Future, tuple[ShardEntry, str, float]] = {}
-        busy: set[int] = set()
         done: set[int] = set()
         tries: dict[int, list[str]] = {}
         by_relay: dict[str, int] = {}
@@ -369,7 +375,7 @@ class ShardcastClient:
                     raise ShardcastError(self._why(f"version {version} not fetched within {cfg.deadline:.0f} s",
                                                    errors, done, ref))
                 if ref is not None:
-                    unheld = []
+                    unheld, busy = [], {e.index for e, _, _ in inflight.values()}
                     while pending and len(inflight) < cfg.parallel:
                         index = heapq.heappop(pending)
                         s, relays = view.shard(index), view.holders.get(index)
@@ -385,7 +391,7 @@ class ShardcastClient:
                         fut = pool.submit(download_shard, self._conns, relay, version, s, asm.sink(ref, s),
                                           deadline, chain_before(ref, s))
                         inflight[fut] = (s, relay, time.monotonic())
-                        busy.add(index)
+                        busy.add(index)  # a shard listed twice in the heap starts once
                     for index in unheld:
                         heapq.heappush(pending, index)
                     if ref.complete and len(done) == len(ref.shards):
@@ -403,7 +409,6 @@ class ShardcastClient:
                         heard += self._watched(fut, watch, view, errors, version, deadline)
                         continue
                     entry, relay, started = inflight.pop(fut)
-                    busy.discard(entry.index)
                     err = fut.exception()
                     with self._lock:
                         observe(self.scores, relay, ok=err is None, nbytes=entry.size,
@@ -452,9 +457,8 @@ class ShardcastClient:
         it has news (a long poll)."""
         if delay > 0:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        hold = max(0.0, min(hold, deadline - time.monotonic()))
-        return ManifestDelta.model_validate(
-            get_json(self._http, f"{relay}/v/{version}/manifest?{query}&wait={hold:.3f}", self._timeout))
+        return fetch_delta(self._http, relay, version, query, max(0.0, min(hold, deadline - time.monotonic())),
+                           self._timeout)
 
     def _watched(self, fut: Future, watch: dict[Future, str], view: ManifestView, errors: dict[str, str],
                  version: int, deadline: float) -> list[ShardEntry]:
@@ -466,9 +470,10 @@ class ShardcastClient:
         # requests) is followed by a pause, so no relay is asked in a tight loop
         delay = self.cfg.poll_interval
         if err is None:
+            d = fut.result()
             try:
-                new = view.apply(relay, fut.result())
-                if fut.result().shards or fut.result().complete:
+                new = view.apply(relay, d)
+                if d.shards or d.complete:
                     delay = 0.0
             except ValueError as e:
                 errors[relay] = f"manifest disagrees with the other relays ({str(e)[:200]})"

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
-from intellect.shardcast.client import (ShardConnections, ShardError, download_shard, get_json, http_client,
+from intellect.shardcast.client import (ShardConnections, ShardError, download_shard, fetch_delta, http_client,
                                        list_versions)
 from intellect.shardcast.config import ClientConfig, RelayConfig
-from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
+from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before
 from intellect.shardcast.store import VersionStore, preallocate, write_at
 
 log = logging.getLogger("intellect.shardcast.relay")
@@ -81,10 +81,11 @@ class Relay:
         """One pass over the upstreams; True when it waited upstream (on a version being written, and
         got new shards of it; or, idle, on the next version) so the next pass may start at once: the
         wait replaced the pause."""
-        listing, news = self._upstream_versions(min(_LONG_POLL, self.cfg.read_timeout / 2) if self._idle else 0.0)
+        hold_for = min(_LONG_POLL, self.cfg.read_timeout / 2)  # the longest an upstream may hold a request
+        listing, news = self._upstream_versions(hold_for if self._idle else 0.0)
         held_on = busy = False
         for v in sorted(listing)[-self.cfg.keep:]:
-            local, _ = self.store.state(v)
+            local, _ = self.store.look(v)
             if local is not None and local.complete:
                 continue
             busy = True
@@ -92,7 +93,7 @@ class Relay:
             hold = 0.0
             if not held_on and view.header is not None and not view.header.complete:
                 # one long poll per pass: the upstream answers when it has another shard
-                hold, held_on = min(_LONG_POLL, self.cfg.read_timeout / 2), True
+                hold, held_on = hold_for, True
             new = self._follow(view, listing[v], hold)
             if view.header is None:
                 continue
@@ -154,9 +155,9 @@ class Relay:
         for i, u in enumerate(upstreams):
             if view.complete_at(u):
                 continue
-            url = f"{u}/v/{view.version}/manifest?{view.query(u)}&wait={hold if i == 0 else 0.0:.3f}"
             try:
-                new += view.apply(u, ManifestDelta.model_validate(get_json(self._http, url, self._timeout)))
+                d = fetch_delta(self._http, u, view.version, view.query(u), hold if i == 0 else 0.0, self._timeout)
+                new += view.apply(u, d)
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s manifest v%d: %s", u, view.version, e)
         return new
@@ -166,7 +167,7 @@ class Relay:
         header follows the upstreams'; once every shard is here, the complete manifest replaces both."""
         view, mine = self._views[version], self._mine[version]
         mine.update((e.index, e) for e in added)
-        head, _ = self.store.state(version)
+        head, _ = self.store.look(version)
         up = view.header
         if up.complete and len(mine) == len(view.entries):
             if head is None or not head.complete:

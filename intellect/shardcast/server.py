@@ -176,12 +176,12 @@ def _listing(store: VersionStore) -> list[dict]:
     out = []
     for v in store.versions():
         try:
-            m, listed = store.state(v)
+            m, listed = store.look(v)
         except ValueError as e:  # a manifest this server cannot read is not served as a version
             log.warning("version %d: unreadable manifest (%s)", v, str(e).splitlines()[0])
             continue
         if m is not None:  # deleted between listing and reading
-            out.append({"version": v, "complete": m.complete, "shards": len(m.shards) + len(listed)})
+            out.append({"version": v, "complete": m.complete, "shards": len(m.shards) + listed})
     return out
 
 
@@ -201,8 +201,8 @@ class _Changes:
         seen: list = [self.store.versions()]
         for v in self._watched:
             if v is not None:
-                head, listed = self.store.state(v)
-                seen.append((v, id(head), len(listed)))
+                head, listed = self.store.look(v)
+                seen.append((v, id(head), listed))
         return seen
 
     async def _run(self) -> None:
@@ -265,28 +265,20 @@ async def _await_newer(store: VersionStore, changes: _Changes, newer: int, wait:
         await changes.wait(stamp, left)
 
 
-def _versions_poll(query) -> tuple[int, float] | None:
-    """``(newer, wait)`` of a versions request's query; None without one; ValueError when malformed."""
+def _held(query, key: str, least: int, *also: str) -> dict | None:
+    """A held request's query: ``key`` (an int, at least ``least``), ``also`` (strings of up to 32
+    characters) and ``wait`` (0..10 s), each once; None without a query; ValueError when malformed."""
     if not query:
         return None
-    if set(query) != {"newer", "wait"} or any(len(query.getlist(k)) != 1 for k in query):
-        raise ValueError("newer and wait, once each")
-    newer, wait = int(query["newer"]), float(query["wait"])
-    if newer < -1 or not (math.isfinite(wait) and 0 <= wait <= _WAIT_MAX):
-        raise ValueError(f"newer={newer}, wait={wait}")
-    return newer, wait
-
-
-def _long_poll(query) -> tuple[int, str, float] | None:
-    """``(since, listing, wait)`` of a manifest request's query; None without one; ValueError when malformed."""
-    if not query:
-        return None
-    if set(query) != {"since", "listing", "wait"} or any(len(query.getlist(k)) != 1 for k in query):
-        raise ValueError("since, listing and wait, once each")
-    since, listing, wait = int(query["since"]), query["listing"], float(query["wait"])
-    if since < 0 or len(listing) > 32 or not (math.isfinite(wait) and 0 <= wait <= _WAIT_MAX):
-        raise ValueError(f"since={since}, listing={listing!r}, wait={wait}")
-    return since, listing, wait
+    names = {key, *also, "wait"}
+    if set(query) != names or any(len(query.getlist(k)) != 1 for k in query):
+        raise ValueError(f"{', '.join(sorted(names))}, once each")
+    out = {k: query[k] for k in also}
+    out[key], out["wait"] = int(query[key]), float(query["wait"])
+    if out[key] < least or any(len(query[k]) > 32 for k in also) or \
+            not (math.isfinite(out["wait"]) and 0 <= out["wait"] <= _WAIT_MAX):
+        raise ValueError(str(out))
+    return out
 
 
 def create_app(store: VersionStore) -> Starlette:
@@ -297,23 +289,24 @@ def create_app(store: VersionStore) -> Starlette:
 
     async def versions(request: Request) -> Response:
         try:
-            poll = _versions_poll(request.query_params)
+            poll = _held(request.query_params, "newer", -1)
         except ValueError:
             return JSONResponse({"error": f"query must be newer=<version>&wait=<0..{_WAIT_MAX:g} seconds>"},
                                 status_code=400)
         if poll is not None:
-            await _await_newer(store, changes, *poll)
+            await _await_newer(store, changes, poll["newer"], poll["wait"])
         return JSONResponse({"versions": _listing(store)})
 
     async def manifest(request: Request) -> Response:
         version = request.path_params["version"]
         try:
-            poll = _long_poll(request.query_params)
+            poll = _held(request.query_params, "since", 0, "listing")
         except ValueError:
             return JSONResponse({"error": f"query must be since=<shards>&listing=<name>&wait=<0..{_WAIT_MAX:g} "
                                           "seconds>"}, status_code=400)
         try:
-            m = await _delta(store, changes, version, *poll) if poll is not None else store.manifest(version)
+            m = await _delta(store, changes, version, poll["since"], poll["listing"], poll["wait"]) \
+                if poll is not None else store.manifest(version)
         except (ValueError, FileNotFoundError):  # a version out of range, or being deleted
             m = None
         if m is None:

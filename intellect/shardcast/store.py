@@ -184,7 +184,7 @@ class VersionStore:
         if stats is None:
             return None
         d = self.version_dir(version)
-        m, _ = self.state(version)
+        m, _ = self.look(version)
         entry = None
         if m is not None:
             entry = m.shard(index)
@@ -220,25 +220,27 @@ class VersionStore:
 
     def manifest(self, version: int) -> Manifest | None:
         """The version's manifest: its header with every shard listed so far (None: no such version)."""
-        head, listed, _ = self._state(version)
-        if head is None or head.complete or not listed:
+        head, listed, count, _ = self._state(version)
+        if head is None or head.complete or not count:
             return head
         hit = self._merged.get(version)
-        if hit is not None and hit[0] is head and hit[1] == len(listed):
+        if hit is not None and hit[0] is head and hit[1] == count:
             return hit[2]
-        shards = sorted(listed, key=lambda e: e.index)  # every entry was validated as it was read
+        shards = sorted(listed[:count], key=lambda e: e.index)  # every entry was validated as it was read
         m = Manifest.model_construct(**{**{k: getattr(head, k) for k in Manifest.model_fields}, "shards": shards})
-        self._merged[version] = (head, len(listed), m)
+        self._merged[version] = (head, count, m)
         return m
 
-    def state(self, version: int) -> tuple[Manifest | None, list[ShardEntry]]:
-        """The version's manifest as written (for a version being written: the header) and the shards it
-        lists beyond those, in listing order. Servers answer every poll from here: a look reads only
-        what was appended since the last."""
-        head, listed, _ = self._state(version)
-        return head, listed
+    def look(self, version: int) -> tuple[Manifest | None, int]:
+        """The version's manifest as written (for a version being written: the header) and how many
+        shards it lists beyond those. Servers answer every poll from here: a look reads only what was
+        appended since the last, and copies nothing."""
+        head, _, count, _ = self._state(version)
+        return head, count
 
-    def _state(self, version: int) -> tuple[Manifest | None, list[ShardEntry], str]:
+    def _state(self, version: int) -> tuple[Manifest | None, list[ShardEntry], int, str]:
+        """``(header, listing, shards listed, listing name)``: the listing is only ever appended to, so
+        its first ``shards listed`` entries stay what they are after the lock is let go."""
         # one look at a time: a relay's server and its sync threads share the store
         with self._lock:
             # the log before the header: a shard is appended after the header that lists its files,
@@ -246,25 +248,26 @@ class VersionStore:
             listing = self._listing(version)
             head = self._read(version, MANIFEST, Manifest.model_validate_json)
             if head is None or head.complete or listing is None:
-                return head, [], ""
-            listed = listing.entries[:]  # a snapshot: the next look appends to the list
+                return head, [], 0, ""
+            listed = listing.entries
             if head.shards:
                 listed = [e for e in listed if head.shard(e.index) is None]
-            return head, listed, listing.name
+            return head, listed, len(listed), listing.name
 
     def delta(self, version: int, since: int, listing: str) -> ManifestDelta | None:
         """What a server answers a manifest long poll with: the header and the shards of its listing
         from ``since`` on (from the start when ``listing`` is not the current listing's name)."""
-        head, listed, name = self._state(version)
+        head, listed, count, name = self._state(version)
         if head is None:
             return None
         fields = {k: getattr(head, k) for k in ("version", "files", "shard_size", "total_size", "sha256", "complete")}
         if head.complete:
             return ManifestDelta.model_construct(**fields, listing="", since=0, shards=head.shards)
-        entries = [*head.shards, *listed] if head.shards else listed
-        if listing != name or since > len(entries):
+        total = len(head.shards) + count
+        if listing != name or since > total:
             since = 0
-        return ManifestDelta.model_construct(**fields, listing=name, since=since, shards=entries[since:])
+        news = [*head.shards, *listed[:count]][since:] if head.shards else listed[since:count]
+        return ManifestDelta.model_construct(**fields, listing=name, since=since, shards=news)
 
     def _listing(self, version: int) -> _Listing | None:
         path = self.version_dir(version) / LISTING
