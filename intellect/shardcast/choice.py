@@ -1,4 +1,5 @@
-"""Which relay a client asks for the next shard: random, weighted by EMA(success) x EMA(bandwidth).
+"""Which relay a client asks for the next shard: random, weighted by EMA(success) x EMA(bandwidth),
+divided by 1 + the client's downloads in flight from that relay (:func:`pick`).
 
 INTELLECT-2's rule, with the units kept straight. Each relay carries an exponential moving average
 of its success rate (0..1) and of the bandwidth it delivered (bytes/s, from successful downloads
@@ -59,16 +60,26 @@ def weights(scores: Mapping[str, RelayScore]) -> dict[str, float]:
             for r, s in scores.items()}
 
 
-def pick(scores: Mapping[str, RelayScore], candidates: Iterable[str], rng: random.Random) -> str:
-    """One of ``candidates`` (relays that advertise the shard), drawn with probability proportional to its weight.
+def pick(scores: Mapping[str, RelayScore], candidates: Iterable[str], rng: random.Random,
+         load: Mapping[str, int] | None = None) -> str:
+    """One of ``candidates`` (relays that advertise the shard), drawn with probability proportional to its
+    weight divided by 1 + ``load[relay]``, the picker's downloads in flight from that relay.
+
+    The division spreads one client's parallel downloads over its relays. Without it they pile on
+    whichever relay measured fastest a few seconds ago; its downloads then slow down, the other relay
+    idles unmeasured, and a client's last shards can all wait on one relay while the other has nothing
+    to do (WAN testbed, 2 relays, 4 clients: one uplink idle for seconds at a time).
 
     >>> s = {"fast": RelayScore(bandwidth=9.0), "slow": RelayScore(bandwidth=1.0)}
     >>> rng = random.Random(0)
     >>> sum(pick(s, ["fast", "slow"], rng) == "fast" for _ in range(1000))  # ~900
     896
+    >>> sum(pick(s, ["fast", "slow"], rng, load={"fast": 8}) == "fast" for _ in range(1000))  # 9/9 : 1/1, ~500
+    491
     """
     cands = sorted(candidates)
     if not cands:
         raise ValueError("no relay to pick from")
     w = weights({r: scores[r] for r in cands})
-    return rng.choices(cands, weights=[w[r] for r in cands])[0]
+    load = load or {}
+    return rng.choices(cands, weights=[w[r] / (1 + load.get(r, 0)) for r in cands])[0]

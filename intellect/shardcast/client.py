@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,6 +377,7 @@ class ShardcastClient:
                                                    errors, done, ref))
                 if ref is not None:
                     unheld, busy = [], {e.index for e, _, _ in inflight.values()}
+                    load = Counter(r for _, r, _ in inflight.values())
                     while pending and len(inflight) < cfg.parallel:
                         index = heapq.heappop(pending)
                         s, relays = view.shard(index), view.holders.get(index)
@@ -386,7 +388,8 @@ class ShardcastClient:
                             continue
                         fresh = [r for r in relays if r not in tries.get(index, [])] or relays
                         with self._lock:
-                            relay = pick(self.scores, fresh, self.rng)
+                            relay = pick(self.scores, fresh, self.rng, load)
+                        load[relay] += 1
                         tries.setdefault(index, []).append(relay)
                         fut = pool.submit(download_shard, self._conns, relay, version, s, asm.sink(ref, s),
                                           deadline, chain_before(ref, s))

@@ -21,6 +21,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -53,6 +54,7 @@ class Relay:
         self._mine: dict[int, dict[int, ShardEntry]] = {}  # what this relay lists, by version
         self._missing: dict[int, set[int]] = {}  # listed upstream, not held here, not being fetched
         self._inflight: set[tuple[int, int]] = set()
+        self._load: Counter[str] = Counter()  # downloads in flight from each upstream
         self._newest = -1  # the newest version an upstream listed
         self._idle = False  # the last pass found nothing to mirror: the next one may wait upstream
         store.clean_temp()
@@ -184,7 +186,8 @@ class Relay:
         t0 = time.monotonic()
         try:
             with self._lock:
-                upstream = pick(self.scores, upstreams, self.rng)
+                upstream = pick(self.scores, upstreams, self.rng, self._load)
+                self._load[upstream] += 1
             fd = os.open(tmp, os.O_WRONLY)
             try:
                 preallocate(fd, 0, entry.size)
@@ -211,6 +214,8 @@ class Relay:
         finally:
             tmp.unlink(missing_ok=True)
             with self._lock:
+                if upstream is not None:
+                    self._load[upstream] -= 1
                 self._inflight.discard((version, entry.index))
                 if not held and version in self._missing:  # fetched again on a later pass
                     self._missing[version].add(entry.index)

@@ -100,6 +100,24 @@ def test_pick_follows_bandwidth_and_never_leaves_the_candidates():
         pick(s, [], rng)
 
 
+def test_pick_spreads_a_clients_downloads_over_its_relays():
+    # a measured 3:1 faster relay, but the picker already has 5 downloads in flight there and none at
+    # the other: 3/6 against 1/1, so the idle relay is picked 2 times in 3
+    s = {"a": RelayScore(bandwidth=3e8), "b": RelayScore(bandwidth=1e8)}
+    rng = random.Random(2)
+    picks = [pick(s, ["a", "b"], rng, load={"a": 5}) for _ in range(3000)]
+    assert 0.62 < picks.count("b") / 3000 < 0.71
+    # filling 4 slots from scratch, counting each pick as in flight: never all 4 on one relay as
+    # often as independent draws would put them there (0.75^4 + 0.25^4 = 32%)
+    same = 0
+    for _ in range(2000):
+        load = {"a": 0, "b": 0}
+        for _ in range(4):
+            load[pick(s, ["a", "b"], rng, load)] += 1
+        same += 4 in load.values()
+    assert same / 2000 < 0.13  # 9.8% expected
+
+
 def test_every_weight_stays_positive_and_unmeasured_relays_are_tried_early():
     s = {"dead": RelayScore(success=0.0, bandwidth=1e9), "new": RelayScore(), "known": RelayScore(bandwidth=2e8)}
     w = weights(s)
