@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
     r.add_argument("--parallel", type=int, default=RelayConfig.model_fields["parallel"].default,
                    help="Shards fetched at once (default %(default)s).")
     r.add_argument("--poll", type=float, default=0.05, help="Seconds between looks upstream (default 0.05).")
+    r.add_argument("--min-rate", type=float, default=RelayConfig.model_fields["min_rate"].default,
+                   help="Bytes/s under which a shard's download is abandoned and fetched again (default %(default)s).")
     c = sub.add_parser("client", help="download a version from relays")
     c.add_argument("--relay", action="append", required=True, help="Relay base URL (repeatable).")
     c.add_argument("--version", type=int, help="Version to fetch (default: the newest complete one).")
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
         from intellect.shardcast.relay import Relay
 
         store = VersionStore(args.data_dir)
-        cfg = RelayConfig(upstreams=args.upstream, keep=args.keep, parallel=args.parallel, poll_interval=args.poll)
+        cfg = RelayConfig(upstreams=args.upstream, keep=args.keep, parallel=args.parallel, poll_interval=args.poll,
+                          min_rate=args.min_rate)
         return _serve(args, store, Relay(store, cfg))
     from intellect.shardcast.client import ShardcastClient, ShardcastError
 

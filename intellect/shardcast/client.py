@@ -24,11 +24,14 @@ from __future__ import annotations
 import hashlib
 import heapq
 import http.client
+import itertools
 import logging
+import math
 import os
 import random
 import select
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -62,6 +65,66 @@ class ShardError(Exception):
     """One try of one shard failed."""
 
 
+class _Deadlines:
+    """Shuts a download's socket down when its deadline passes: one thread for all of a process's downloads.
+
+    Read timeouts bound each wait, not a download: a server that sends a byte now and then, in the
+    body or the headers, would otherwise hold a download thread (and a client's fetch past its
+    deadline) for days.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, socket.socket]] = []
+        self._armed: set[int] = set()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def arm(self, sock: socket.socket, deadline: float) -> int | None:
+        if deadline == math.inf:
+            return None
+        with self._cv:
+            key = next(self._seq)
+            heapq.heappush(self._heap, (deadline, key, sock))
+            self._armed.add(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shardcast-deadlines", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return key
+
+    def disarm(self, key: int | None) -> None:
+        if key is not None:
+            with self._cv:
+                self._armed.discard(key)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                while self._heap and self._heap[0][1] not in self._armed:
+                    heapq.heappop(self._heap)  # finished in time
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                deadline, key, sock = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                self._armed.discard(key)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
+                except OSError:
+                    pass
+
+
 class ShardConnections:
     """Kept-alive HTTP/1.1 connections for shard bodies, a few per server, and one reused buffer per thread.
 
@@ -80,6 +143,7 @@ class ShardConnections:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
+        self.deadlines = _Deadlines()
 
     def buffer(self) -> memoryview:
         buf = getattr(self._local, "buf", None)
@@ -118,6 +182,7 @@ class ShardConnections:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
+        self.deadlines.close()
         for conns in idle.values():
             for conn in conns:
                 conn.close()
@@ -146,17 +211,20 @@ def download_shard(conns: ShardConnections, base: str, version: int, entry: Shar
     chained = chain.AVAILABLE and start is not None and entry.chain is not None
     h = chain.ChainedSha256(start, entry.offset) if chained else hashlib.sha256()
     path = f"{urlsplit(base).path.rstrip('/')}/v/{version}/shard/{entry.index}"
-    conn = None
+    conn = guard = None
     try:
         conn, reused = conns.take(base)
+        guard = conns.deadlines.arm(conn.sock, deadline)
         try:
             conn.request("GET", path)
             r = conn.getresponse()
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            if not reused:
+            if not reused or time.monotonic() >= deadline:
                 raise
             conn.close()  # closed by the server just as it was reused: once more, on a new connection
+            conns.deadlines.disarm(guard)
             conn, _ = conns.take(base, fresh=True)
+            guard = conns.deadlines.arm(conn.sock, deadline)
             conn.request("GET", path)
             r = conn.getresponse()
         if r.status != 200:
@@ -176,11 +244,13 @@ def download_shard(conns: ShardConnections, base: str, version: int, entry: Shar
             h.update(piece)  # while the piece is still in this core's cache
             sink(pos, piece)
             pos += got
-            if time.monotonic() > deadline:
-                raise ShardError("deadline passed mid-shard")
+        conns.deadlines.disarm(guard)
     except BaseException as e:
+        conns.deadlines.disarm(guard)
         if conn is not None:
             conn.close()  # mid-answer: nothing more can be read from it in step
+        if time.monotonic() >= deadline and isinstance(e, (ShardError, http.client.HTTPException, OSError)):
+            raise ShardError("deadline passed mid-shard") from e
         if isinstance(e, (http.client.HTTPException, OSError)):
             raise ShardError(f"{type(e).__name__}: {e}") from e
         raise

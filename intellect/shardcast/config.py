@@ -46,6 +46,10 @@ class RelayConfig(StrictModel):
     poll_interval: float = Field(0.05, gt=0, le=60, description="Seconds between looks at the upstreams.")
     connect_timeout: float = Field(5.0, gt=0, le=600, description="Seconds to open a connection upstream.")
     read_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds an upstream may stay silent mid-request.")
+    min_rate: float = Field(
+        65536.0, gt=0, le=1e12, description="Bytes/s under which a shard's download is abandoned and fetched again "
+        "on a later pass: each may take read_timeout + its size / min_rate seconds in all (16 MiB: 286 s by default), "
+        "so an upstream that sends a byte now and then cannot hold a download thread.")
 
 
 class ShardcastConfig(StrictModel):

@@ -192,7 +192,7 @@ class Relay:
             try:
                 preallocate(fd, 0, entry.size)
                 download_shard(self._conns, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
-                               float("inf"), start)
+                               t0 + self.cfg.read_timeout + entry.size / self.cfg.min_rate, start)
             finally:
                 os.close(fd)
             with self._lock:

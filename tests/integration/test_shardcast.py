@@ -437,6 +437,109 @@ def test_shard_requests_fail_cleanly_on_bad_answers():
         download_shard(ShardConnections(1.0, 1.0, 1), base, 1, entry, sink, time.monotonic() + 10)
 
 
+class _Dripping(http.server.BaseHTTPRequestHandler):
+    """Forwards every request to ``upstream`` but sends shards a byte every 0.2 s, headers (``drip_head``)
+    or body: each read succeeds within any read timeout, and a shard takes forever."""
+
+    upstream = ""
+    drip_head = False
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if "/shard/" not in self.path:
+            r = httpx.get(self.upstream + self.path, timeout=10)
+            self.send_response(r.status_code)
+            self.send_header("Content-Length", str(len(r.content)))
+            self.end_headers()
+            self.wfile.write(r.content)
+            return
+        r = httpx.get(self.upstream + self.path, timeout=10)
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(r.content)}\r\n\r\n".encode()
+        data = (head + r.content) if self.drip_head else r.content
+        if not self.drip_head:
+            self.wfile.write(head)
+        try:
+            for i in range(len(data)):
+                self.wfile.write(data[i: i + 1])
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:  # the downloader gave up
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+def _drip_server(upstream: str, drip_head: bool = False) -> http.server.ThreadingHTTPServer:
+    handler = type("Drip", (_Dripping,), {"upstream": upstream, "drip_head": drip_head})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("drip_head", [False, True], ids=["body", "headers"])
+def test_a_server_dripping_a_shard_cannot_hold_a_download_past_its_deadline(tmp_path, drip_head):
+    from intellect.shardcast.client import ShardConnections, ShardError, download_shard
+
+    origin_store = VersionStore(tmp_path / "origin")
+    checkpoint(tmp_path / "ckpt", 1)
+    m = publish_folder(origin_store, 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    server = Server(origin_store, bind("127.0.0.1", 0)).start()
+    drip = _drip_server(server.url, drip_head)
+    conns = ShardConnections(connect_timeout=1.0, read_timeout=1.0, per_server=1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ShardError, match="deadline passed"):  # every read came within its 1 s timeout
+            download_shard(conns, f"http://127.0.0.1:{drip.server_address[1]}", 1, m.shards[0],
+                           lambda pos, piece: None, time.monotonic() + 1.5)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        conns.close()
+        drip.shutdown()
+        drip.server_close()
+        server.stop()
+
+
+def test_a_relay_abandons_a_dripping_upstream_and_mirrors_from_another(tmp_path):
+    from intellect.shardcast.config import RelayConfig
+    from intellect.shardcast.relay import Relay
+
+    files = checkpoint(tmp_path / "ckpt", 4)
+    origin_store = VersionStore(tmp_path / "origin")
+    publish_folder(origin_store, 1, tmp_path / "ckpt", shard_size=MIB, keep=5)
+    server = Server(origin_store, bind("127.0.0.1", 0)).start()
+    drip = _drip_server(server.url)
+    dripping = f"http://127.0.0.1:{drip.server_address[1]}"
+    store = VersionStore(tmp_path / "relay")
+    # a 1 MiB shard may take 1 s + 1 MiB / (1 MiB/s) = 2 s
+    relay = Relay(store, RelayConfig(upstreams=[dripping, server.url], parallel=2, read_timeout=1.0,
+                                     min_rate=MIB), seed=0)
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ((m := store.manifest(1)) is not None and m.complete):
+            assert time.monotonic() < deadline, "the relay did not mirror the version"
+            time.sleep(0.05)
+        assert relay.scores[dripping].failures >= 1  # it was tried, held a thread for 2 s, and was left
+        relay_server = Server(store, bind("127.0.0.1", 0)).start()
+        try:
+            with ShardcastClient([relay_server.url], fast()) as client:
+                client.fetch(1, tmp_path / "out")
+            assert_same(tmp_path / "out", files)
+        finally:
+            relay_server.stop()
+    finally:
+        stop.set()
+        thread.join(10)
+        relay.close()
+        drip.shutdown()
+        drip.server_close()
+        server.stop()
+
+
 def test_path_traversal_is_refused(cdn, tmp_path):
     (tmp_path / "secret.txt").write_text("secret")
     checkpoint(tmp_path / "ckpt", 1)
