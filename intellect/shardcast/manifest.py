@@ -4,12 +4,11 @@ A version is the concatenation of its files in manifest order (the *blob*), cut 
 ``shard_size`` bytes (the last one shorter). The manifest lists every file with its offset in the
 blob and every shard with its offset, size, SHA-256 and the blob's SHA-256 chaining value at its end
 (:mod:`~intellect.shardcast.chain`), plus the whole blob's SHA-256 once the version is ``complete``.
-The origin rewrites the manifest as each shard lands, so a reader may see a manifest that lists
-only the first shards and the files begun so far (``size`` None for the file still being written);
-every shard listed is final.
-
-Relays serve a manifest restricted to the shards they hold (:meth:`Manifest.holding`), so a
-manifest never advertises a byte the server cannot send.
+While a version is being written, a server lists its shards as they land (the store's listing
+log; readers follow it by :class:`ManifestDelta`), so a reader may see a manifest that lists only the
+first shards and the files begun so far (``size`` None for the file still being written); every
+shard listed is final. A relay lists only the shards it holds, so a manifest never advertises a
+byte the server cannot send (:meth:`Manifest.holding`: a manifest as such a server would list it).
 
 >>> m = Manifest(version=3, files=[FileEntry(name="config.json", offset=0, size=5),
 ...                                FileEntry(name="model.safetensors", offset=5, size=7)],

@@ -201,8 +201,9 @@ class _Changes:
         seen: list = [self.store.versions()]
         for v in self._watched:
             if v is not None:
+                # the header itself, not its id: a replaced header may be freed and its id reused
                 head, listed = self.store.look(v)
-                seen.append((v, id(head), listed))
+                seen.append((v, head, listed))
         return seen
 
     async def _run(self) -> None:
