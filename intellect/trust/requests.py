@@ -1,0 +1,130 @@
+"""Signed HTTP requests: a participant's key signs every request it makes, and a server checks
+each one once.
+
+The signature covers :func:`request_message`: the audience (which service, e.g. a run name, so a
+request signed for one run is refused by another), the method, the path with its query, the
+sha256 of the body, a timestamp in milliseconds and a random nonce. A server accepts a request
+whose timestamp is within ``window`` seconds of its clock and whose ``(key, nonce)`` it has not
+seen within the window (:class:`ReplayGuard`), so a captured request cannot be sent again, and
+an altered method, path or body fails the signature.
+
+>>> from intellect.trust.keys import SigningKey
+>>> key = SigningKey.from_seed(bytes(32))
+>>> h = sign_request(key, "POST", "/v1/submit?step=3", b"{}", audience="run-a", now=100.0)
+>>> v = RequestVerifier("run-a")
+>>> v.verify("POST", "/v1/submit?step=3", b"{}", h, now=101.0).id == key.public.id
+True
+>>> try:
+...     v.verify("POST", "/v1/submit?step=3", b"{}", h, now=101.0)
+... except AuthError as e:
+...     print(e)
+replay: nonce already used
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import secrets
+import threading
+import time
+from typing import Literal, Mapping
+
+from intellect.trust.canonical import canonical
+from intellect.trust.keys import BadKey, SigningKey, VerifyKey
+
+KEY_HEADER = "x-intellect-key"
+TIME_HEADER = "x-intellect-time"
+NONCE_HEADER = "x-intellect-nonce"
+SIGNATURE_HEADER = "x-intellect-signature"
+HEADERS = (KEY_HEADER, TIME_HEADER, NONCE_HEADER, SIGNATURE_HEADER)
+_DOMAIN = "intellect/request/v1"
+_NONCE_HEX = 32
+
+Reason = Literal["unsigned", "malformed", "stale", "bad_signature", "replay", "busy"]
+
+
+class AuthError(PermissionError):
+    """A request that is refused; ``reason`` is one of :data:`Reason`."""
+
+    def __init__(self, reason: Reason, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def request_message(audience: str, method: str, path: str, body_sha256: str, time_ms: int, nonce: str) -> bytes:
+    """The bytes a request's signature covers (see the module docstring)."""
+    return canonical(_DOMAIN, audience, method.upper(), path, body_sha256, time_ms, nonce)
+
+
+def sign_request(key: SigningKey, method: str, path: str, body: bytes, *, audience: str,
+                 now: float | None = None, nonce: str | None = None) -> dict[str, str]:
+    """The headers that authenticate one request of ``key`` to ``audience``."""
+    time_ms = int((time.time() if now is None else now) * 1000)
+    nonce = nonce or secrets.token_hex(_NONCE_HEX // 2)
+    msg = request_message(audience, method, path, hashlib.sha256(body).hexdigest(), time_ms, nonce)
+    return {KEY_HEADER: key.public.hex, TIME_HEADER: str(time_ms), NONCE_HEADER: nonce,
+            SIGNATURE_HEADER: key.sign(msg).hex()}
+
+
+class ReplayGuard:
+    """The ``(key, nonce)`` pairs seen in the last ``2 * window`` seconds, at most ``capacity`` of them.
+
+    A pair is remembered until no timestamp it could carry is fresh any more. When full, new
+    requests are refused (``busy``) rather than forgetting pairs early, which would reopen replays.
+    """
+
+    def __init__(self, window: float, capacity: int = 1 << 20):
+        self.window, self.capacity = window, capacity
+        self._seen: set[tuple[bytes, str]] = set()
+        self._order: collections.deque[tuple[float, tuple[bytes, str]]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, key: bytes, nonce: str, now: float) -> None:
+        with self._lock:
+            while self._order and self._order[0][0] <= now:
+                self._seen.discard(self._order.popleft()[1])
+            item = (key, nonce)
+            if item in self._seen:
+                raise AuthError("replay", "nonce already used")
+            if len(self._seen) >= self.capacity:
+                raise AuthError("busy", "too many requests in the replay window")
+            self._seen.add(item)
+            self._order.append((now + 2 * self.window, item))
+
+
+class RequestVerifier:
+    """Checks the signed requests of one ``audience`` (see the module docstring)."""
+
+    def __init__(self, audience: str, window: float = 30.0, guard: ReplayGuard | None = None):
+        self.audience, self.window = audience, window
+        self.guard = guard or ReplayGuard(window)
+
+    def verify(self, method: str, path: str, body: bytes, headers: Mapping[str, str],
+               now: float | None = None) -> VerifyKey:
+        """The key that signed this request; :class:`AuthError` when it is unsigned, malformed,
+        stale, mis-signed or a replay. Header names are looked up in lower case."""
+        now = time.time() if now is None else now
+        got = {h: headers.get(h) for h in HEADERS}
+        if any(v is None for v in got.values()):
+            raise AuthError("unsigned", "missing " + ", ".join(h for h, v in got.items() if v is None))
+        try:
+            key = VerifyKey.from_hex(got[KEY_HEADER])
+            time_ms = int(got[TIME_HEADER]) if len(got[TIME_HEADER]) <= 16 else None
+            nonce, sig_hex = got[NONCE_HEADER], got[SIGNATURE_HEADER]
+            if time_ms is None or len(nonce) != _NONCE_HEX or len(sig_hex) != 128:
+                raise ValueError("bad field length")
+            int(nonce, 16)
+            signature = bytes.fromhex(sig_hex)
+        except (BadKey, ValueError) as e:
+            raise AuthError("malformed", str(e)) from None
+        if abs(time_ms / 1000 - now) > self.window:
+            raise AuthError("stale", f"timestamp {time_ms / 1000:.0f} is {time_ms / 1000 - now:+.0f} s off")
+        msg = request_message(self.audience, method, path, hashlib.sha256(body).hexdigest(), time_ms, nonce)
+        if not key.verify(signature, msg):
+            raise AuthError("bad_signature", "signature does not match the request")
+        self.guard.admit(key.raw, nonce, now)  # only signed requests can fill the guard
+        return key
