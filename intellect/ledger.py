@@ -20,10 +20,16 @@ Rules that make a crashed step safe to re-run:
   location whose content hash changed (the file was overwritten) keeps its first verdict and is
   reported in :attr:`RecordResult.conflicts`; the trainer must compare the content hash of each
   row it loads with the one :meth:`Ledger.accepted` returns.
-* **Duplicates.** A sample whose content hash (seed + prompt tokens + output tokens) was already
-  recorded at another location, by any worker, submission or step and with any status, is a copy:
-  if it would have been accepted it is recorded as ``rejected`` / ``duplicate``. Within one call,
-  earlier verdicts win. Honest workers never collide, since their sampling seeds differ.
+* **Duplicates.** A sample whose content hash (seed + prompt tokens + output tokens) is already
+  *accepted* at another location, by any worker, submission or step, is a copy: if it would have
+  been accepted it is recorded as ``rejected`` / ``duplicate``. Within one call the first accepted
+  copy (in table order) wins. Rejected rows never count: otherwise a worker could file a copy of an
+  honest worker's rollouts under an id that sorts first, have it rejected (``assignment``), and so
+  turn the honest rows into duplicates. Honest workers never collide, since their seeds differ.
+* **Bounds.** :meth:`Ledger.record_table` takes status, reward and advantage from a table, so every
+  row is checked first (:func:`check_verdict_table`: known status, a short reason code exactly when
+  rejected, finite reward and advantage within :data:`MAX_ABS_REWARD` and
+  :data:`MAX_ABS_ADVANTAGE`, sane ids and counts); one bad row refuses the whole table, unwritten.
 * A committed step is frozen: :meth:`Ledger.commit_step` is a no-op the second time, and new
   verdicts for it are refused, so what the trainer read (:meth:`Ledger.accepted`) stays what the
   ledger says it trained.
@@ -133,9 +139,103 @@ VERDICT_SCHEMA = pa.schema(
 _PATH_LOCKS: dict[str, threading.Lock] = {}
 _PATH_LOCKS_GUARD = threading.Lock()
 
+#: Largest group a GRPO advantage is normalised over (``SubmissionConfig.group_size`` allows no more).
+MAX_GROUP_SIZE = 1024
+#: Bound on an accepted row's |advantage|: a z-score with the sample std of ``n`` values is at most
+#: ``(n - 1) / sqrt(n)`` (Samuelson's inequality), 31.97 for ``n = 1024``.
+MAX_ABS_ADVANTAGE = 32.0
+#: Bound on any row's |reward| and |advantage| (``RolloutLimits`` allows no wider reward range).
+MAX_ABS_REWARD = 1e6
+MAX_FILE_CHARS = 1024
+MAX_TOKENS = 1 << 24  # per sample, prompt or output
+MAX_SUBMISSION = (1 << 31) - 1
+#: A rejection reason is a short machine code (``assignment``, ``toploc_sampling``...).
+REASON_RE = r"^[a-z][a-z0-9_]{0,63}$"
+
 
 class LedgerError(RuntimeError):
     """A ledger operation that would break an invariant (see the module docstring)."""
+
+
+class BadVerdictTable(LedgerError, ValueError):
+    """A verdict table that :meth:`Ledger.record_table` refuses whole; the message names the row and field."""
+
+
+def check_verdict_table(step: int, table: pa.Table) -> None:
+    """Raise :class:`BadVerdictTable` naming the first row and field out of bounds (see the module docstring).
+
+    >>> ok = verdict_table([Verdict("rollouts/step_0/a-0.parquet", -1, 0, "a", 0, "rejected", "schema")])
+    >>> check_verdict_table(0, ok)
+    >>> forged = ok.set_column(5, "status", pa.array(["accepted"]))
+    >>> try:
+    ...     check_verdict_table(0, forged)
+    ... except BadVerdictTable as e:
+    ...     print(e)
+    verdict row 0 (rollouts/step_0/a-0.parquet:-1): row is -1 (a whole file) but not rejected
+    """
+    if table.schema.remove_metadata() != VERDICT_SCHEMA:
+        raise BadVerdictTable(f"not a verdict table: schema {table.schema} is not {VERDICT_SCHEMA}")
+    if not table.num_rows:
+        return
+    c, and_, not_ = table.column, pc.and_kleene, pc.invert
+
+    def within(name: str, lo: float, hi: float) -> Any:
+        return and_(pc.greater_equal(c(name), lo), pc.less_equal(c(name), hi))
+
+    def out(name: str, lo: float, hi: float) -> Any:  # present and outside [lo, hi] (NaN is outside)
+        return and_(pc.is_valid(c(name)), not_(within(name, lo, hi)))
+
+    def unlike(name: str, pattern: str) -> Any:
+        return not_(pc.match_substring_regex(c(name), pattern))
+
+    row, chars = c("row"), pc.utf8_length(c("file"))
+    acc, rej = pc.equal(c("status"), "accepted"), pc.equal(c("status"), "rejected")
+    workers = [w for w in pc.unique(c("worker")).to_pylist() if w is not None]
+    canonical = pa.array([w for w in workers if _is_canonical(w)], pa.string())
+    complete = pc.is_valid(c(_SAMPLE_FIELDS[0]))
+    for f in _SAMPLE_FIELDS[1:]:
+        complete = and_(complete, pc.is_valid(c(f)))
+    checks = [
+        ("status", "is not accepted or rejected", not_(pc.or_kleene(acc, rej))),
+        ("step", f"is not {step} (verdicts for other steps than {step})", pc.not_equal(c("step"), step)),
+        ("file", f"is missing, empty or over {MAX_FILE_CHARS} characters",
+         not_(and_(pc.greater(chars, 0), pc.less_equal(chars, MAX_FILE_CHARS)))),
+        ("row", "is missing or below -1", not_(pc.greater_equal(row, -1))),
+        ("row", "is -1 (a whole file) but not rejected", and_(pc.equal(row, -1), not_(rej))),
+        ("worker", "is not a canonical worker id", not_(pc.is_in(c("worker"), canonical))),
+        ("submission", f"is missing or outside 0..{MAX_SUBMISSION}", not_(within("submission", 0, MAX_SUBMISSION))),
+        ("reason", "is set on an accepted row", and_(acc, pc.is_valid(c("reason")))),
+        ("reason", f"of a rejected row is not a reason code ({REASON_RE})", and_(rej, unlike("reason", REASON_RE))),
+        (", ".join(_SAMPLE_FIELDS), "missing on a sample row", and_(pc.greater_equal(row, 0), not_(complete))),
+        ("content_hash", "is not a hex sha256",
+         and_(pc.is_valid(c("content_hash")), unlike("content_hash", "^[0-9a-f]{64}$"))),
+        ("policy_step", f"is outside 0..{step}", out("policy_step", 0, step)),
+        ("group_id", "is negative", out("group_id", 0, MAX_SUBMISSION)),
+        ("reward", f"is not finite within +-{MAX_ABS_REWARD:g}", out("reward", -MAX_ABS_REWARD, MAX_ABS_REWARD)),
+        ("advantage", f"is not finite within +-{MAX_ABS_REWARD:g}", out("advantage", -MAX_ABS_REWARD, MAX_ABS_REWARD)),
+        ("advantage", f"of an accepted row is over {MAX_ABS_ADVANTAGE:g} in magnitude (no GRPO group of at most "
+                      f"{MAX_GROUP_SIZE} gives that)",
+         and_(acc, out("advantage", -MAX_ABS_ADVANTAGE, MAX_ABS_ADVANTAGE))),
+        ("prompt_tokens", f"is outside 0..{MAX_TOKENS}", out("prompt_tokens", 0, MAX_TOKENS)),
+        ("output_tokens", f"is outside 0..{MAX_TOKENS}", out("output_tokens", 0, MAX_TOKENS)),
+    ]
+    first = None
+    for name, what, bad in checks:
+        bad = pc.fill_null(bad, True)  # a comparison with a missing value is a failed check
+        i = pc.index(bad, True).as_py()
+        if i >= 0 and (first is None or i < first[0]):
+            first = (i, name, what)
+    if first is not None:
+        i, name, what = first
+        where = f"{table['file'][i].as_py()}:{table['row'][i].as_py()}"
+        raise BadVerdictTable(f"verdict row {i} ({where}): {name} {what}")
+
+
+def _is_canonical(worker: str) -> bool:
+    try:
+        return canonical_worker(worker) == worker
+    except ValueError:
+        return False
 
 
 def _now() -> datetime:
@@ -315,12 +415,9 @@ class Ledger:
 
     def record_table(self, step: int, table: pa.Table) -> RecordResult:
         """:meth:`record_verdicts` for verdicts already in a :func:`verdict_table` (e.g. read back from
-        the validator's verdict files); rows are taken in table order."""
-        if table.schema.remove_metadata() != VERDICT_SCHEMA:
-            raise ValueError(f"not a verdict table: schema {table.schema} is not {VERDICT_SCHEMA}")
-        wrong = table.filter(pc.not_equal(table["step"], step))
-        if wrong.num_rows:
-            raise ValueError(f"verdicts for other steps than {step}: {wrong['file'].to_pylist()[:4]}")
+        the validator's verdict files); rows are taken in table order. Every row is checked first
+        (:func:`check_verdict_table`): a bad one raises :class:`BadVerdictTable` and nothing is written."""
+        check_verdict_table(step, table)
         if not table.num_rows:
             return RecordResult(0, 0, 0, 0)
         incoming = table.append_column("ord", pa.array(range(table.num_rows), pa.int64()))
@@ -345,8 +442,9 @@ class Ledger:
                 CREATE OR REPLACE TEMP TABLE fresh AS
                 SELECT b.*,
                     b.status = 'accepted' AND (
-                        EXISTS (SELECT 1 FROM rollouts r WHERE r.content_hash = b.content_hash)
-                        OR row_number() OVER (PARTITION BY b.content_hash ORDER BY b.ord) > 1
+                        EXISTS (SELECT 1 FROM rollouts r WHERE r.content_hash = b.content_hash
+                                AND r.status = 'accepted')
+                        OR row_number() OVER (PARTITION BY b.content_hash, b.status ORDER BY b.ord) > 1
                     ) AS dup
                 FROM batch b ANTI JOIN rollouts r ON r.file = b.file AND r.row_index = b."row"
                 """
@@ -393,10 +491,11 @@ class Ledger:
         )
 
     def is_duplicate(self, content_hash: str, file: str | None = None, row: int | None = None) -> bool:
-        """Whether ``content_hash`` is recorded anywhere other than at ``(file, row)``."""
+        """Whether ``content_hash`` is accepted anywhere other than at ``(file, row)``: whether an accepted
+        verdict on it there would be recorded as ``duplicate``."""
         rows = self._query(
-            "SELECT 1 FROM rollouts WHERE content_hash = ? AND NOT (file IS NOT DISTINCT FROM ? "
-            "AND row_index IS NOT DISTINCT FROM ?) LIMIT 1",
+            "SELECT 1 FROM rollouts WHERE content_hash = ? AND status = 'accepted' "
+            "AND NOT (file IS NOT DISTINCT FROM ? AND row_index IS NOT DISTINCT FROM ?) LIMIT 1",
             [content_hash, file, row],
         )
         return bool(rows)

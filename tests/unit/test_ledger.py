@@ -103,14 +103,17 @@ def test_duplicates_within_one_batch_and_across_steps(ledger):
     assert ledger.record_verdicts(2, [replay]).duplicates == 1 and ledger.accepted(2) == []
 
 
-def test_copy_of_a_rejected_sample_is_still_a_duplicate(ledger):
+def test_a_rejected_copy_does_not_make_the_sample_a_duplicate(ledger):
+    # only accepted rows count (issue 17, attack 4): a rejected copy filed first cannot poison the sample
     ledger.record_verdicts(1, verdicts(1, reject={0}))
     copy = replace(verdicts(1)[0], file="rollouts/step_1/w2-0.parquet", worker="w2")
-    assert ledger.record_verdicts(1, [copy]).duplicates == 1
-    # a rejected copy keeps its own reason
+    assert ledger.record_verdicts(1, [copy]).duplicates == 0
+    assert [a["worker"] for a in ledger.accepted(1)] == ["w2"]
+    # a rejected copy keeps its own reason; an accepted copy of the accepted one is a duplicate
     copy2 = replace(verdicts(1, reject={0})[0], file="rollouts/step_1/w3-0.parquet", worker="w3")
-    ledger.record_verdicts(1, [copy2])
-    assert counts(ledger) == [(1, "rejected", "duplicate", 1), (1, "rejected", "toploc", 2)]
+    copy3 = replace(verdicts(1)[0], file="rollouts/step_1/w4-0.parquet", worker="w4")
+    assert ledger.record_verdicts(1, [copy2, copy3]).duplicates == 1
+    assert counts(ledger) == [(1, "accepted", None, 1), (1, "rejected", "duplicate", 1), (1, "rejected", "toploc", 2)]
 
 
 def test_identical_outputs_with_different_seeds_are_not_duplicates(ledger):

@@ -19,28 +19,47 @@ spaces and the names ``sqrt`` and ``pi``; anything else is ``invalid``
   (``"46"``, ``"+046"``; not ``"46.0"`` nor ``"40+6"``), as in prime-rl's grader;
 * two plain rationals (``"1/2"``, ``"0.5"``, ``"-3/4"``) compare exactly in-process;
 * anything else is parsed by sympy (decimals read as exact rationals) and
-  ``simplify(a - b) == 0`` decides, in a separate worker process with a time
-  and memory limit: a pathological input such as ``9^9^9`` ends as ``timeout``.
+  ``simplify(a - b) == 0`` decides, in a checker process with a time and
+  memory limit: a pathological input such as ``9^9^9`` ends as ``timeout``.
+
+**Budgets.** Everything before the symbolic check is linear in the completion's
+length (``\\boxed{`` is matched from one vectorized pass over the brace depths). The symbolic
+checks run in a bounded pool of ``checkers`` processes shared by every caller
+in the process, so a hung sympy call can be killed without touching the others.
+Each row's check gets ``timeout_s`` (its row budget; over it the row scores 0 as
+``timeout`` and its checker is replaced), and each :func:`math_rewards` call (the
+validator's rows of one file) gets ``file_budget_s`` in all, start-up of a
+replaced checker and waiting for a free one included: once it is spent, the
+file's remaining rows that need the checker score 0 as ``budget``, unchecked.
+A call scores its rows one after another, so one file never holds more than one
+checker, and files scored in parallel threads do not wait for each other while
+no more of them are in flight than there are checkers.
 
 Reasons: ``ok``, ``mismatch``, ``no_answer``, ``invalid``, ``timeout``,
-``error`` (the checker failed, e.g. out of memory), ``bad_reference``.
+``budget``, ``error`` (the checker failed, e.g. out of memory), ``bad_reference``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import re
 import threading
+import time
 from fractions import Fraction
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 from pydantic import Field
 
 from intellect.config import StrictModel
 from intellect.rl.rewards.base import RewardResult, after_thinking
 
-__all__ = ["MathRewardConfig", "equivalent", "extract_answer", "math_reward", "normalize_answer"]
+__all__ = [
+    "MathRewardConfig", "equivalent", "extract_answer", "math_reward", "math_rewards", "normalize_answer",
+    "warm_checkers",
+]
 
 log = logging.getLogger("intellect.rl.rewards")
 
@@ -48,7 +67,18 @@ log = logging.getLogger("intellect.rl.rewards")
 class MathRewardConfig(StrictModel):
     """Limits of the math answer checker."""
 
-    timeout_s: float = Field(2.0, gt=0, le=60, description="Wall-clock limit of one symbolic comparison.")
+    timeout_s: float = Field(
+        2.0, gt=0, le=60,
+        description="Row budget: wall-clock limit of one row's symbolic comparison (over it: 0, `timeout`).",
+    )
+    file_budget_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Wall-clock budget of one math_rewards call (a file's rows) for symbolic checks, waiting "
+        "for a checker included; rows still needing one after it score 0 as `budget`.",
+    )
+    checkers: int = Field(
+        2, ge=1, le=64, description="Most symbolic checker processes in this process, shared by every caller."
+    )
     max_answer_chars: int = Field(
         200, ge=1, le=10000, description="Longer extracted answers (after normalization) are invalid, unparsed."
     )
@@ -68,6 +98,11 @@ _LATEX = [
     (re.compile(r"\\pi\b"), "pi"),
     (re.compile(r"(?<=\d),(?=\d{3}(?!\d))"), ""),  # thousands separators: 1,000 -> 1000
 ]
+_BOXED = re.compile(r"\\boxed\{")
+_OPEN, _CLOSE = ord("{"), ord("}")
+#: An answer this many times longer than ``max_answer_chars`` is invalid before it is even normalized
+#: (normalizing never lengthens an answer, and no answer's markup makes it that much longer).
+_RAW_ANSWER_FACTOR = 16
 _FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
 _SQRT = re.compile(r"\\sqrt\{([^{}]*)\}")
 
@@ -92,15 +127,37 @@ def extract_answer(completion: str) -> str | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        depth, i = 0, start + len("\\boxed")
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[i + 1:j]
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
-    return None
+    """The content of the last ``\\boxed{`` whose brace is closed, in linear time (vectorized).
+
+    A ``{`` closes at the first later point where the brace depth falls below its own; it closes at
+    all when the lowest depth after it is below its own. The last box that closes wins.
+
+    >>> _last_boxed("\\\\boxed{1} \\\\boxed{{2}} \\\\boxed{3"), _last_boxed("\\\\boxed{{") is None
+    ('{2}', True)
+    """
+    last = text.rfind("\\boxed{")
+    if last == -1:
+        return None
+    found = _last_closed_box(text[last:])  # the usual case: the last box closes; only its tail is read
+    if found is not None:
+        return found
+    # The last box is open, so the depth after it never falls below the depth just before it: an
+    # earlier box that closes at all closes before the last one starts.
+    first = text.find("\\boxed{", 0, last)
+    return None if first == -1 else _last_closed_box(text[first:last])
+
+
+def _last_closed_box(seg: str) -> str | None:
+    codes = np.frombuffer(seg.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    depth = np.cumsum((codes == _OPEN).astype(np.int32) - (codes == _CLOSE))  # after each character
+    floor = np.append(np.minimum.accumulate(depth[::-1])[::-1], np.iinfo(np.int32).max)  # lowest from here on
+    opens = np.fromiter((m.end() - 1 for m in _BOXED.finditer(seg)), dtype=np.int64)
+    closed = opens[floor[opens + 1] < depth[opens]]
+    if not closed.size:
+        return None
+    q = int(closed[-1])
+    k = q + 1 + int(np.argmax(depth[q + 1:] < depth[q]))
+    return seg[q + 1:k]
 
 
 def normalize_answer(answer: str) -> str:
@@ -131,25 +188,64 @@ def math_reward(completion: str, reference: str, cfg: MathRewardConfig | None = 
     'invalid'
     """
     cfg = cfg or MathRewardConfig()
+    return _score(completion, reference, cfg, time.monotonic() + cfg.file_budget_s)
+
+
+def math_rewards(
+    completions: Sequence[str],
+    references: Sequence[str],
+    cfg: MathRewardConfig | None = None,
+    *,
+    row_budget_s: float | None = None,
+    total_budget_s: float | None = None,
+) -> list[RewardResult]:
+    """:func:`math_reward` of each ``(completion, reference)`` pair, within budgets: ``row_budget_s``
+    (default ``cfg.timeout_s``) per row's symbolic check and ``total_budget_s`` (default
+    ``cfg.file_budget_s``) for the whole call (see the module docstring). Meant for one file's rows.
+
+    >>> [r.reason for r in math_rewards(["\\\\boxed{46}", "45", ""], ["46", "46", "46"], total_budget_s=1)]
+    ['ok', 'mismatch', 'no_answer']
+    """
+    cfg = cfg or MathRewardConfig()
+    if len(completions) != len(references):
+        raise ValueError(f"{len(completions)} completions but {len(references)} references")
+    if row_budget_s is not None or total_budget_s is not None:
+        cfg = MathRewardConfig(**{
+            **cfg.model_dump(),
+            **({} if row_budget_s is None else {"timeout_s": row_budget_s}),
+            **({} if total_budget_s is None else {"file_budget_s": total_budget_s}),
+        })
+    deadline = time.monotonic() + cfg.file_budget_s
+    return [_score(c, r, cfg, deadline) for c, r in zip(completions, references)]
+
+
+def _score(completion: str, reference: str, cfg: MathRewardConfig, deadline: float) -> RewardResult:
     answer = extract_answer(completion)
     if answer is None:
         return RewardResult(0.0, "no_answer")
-    verdict, detail = equivalent(answer, reference, cfg)
+    verdict, detail = equivalent(answer, reference, cfg, deadline=deadline)
     if verdict == "bad_reference":
         log.warning("math reference %r is not a checkable answer: %s", reference, detail)
     return RewardResult(1.0 if verdict == "ok" else 0.0, verdict, detail)
 
 
-def equivalent(answer: str, reference: str, cfg: MathRewardConfig | None = None) -> tuple[str, str]:
+def equivalent(
+    answer: str, reference: str, cfg: MathRewardConfig | None = None, *, deadline: float | None = None
+) -> tuple[str, str]:
     """Compare an extracted answer with the reference: ``(reason, detail)``, reason ``ok`` if equal.
+    A symbolic check ends by ``deadline`` (``time.monotonic()``; default ``cfg.file_budget_s`` from now).
 
     >>> equivalent("2^10", "1024")[0], equivalent("sqrt(8)", "2*sqrt(2)")[0]
     ('mismatch', 'ok')
     """
     cfg = cfg or MathRewardConfig()
+    if len(reference) > _RAW_ANSWER_FACTOR * cfg.max_answer_chars:
+        return "bad_reference", f"reference of {len(reference)} characters is too long"
     ref = normalize_answer(reference)
     if not _checkable(ref, cfg):
-        return "bad_reference", f"reference {reference!r} is not a number or simple expression"
+        return "bad_reference", f"reference {reference[:80]!r} is not a number or simple expression"
+    if len(answer) > _RAW_ANSWER_FACTOR * cfg.max_answer_chars:
+        return "invalid", f"answer of {len(answer)} characters is too long"
     got = normalize_answer(answer)
     if not _checkable(got, cfg):
         return "invalid", f"{answer[:80]!r} is not a number or simple expression"
@@ -160,7 +256,7 @@ def equivalent(answer: str, reference: str, cfg: MathRewardConfig | None = None)
     a, b = _rational(got), _rational(ref)
     if a is not None and b is not None:
         return ("ok", "") if a == b else ("mismatch", "")
-    return _CHECKER.check(got, ref, cfg)
+    return _CHECKER.check(got, ref, cfg, time.monotonic() + cfg.file_budget_s if deadline is None else deadline)
 
 
 def _checkable(s: str, cfg: MathRewardConfig) -> bool:
@@ -217,52 +313,165 @@ def _serve(conn: Any, memory_mb: int) -> None:
 
 
 class _Checker:
-    """One persistent worker process, killed and replaced after a timeout.
+    """One checker process, started without waiting; killed and started again after a timeout.
 
-    A separate process because sympy can run forever (or exhaust memory) on short
-    inputs, and a thread cannot be stopped; "spawn" so that the worker neither
-    inherits the validator's address space (an RLIMIT_AS would be meaningless) nor
-    its threads' locks.
+    A separate process because sympy can run forever (or exhaust memory) on short inputs, and a
+    thread cannot be stopped; "spawn" so that the worker neither inherits the validator's address
+    space (an RLIMIT_AS would be meaningless) nor its threads' locks. Used by one caller at a time
+    (the pool hands it out).
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._proc: Any = None
         self._conn: Any = None
         self._memory_mb = 0
+        self._ready = False
 
-    def check(self, a: str, b: str, cfg: MathRewardConfig) -> tuple[str, str]:
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive() or self._memory_mb != cfg.memory_mb:
-                self._restart(cfg.memory_mb)
-            try:
-                self._conn.send((a, b))
-                if not self._conn.poll(cfg.timeout_s):
-                    self._stop()
-                    return "timeout", f"no verdict within {cfg.timeout_s:g}s"
-                return self._conn.recv()
-            except (EOFError, OSError) as exc:
-                self._stop()
-                return "error", f"checker process died: {exc!r}"
-
-    def _restart(self, memory_mb: int) -> None:
-        self._stop()
+    def start(self, memory_mb: int) -> None:
+        self.stop()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, memory_mb), daemon=True, name="math-reward-checker")
         proc.start()
         child.close()
-        if not parent.poll(120) or parent.recv() != "ready":
-            proc.kill()
-            raise RuntimeError("the math checker process did not start within 120s")
-        self._proc, self._conn, self._memory_mb = proc, parent, memory_mb
+        self._proc, self._conn, self._memory_mb, self._ready = proc, parent, memory_mb, False
 
-    def _stop(self) -> None:
+    def wait_ready(self, memory_mb: int, timeout: float) -> bool:
+        """Whether the process is up (started first if needed) within ``timeout`` seconds."""
+        if self._proc is None or not self._proc.is_alive() or self._memory_mb != memory_mb:
+            self.start(memory_mb)
+        if not self._ready:
+            try:
+                self._ready = self._conn.poll(max(timeout, 0)) and self._conn.recv() == "ready"
+            except (EOFError, OSError):
+                self.stop()
+        return self._ready
+
+    def check(self, a: str, b: str, limit: float) -> tuple[str, str] | None:
+        """The verdict on ``a`` against ``b``, or ``None`` when none came within ``limit`` seconds
+        (the process is then replaced)."""
+        try:
+            self._conn.send((a, b))
+            if not self._conn.poll(limit):
+                self.start(self._memory_mb)  # kills the busy one; the new one warms up meanwhile
+                return None
+            return self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self.stop()
+            return "error", f"checker process died: {exc!r}"
+
+    def stop(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc.join(5)
             self._conn.close()
         self._proc = self._conn = None
+        self._ready = False
 
 
-_CHECKER = _Checker()
+class _Waiter:
+    """A caller queued for a checker: :meth:`_CheckerPool._release` hands one over and sets the event."""
+
+    __slots__ = ("event", "checker")
+
+    def __init__(self) -> None:
+        self.event, self.checker = threading.Event(), None
+
+
+class _CheckerPool:
+    """At most ``cfg.checkers`` :class:`_Checker` processes, each lent to one caller at a time. A freed
+    checker goes to the longest-waiting caller first, so callers take turns: a file whose rows keep
+    coming back for a checker cannot keep it from another file's rows."""
+
+    _START_LIMIT_S = 120.0  # a checker that is not up by then failed to start
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Checker] = []
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._count = 0
+
+    def _acquire(self, size: int, deadline: float) -> _Checker | None:
+        with self._lock:
+            if self._idle and not self._waiters:
+                return self._idle.pop()  # the most recently used: warm
+            if self._count < size:
+                self._count += 1
+                return _Checker()
+            waiter = _Waiter()
+            self._waiters.append(waiter)
+        waiter.event.wait(max(deadline - time.monotonic(), 0))
+        with self._lock:
+            if waiter.checker is None:
+                self._waiters.remove(waiter)
+            return waiter.checker
+
+    def _release(self, checker: _Checker, size: int) -> None:
+        with self._lock:
+            surplus = not self._waiters and self._count > size
+            if self._waiters:
+                waiter = self._waiters.popleft()
+                waiter.checker = checker
+                waiter.event.set()
+            elif surplus:
+                self._count -= 1
+            else:
+                self._idle.append(checker)
+        if surplus:
+            checker.stop()
+
+    def check(self, a: str, b: str, cfg: MathRewardConfig, deadline: float) -> tuple[str, str]:
+        """``simplify(a - b) == 0`` on a checker: ``(reason, detail)``, within ``cfg.timeout_s`` of the
+        check's start and ``deadline`` (waiting for a free checker and its start-up included)."""
+        checker = self._acquire(cfg.checkers, deadline)
+        if checker is None:
+            return "budget", "no checker was free before the file's budget ran out"
+        try:
+            started = time.monotonic()
+            if not checker.wait_ready(cfg.memory_mb, min(deadline - started, self._START_LIMIT_S)):
+                if checker._proc is None:
+                    return "error", "the checker process died while starting"
+                if time.monotonic() - started >= self._START_LIMIT_S:
+                    checker.stop()  # hung while starting: the next caller starts a fresh one
+                    return "error", f"the checker process did not start within {self._START_LIMIT_S:g}s"
+                return "budget", "the file's budget ran out while a checker started"
+            limit = min(cfg.timeout_s, deadline - time.monotonic())
+            if limit <= 0:
+                return "budget", "the file's budget ran out"
+            got = checker.check(a, b, limit)
+            if got is not None:
+                return got
+            if limit < cfg.timeout_s:
+                return "budget", f"the file's budget ran out after {limit:.2g}s of this check"
+            return "timeout", f"no verdict within {cfg.timeout_s:g}s"
+        finally:
+            self._release(checker, cfg.checkers)
+
+    def warm(self, cfg: MathRewardConfig, timeout_s: float) -> int:
+        """Start the free checkers up to ``cfg.checkers`` and wait for them; how many are up."""
+        deadline = time.monotonic() + timeout_s
+        held: list[_Checker] = []
+        with self._lock:
+            while self._idle or self._count < cfg.checkers:
+                if self._idle:
+                    held.append(self._idle.pop())
+                else:
+                    self._count += 1
+                    held.append(_Checker())
+        try:
+            for c in held:
+                if c._proc is None:
+                    c.start(cfg.memory_mb)  # all start at once, then each is waited for
+            return sum(c.wait_ready(cfg.memory_mb, deadline - time.monotonic()) for c in held)
+        finally:
+            for c in held:
+                self._release(c, cfg.checkers)
+
+
+_CHECKER = _CheckerPool()
+
+
+def warm_checkers(cfg: MathRewardConfig | None = None, timeout_s: float = 120.0) -> int:
+    """Start ``cfg.checkers`` symbolic checker processes now (e.g. when the validator starts), so that
+    the first files are not charged their start-up; returns how many are up within ``timeout_s``."""
+    return _CHECKER.warm(cfg or MathRewardConfig(), timeout_s)
