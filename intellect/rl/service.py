@@ -1,0 +1,466 @@
+"""The submission service: the one door through which untrusted RL workers reach a run.
+
+An ASGI app on uvicorn (h11, one asyncio loop, in a thread of the trainer's process), listening on
+127.0.0.1 unless configured otherwise. Every request but ``/v1/health`` is signed with the worker's
+key (:mod:`intellect.trust.requests`, audience = the run name); the worker id is
+:func:`~intellect.trust.keys.key_id` of that key, never a name the worker sends. Routes::
+
+    GET  /v1/health                     {"ok": true} (unsigned: for readiness probes)
+    POST /v1/register                   admit the key: allowlist, or open with a per-address rate limit
+    GET  /v1/run                        the run's description (``run_info()``, served as is)
+    GET  /v1/assignment?step=N&k=K      the tasks of submission K at step N, in group order
+    PUT  /v1/submissions/N/K            local storage: the body is the Parquet file; the service writes
+                                        ``rollouts/step_N/<id>-K.parquet`` itself, once
+    POST /v1/uploads/N/K                S3: {"sha256", "size"} -> a presigned POST for that one key and
+                                        exactly that many bytes; the declared sha256 is recorded
+    POST /v1/done/N                     {"files": [...], "policy_step": P}: the worker's done marker
+    GET  /v1/status?step=N              {"submissions": [K, ...], "done": bool} of the calling worker
+
+Every refusal is a 4xx (5xx only for the service's own trouble) with
+``{"reason": ..., "detail": ...}``, the reason one of :data:`~intellect.rl.admission.REASONS`. Bodies
+are capped while they stream in (Content-Length is checked first but never trusted alone), hashed
+as they arrive and kept in memory only up to 1 MiB, so an upload costs no more memory than that,
+whatever its size. What was stored is in :class:`~intellect.rl.admission.Registry` under
+``state_dir``, which only the trainer writes; a restarted service reloads it and still refuses to
+write any name twice. Its replay guard lives in memory, so a request captured in the last
+``request_window`` seconds could be sent again after a restart: every route is idempotent (a stored
+name answers its record, a done record its equal), so such a replay changes nothing. Each refusal
+is logged and kept (:meth:`SubmissionService.refusals`). Workers hold no storage credentials: the service writes local files, and on
+S3 hands out presigned POSTs that real S3 limits to the one key and the exact size (its policy
+conditions); the validator compares each file with the sha256 recorded here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+
+import uvicorn
+from pydantic import Field, field_validator
+
+from intellect.config import StrictModel
+from intellect.rl.admission import (
+    DoneBody, DoneRecord, Empty, RateLimiter, Refusal, Registry, Request, SubmissionRecord, UploadBody, parse_json,
+    parse_request, precheck, query_ints, verify_digest,
+)
+from intellect.rl.assignment import assign_prompts
+from intellect.rl.rollouts import submission_path
+from intellect.shardcast.server import bind
+from intellect.trust.keys import VerifyKey
+from intellect.trust.requests import AuthError, RequestVerifier
+
+if TYPE_CHECKING:
+    from intellect.data.loaders import MathTask
+    from intellect.storage import RunStorage
+
+__all__ = ["DoneRecord", "ServiceConfig", "SubmissionRecord", "SubmissionService"]
+
+log = logging.getLogger("intellect.rl.service")
+
+_SPILL = 1 << 20  # bodies past this go to a spool file: memory per upload stays bounded
+
+
+class ServiceConfig(StrictModel):
+    """Where the submission service listens and what it admits."""
+
+    host: str = Field("127.0.0.1", min_length=1, max_length=255,
+                      description="Listen address; 127.0.0.1 keeps the service on this machine.")
+    port: int = Field(0, ge=0, le=65535, description="Listen port; 0 picks a free one.")
+    admission: Literal["allowlist", "open"] = Field(
+        "open", description="allowlist: only the keys in `allowlist`; open: any key, registrations rate-limited.")
+    allowlist: list[str] = Field(default_factory=list, max_length=1 << 16,
+                                 description="Hex Ed25519 public keys admitted in allowlist mode.")
+    registrations_per_minute: int = Field(10, ge=1, le=1 << 20,
+                                          description="New keys admitted per client address per minute (open).")
+    max_workers: int = Field(10_000, ge=1, le=1 << 24, description="Most admitted workers.")
+    max_body_bytes: int = Field(64 << 20, ge=1024, le=1 << 40, description="Largest upload (one Parquet file).")
+    max_json_bytes: int = Field(64 << 10, ge=1024, le=_SPILL, description="Largest JSON body.")
+    max_concurrent_uploads: int = Field(16, ge=1, le=4096,
+                                        description="Uploads read at once; more are refused as busy.")
+    max_connections: int = Field(1024, ge=8, le=1 << 16, description="Open connections; more get 503.")
+    request_window: float = Field(30.0, ge=1, le=3600,
+                                  description="Seconds a signed request's timestamp may be off the service's clock.")
+    max_submissions_per_step: int = Field(64, ge=1, le=1 << 16, description="Submissions per worker per step.")
+    ahead: int = Field(2, ge=0, le=1 << 20,
+                       description="Steps past the newest committed one a worker may submit for.")
+    presign_expiry: int = Field(900, ge=1, le=7 * 86400, description="Seconds a presigned POST stays valid (S3).")
+
+    @field_validator("allowlist")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        return [VerifyKey.from_hex(k.lower()).hex for k in keys]
+
+
+class _Body:
+    """A request body as it streams in: hashed, in memory up to :data:`_SPILL` bytes, then on disk."""
+
+    def __init__(self, spool: Path):
+        self.spool, self.sha, self.size = spool, hashlib.sha256(), 0
+        self.buf, self.file, self.path = bytearray(), None, None
+
+    def add(self, chunk: bytes) -> None:
+        self.sha.update(chunk)
+        self.size += len(chunk)
+        if self.file is None and len(self.buf) + len(chunk) > _SPILL:
+            fd, self.path = tempfile.mkstemp(prefix="body-", dir=self.spool)
+            self.file = os.fdopen(fd, "wb")
+            self.file.write(self.buf)
+            self.buf = bytearray()
+        if self.file is not None:
+            self.file.write(chunk)
+        else:
+            self.buf += chunk
+
+    def store(self, storage: RunStorage, rel: str) -> None:
+        if self.file is None:
+            storage.write_bytes(rel, bytes(self.buf))
+        else:
+            self.file.flush()
+            storage.put_file(self.path, rel)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            os.unlink(self.path)
+            self.file = None
+
+
+async def _send(send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status >= 400:  # a refused body may still be arriving: end the connection, do not read it to its end
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class SubmissionService:
+    """The service of one run (see the module docstring); :meth:`start` serves it in a thread."""
+
+    def __init__(self, cfg: ServiceConfig, *, run: str, storage: RunStorage, state_dir: str | os.PathLike,
+                 run_info: Callable[[], dict], tasks: Sequence[MathTask], prompts_per_submission: int,
+                 committed: int = 0):
+        if not 1 <= prompts_per_submission <= len(tasks):
+            raise ValueError(f"cannot assign {prompts_per_submission} prompts from {len(tasks)} tasks")
+        self.cfg, self.run, self.storage = cfg, run, storage
+        self.tasks, self.prompts_per_submission = list(tasks), prompts_per_submission
+        self._run_info = run_info
+        self.registry = Registry(state_dir)
+        self.spool = Path(state_dir) / "spool"
+        self.spool.mkdir(mode=0o700, exist_ok=True)
+        for stale in self.spool.glob("body-*"):  # bodies of requests a crash cut short
+            stale.unlink()
+        self.verifier = RequestVerifier(run, window=cfg.request_window)
+        self.limiter = RateLimiter(cfg.registrations_per_minute)
+        self._allow = set(cfg.allowlist)
+        self._committed = committed
+        self._refusals: collections.deque[dict] = collections.deque(maxlen=1000)
+        self._reading = 0  # uploads being read (only the event loop's thread touches it)
+        self._s3 = self._presigner() if storage.scheme == "s3" else None
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="submission-io")
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock = None
+        self.url = ""
+
+    # ---------------------------------------------------------------- the trainer's side
+
+    @property
+    def committed(self) -> int:
+        return self._committed
+
+    @property
+    def uploads_reading(self) -> int:
+        """Uploads whose bodies are being read now (at most ``cfg.max_concurrent_uploads``)."""
+        return self._reading
+
+    def set_committed(self, step: int) -> None:
+        """The newest committed step: workers may work on steps up to ``step + cfg.ahead``."""
+        self._committed = step
+
+    def submissions(self, step: int) -> list[SubmissionRecord]:
+        """What the service stored (or handed an upload for) at ``step``, in arrival order."""
+        return self.registry.submissions(step)
+
+    def done(self, step: int) -> dict[str, DoneRecord]:
+        """The done records of ``step``, by worker id."""
+        return self.registry.done(step)
+
+    def workers(self) -> list[str]:
+        """Admitted worker ids, in admission order (never sort ids: they can be ground for a prefix)."""
+        return self.registry.workers()
+
+    def worker_key(self, worker: str) -> str | None:
+        """The hex public key of an admitted worker."""
+        key = self.registry.key(worker)
+        return key.hex if key else None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Serve in a daemon thread; returns the base URL once the socket accepts connections."""
+        self._sock = bind(self.cfg.host, self.cfg.port)
+        host, port = self._sock.getsockname()[:2]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any local client as the
+        # client's address, and a flood from 127.0.0.1 could name a fresh address per registration
+        config = uvicorn.Config(self.app, interface="asgi3", http="h11", loop="asyncio", lifespan="off",
+                                log_level="warning", access_log=False, proxy_headers=False, timeout_keep_alive=30,
+                                limit_concurrency=self.cfg.max_connections)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                        name=f"submission-service-{port}")
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"submission service did not start on {self.url} within {timeout:.0f} s")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._pool is None:
+            return
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._sock is not None:
+            self._sock.close()
+        self._pool.shutdown(wait=True)
+        self._pool = None
+        self.registry.close()
+
+    # ---------------------------------------------------------------- HTTP
+
+    async def app(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            status, doc = await self._handle(scope, receive)
+            body = json.dumps(doc).encode()
+        except Refusal as r:
+            self._refused(scope, r)
+            status, body = r.status, json.dumps({"reason": r.reason, "detail": r.detail}).encode()
+        except Exception as e:  # noqa: BLE001 - a request must never take the service down
+            log.exception("submission service: %s %s failed", scope.get("method"), scope.get("path"))
+            status, body = 500, json.dumps({"reason": "internal", "detail": type(e).__name__}).encode()
+        await _send(send, status, body)
+
+    def _refused(self, scope, r: Refusal) -> None:
+        headers = dict(scope.get("headers") or [])
+        key = headers.get(b"x-intellect-key", b"")[:64].decode("latin-1")
+        entry = {"time": time.time(), "client": (scope.get("client") or ("unknown",))[0], "key": key,
+                 "method": scope.get("method"), "path": scope.get("path", "")[:200], "status": r.status,
+                 "reason": r.reason, "detail": r.detail}
+        self._refusals.append(entry)
+        log.info("refused %s %s from %s: %s %s (%s)", entry["method"], entry["path"], entry["client"], r.status,
+                 r.reason, r.detail)
+
+    def refusals(self) -> list[dict]:
+        """The latest refused requests (at most 1,000), oldest first: time, client address, the key they
+        named (unproven), method, path, status, reason and detail."""
+        return list(self._refusals)
+
+    async def _handle(self, scope, receive) -> tuple[int, dict]:
+        if scope["method"] == "GET" and scope["path"] == "/v1/health":
+            return 200, {"ok": True, "run": self.run}
+        req = parse_request(scope)
+        try:
+            key = precheck(req.headers, self.cfg.request_window)
+        except AuthError as e:
+            raise Refusal.auth(e) from None
+        self._admitted(req, key)
+        upload = req.name == "submissions"
+        if upload:
+            if self._s3 is not None:
+                raise Refusal(400, "wrong_mode", "S3 storage: ask POST /v1/uploads/N/K for a presigned POST")
+            if self._reading >= self.cfg.max_concurrent_uploads:
+                raise Refusal(503, "busy", "too many uploads at once; retry")
+            self._reading += 1
+        try:
+            body = await self._read(req, receive, self.cfg.max_body_bytes if upload else self.cfg.max_json_bytes)
+            try:
+                try:
+                    verify_digest(self.verifier, req.method, req.signed_path, body.sha.hexdigest(), req.headers)
+                except AuthError as e:
+                    raise Refusal.auth(e) from None
+                return await getattr(self, "_" + req.name)(req, key, body)
+            finally:
+                body.close()
+        finally:
+            if upload:
+                self._reading -= 1
+
+    def _admitted(self, req: Request, key: VerifyKey) -> None:
+        if self.cfg.admission == "allowlist" and key.hex not in self._allow:
+            raise Refusal(403, "not_allowed", f"key {key.id} is not on the run's allowlist")
+        if req.name != "register" and self.registry.key(key.id) is None:
+            raise Refusal(403, "not_registered", f"key {key.id} is not registered: POST /v1/register first")
+
+    async def _read(self, req: Request, receive, cap: int) -> _Body:
+        declared = req.headers.get("content-length")
+        if declared is not None and not (declared.isascii() and declared.isdigit() and int(declared) <= cap):
+            raise Refusal(413, "too_large", f"body of {declared[:20]} bytes declared, at most {cap}")
+        body = _Body(self.spool)
+        try:
+            more = True
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise Refusal(400, "bad_request", "the client went away mid-body")
+                chunk = msg.get("body", b"")
+                more = msg.get("more_body", False)
+                if body.size + len(chunk) > cap:
+                    raise Refusal(413, "too_large", f"body over {cap} bytes")
+                body.add(chunk)
+        except BaseException:
+            body.close()
+            raise
+        return body
+
+    async def _io(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _step(self, step: int) -> int:
+        if step > self._committed + self.cfg.ahead:
+            raise Refusal(409, "too_far_ahead", f"step {step}: the newest committed step is {self._committed}, "
+                          f"and workers may be at most {self.cfg.ahead} ahead")
+        return step
+
+    def _k(self, k: int) -> int:
+        if k >= self.cfg.max_submissions_per_step:
+            raise Refusal(400, "out_of_range", f"submission index {k}: at most "
+                          f"{self.cfg.max_submissions_per_step} per step (0..{self.cfg.max_submissions_per_step - 1})")
+        return k
+
+    # ---------------------------------------------------------------- routes
+
+    async def _register(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        parse_json(Empty, bytes(body.buf))
+        new = False
+        if self.registry.key(key.id) is None:
+            if self.cfg.admission == "open" and not self.limiter.allow(req.client):
+                raise Refusal(429, "rate_limited", f"at most {self.cfg.registrations_per_minute} new keys "
+                              "per address per minute")
+            new = await self._io(self.registry.admit, key, self.cfg.max_workers)
+            if new:
+                log.info("admitted worker %s from %s", key.id, req.client)
+        return (201 if new else 200), {"worker": key.id, "upload": "presigned" if self._s3 else "body"}
+
+    async def _run(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        query_ints(req)
+        return 200, self._run_info()
+
+    async def _assignment(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        step, k = query_ints(req, "step", "k")
+        self._step(step)
+        self._k(k)
+        idx = assign_prompts(len(self.tasks), key.id, step, k, self.prompts_per_submission)
+        tasks = [{"id": self.tasks[i].id, "prompt": self.tasks[i].prompt, "answer": self.tasks[i].answer} for i in idx]
+        return 200, {"step": step, "k": k, "tasks": tasks}
+
+    async def _status(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        (step,) = query_ints(req, "step")
+        self._step(step)
+        held = sorted(r.k for r in self.registry.submissions(step, key.id))
+        return 200, {"step": step, "submissions": held, "done": key.id in self.registry.done(step)}
+
+    async def _submissions(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        query_ints(req)
+        step, k = self._step(req.args[0]), self._k(req.args[1])
+        if body.size == 0:
+            raise Refusal(400, "bad_request", "an empty submission")
+        status, rec = await self._io(self._store, key.id, step, k, body)
+        return status, asdict(rec)
+
+    def _store(self, worker: str, step: int, k: int, body: _Body) -> tuple[int, SubmissionRecord]:
+        sha, rel = body.sha.hexdigest(), submission_path(step, worker, k)
+        old = self.registry.claim(step, worker, k)
+        if old is not None:
+            if (old.sha256, old.size) == (sha, body.size):
+                return 200, old  # a retry of what is stored: nothing is written
+            raise Refusal(409, "exists", f"{rel} is stored already, with other content")
+        rec = None
+        try:
+            if self.storage.exists(rel):
+                if not self._same_file(rel, sha):
+                    raise Refusal(409, "exists", f"{rel} exists in run storage")
+            else:
+                body.store(self.storage, rel)
+            rec = SubmissionRecord(worker, step, k, rel, sha, body.size, time.time())
+        finally:
+            self.registry.release(step, worker, k, rec)
+        return 201, rec
+
+    def _same_file(self, rel: str, sha: str) -> bool:
+        """Whether the unrecorded file ``rel`` (a crash between its write and its record) has ``sha``."""
+        path = self.storage.local_path(rel)
+        if path is None or path.stat().st_size > self.cfg.max_body_bytes:
+            return False
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest() == sha
+
+    async def _uploads(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        query_ints(req)
+        if self._s3 is None:
+            raise Refusal(400, "wrong_mode", "local storage: PUT the file to /v1/submissions/N/K")
+        step, k = self._step(req.args[0]), self._k(req.args[1])
+        want = parse_json(UploadBody, bytes(body.buf))
+        if want.size > self.cfg.max_body_bytes:
+            raise Refusal(413, "too_large", f"{want.size} bytes declared, at most {self.cfg.max_body_bytes}")
+        return await self._io(self._presign, key.id, step, k, want)
+
+    def _presign(self, worker: str, step: int, k: int, want: UploadBody) -> tuple[int, dict]:
+        rel = submission_path(step, worker, k)
+        old = self.registry.claim(step, worker, k)
+        if old is not None and (old.sha256, old.size) != (want.sha256, want.size):
+            raise Refusal(409, "exists", f"{rel} was declared already, with another sha256 or size")
+        if old is not None and worker in self.registry.done(step):
+            raise Refusal(409, "finished", f"step {step} is finished: no new uploads")
+        rec = old
+        try:
+            bucket, _, obj = self.storage.uri(rel).removeprefix("s3://").partition("/")
+            post = self._s3.generate_presigned_post(
+                Bucket=bucket, Key=obj, Conditions=[["content-length-range", want.size, want.size]],
+                ExpiresIn=self.cfg.presign_expiry)
+            if old is None:
+                rec = SubmissionRecord(worker, step, k, rel, want.sha256, want.size, time.time())
+        finally:
+            if old is None:
+                self.registry.release(step, worker, k, rec)
+        return (200 if old else 201), {"url": post["url"], "fields": post["fields"], "record": asdict(rec)}
+
+    async def _done(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+        query_ints(req)
+        step = self._step(req.args[0])
+        got = parse_json(DoneBody, bytes(body.buf))
+        if len(got.files) > self.cfg.max_submissions_per_step or len(set(got.files)) != len(got.files):
+            raise Refusal(400, "bad_request", f"files must be distinct, at most {self.cfg.max_submissions_per_step}")
+        if got.policy_step > step:
+            raise Refusal(400, "out_of_range", f"policy step {got.policy_step} is after step {step}")
+        rec = DoneRecord(key.id, step, list(got.files), got.policy_step, time.time())
+        new = await self._io(self.registry.finish, rec)
+        return (201 if new else 200), {"worker": key.id, "step": step, "done": True}
+
+    def _presigner(self) -> Any:
+        import boto3  # noqa: PLC0415 - only S3 runs need it
+
+        fs = self.storage.fs  # the run's own S3 credentials: they never leave this process
+        return boto3.client(
+            "s3", endpoint_url=fs.endpoint_url, aws_access_key_id=fs.key, aws_secret_access_key=fs.secret,
+            aws_session_token=getattr(fs, "token", None), region_name=(fs.client_kwargs or {}).get("region_name"))

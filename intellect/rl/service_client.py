@@ -1,0 +1,165 @@
+"""The worker's side of the submission service (:mod:`intellect.rl.service`): signed HTTP calls.
+
+Every request is signed with the worker's key for the run (``audience``); the worker id is the
+key's id, so a client cannot speak for any other worker. Transport errors and ``busy`` answers are
+retried with a fresh signature (each try has its own nonce) a few times with backoff; every call
+is idempotent on the service's side (a repeated upload of the same bytes, a repeated done record,
+a repeated registration answer what is stored), so a retry after a lost answer is safe. Any other
+refusal raises :class:`ServiceError` with the service's reason.
+
+>>> from intellect.trust.keys import SigningKey
+>>> ServiceClient("http://127.0.0.1:1", SigningKey.from_seed(bytes(32)), audience="run-a").worker
+'kfd0408a034418ede3f97'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import httpx
+
+from intellect.rl.admission import SubmissionRecord
+from intellect.trust.keys import SigningKey
+from intellect.trust.requests import sign_request
+
+_ANSWER_CAP = 16 << 20
+_RECORD_FIELDS = set(SubmissionRecord.__dataclass_fields__)
+
+
+class ServiceError(RuntimeError):
+    """A call the service refused (``status`` its HTTP status, ``reason`` its reason), or could not
+    be made (``status`` 0: ``unreachable``; ``bad_answer``; ``upload_failed`` for a refused S3 POST)."""
+
+    def __init__(self, status: int, reason: str, detail: str = ""):
+        super().__init__(f"{status} {reason}: {detail}" if detail else f"{status} {reason}")
+        self.status, self.reason, self.detail = status, reason, detail
+
+
+def _record(doc: object) -> SubmissionRecord:
+    if not isinstance(doc, dict) or set(doc) != _RECORD_FIELDS:
+        raise ServiceError(0, "bad_answer", f"not a submission record: {str(doc)[:200]}")
+    return SubmissionRecord(**doc)
+
+
+class ServiceClient:
+    """Calls of one worker (``key``) to the submission service at ``url`` of run ``audience``."""
+
+    def __init__(self, url: str, key: SigningKey, *, audience: str, timeout: float = 30.0, retries: int = 3):
+        if not timeout > 0 or retries < 0:
+            raise ValueError("need timeout > 0 and retries >= 0")
+        self.url, self.key, self.audience, self.retries = url.rstrip("/"), key, audience, retries
+        self.worker = key.public.id
+        self._http = httpx.Client(timeout=timeout)
+        self._upload: str | None = None  # "body" or "presigned", from the registration answer
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _call(self, method: str, path: str, body: bytes = b"", *, doc: dict | None = None) -> dict:
+        if doc is not None:
+            body = json.dumps(doc).encode()
+        last = ServiceError(0, "unreachable", "no attempt")
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+            headers = sign_request(self.key, method, path, body, audience=self.audience)
+            headers["content-type"] = "application/json" if doc is not None else "application/octet-stream"
+            try:
+                with self._http.stream(method, self.url + path, content=body, headers=headers) as r:
+                    data = bytearray()
+                    for piece in r.iter_bytes():
+                        data += piece
+                        if len(data) > _ANSWER_CAP:
+                            raise ServiceError(r.status_code, "bad_answer", f"answer over {_ANSWER_CAP} bytes")
+                    status = r.status_code
+            except httpx.TransportError as e:
+                last = ServiceError(0, "unreachable", f"{method} {path}: {type(e).__name__}: {e}")
+                continue
+            try:
+                answer = json.loads(data)
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                last = ServiceError(status, "bad_answer", bytes(data[:200]).decode("utf-8", "replace"))
+                if status == 503:  # uvicorn's own answer when the service is at its connection limit
+                    continue
+                raise last
+            if status < 400:
+                return answer
+            last = ServiceError(status, str(answer.get("reason", "unknown")), str(answer.get("detail", "")))
+            if status != 503 and last.reason != "busy":
+                raise last
+        raise last
+
+    # ---------------------------------------------------------------- calls
+
+    def register(self) -> str:
+        """Admit this worker's key (idempotent); returns the worker id the service knows it by."""
+        answer = self._call("POST", "/v1/register", doc={})
+        if answer.get("worker") != self.worker or answer.get("upload") not in ("body", "presigned"):
+            raise ServiceError(0, "bad_answer", f"registration answer {str(answer)[:200]}")
+        self._upload = answer["upload"]
+        return self.worker
+
+    def run_info(self) -> dict:
+        """What the run tells its workers (run name, steps, submission config, relays...)."""
+        return self._call("GET", "/v1/run")
+
+    def assignment(self, step: int, k: int) -> list[dict]:
+        """The tasks ``[{id, prompt, answer}]`` of submission ``k`` at ``step``, in group order."""
+        tasks = self._call("GET", f"/v1/assignment?step={int(step)}&k={int(k)}").get("tasks")
+        if not isinstance(tasks, list) or not all(
+                isinstance(t, dict) and all(isinstance(t.get(f), str) for f in ("id", "prompt", "answer"))
+                for t in tasks):
+            raise ServiceError(0, "bad_answer", f"not a task list: {str(tasks)[:200]}")
+        return tasks
+
+    def submit(self, step: int, k: int, data: bytes) -> SubmissionRecord:
+        """Store ``data`` (a Parquet submission) as submission ``k`` of ``step``: the body of a signed
+        PUT (local storage), or a presigned POST to S3 after declaring its sha256 and size."""
+        step, k = int(step), int(k)
+        if self._upload is None:
+            self.register()
+        if self._upload == "body":
+            return _record(self._call("PUT", f"/v1/submissions/{step}/{k}", bytes(data)))
+        answer = self._call("POST", f"/v1/uploads/{step}/{k}",
+                            doc={"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+        url, fields, rec = answer.get("url"), answer.get("fields"), _record(answer.get("record"))
+        if not isinstance(url, str) or not isinstance(fields, dict):
+            raise ServiceError(0, "bad_answer", f"not a presigned POST: {str(answer)[:200]}")
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+            try:
+                r = self._http.post(url, data=fields, files={"file": ("submission.parquet", bytes(data))})
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code < 300:
+                return rec
+            if r.status_code < 500:
+                raise ServiceError(r.status_code, "upload_failed", r.text[:300])
+            last = f"{r.status_code}: {r.text[:200]}"
+        raise ServiceError(0, "unreachable", f"S3 POST after {self.retries + 1} tries: {last}")
+
+    def finish(self, step: int, files: list[str], policy_step: int) -> None:
+        """This worker's done record of ``step``: ``files`` are all its submissions for it."""
+        self._call("POST", f"/v1/done/{int(step)}", doc={"files": list(files), "policy_step": int(policy_step)})
+
+    def status(self, step: int) -> dict:
+        """``{"submissions": [k, ...], "done": bool}``: what the service holds of this worker at ``step``."""
+        answer = self._call("GET", f"/v1/status?step={int(step)}")
+        if not isinstance(answer.get("submissions"), list) or not isinstance(answer.get("done"), bool):
+            raise ServiceError(0, "bad_answer", f"not a status: {str(answer)[:200]}")
+        return answer

@@ -1,0 +1,184 @@
+"""The pure half of the submission service: two-part request checks, rate limits, the registry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from intellect.rl.admission import (
+    DoneRecord, RateLimiter, Refusal, Registry, SubmissionRecord, precheck, verify_digest,
+)
+from intellect.rl.service import ServiceConfig
+from intellect.trust.keys import SigningKey
+from intellect.trust.requests import AuthError, RequestVerifier, sign_request
+
+KEY = SigningKey.from_seed(bytes(32))
+OTHER = SigningKey.from_seed(bytes([1]) * 32)
+
+
+def _signed(body: bytes = b"abc", now: float = 1000.0, audience: str = "run-a", path: str = "/v1/submissions/0/0"):
+    return sign_request(KEY, "PUT", path, body, audience=audience, now=now)
+
+
+# --------------------------------------------------------------------- signed requests in two halves
+
+
+def test_verify_digest_accepts_what_request_verifier_accepts() -> None:
+    h = _signed()
+    v = RequestVerifier("run-a")
+    assert verify_digest(v, "PUT", "/v1/submissions/0/0", hashlib.sha256(b"abc").hexdigest(), h, now=1001.0) == KEY.public
+    with pytest.raises(AuthError) as e:  # the same nonce again: the shared replay guard refuses it
+        v.verify("PUT", "/v1/submissions/0/0", b"abc", h, now=1001.0)
+    assert e.value.reason == "replay"
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"digest": hashlib.sha256(b"abd").hexdigest()}, "bad_signature"),
+    ({"path": "/v1/submissions/0/1"}, "bad_signature"),
+    ({"method": "POST"}, "bad_signature"),
+    ({"audience": "run-b"}, "bad_signature"),
+    ({"now": 1000.0 + 31}, "stale"),
+])
+def test_verify_digest_refuses_altered_requests(change: dict, reason: str) -> None:
+    h = _signed()
+    v = RequestVerifier(change.get("audience", "run-a"))
+    with pytest.raises(AuthError) as e:
+        verify_digest(v, change.get("method", "PUT"), change.get("path", "/v1/submissions/0/0"),
+                      change.get("digest", hashlib.sha256(b"abc").hexdigest()), h, now=change.get("now", 1000.5))
+    assert e.value.reason == reason
+    assert len(v.guard) == 0  # nothing unproven fills the replay guard
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda h: h.pop("x-intellect-signature"), "unsigned"),
+    (lambda h: h.update({"x-intellect-key": "zz" * 32}), "malformed"),
+    (lambda h: h.update({"x-intellect-time": "1" * 40}), "malformed"),
+    (lambda h: h.update({"x-intellect-nonce": "g" * 32}), "malformed"),
+    (lambda h: h.update({"x-intellect-signature": "00" * 10}), "malformed"),
+])
+def test_precheck_refuses_malformed_headers(edit, reason: str) -> None:
+    h = _signed()
+    edit(h)
+    with pytest.raises(AuthError) as e:
+        precheck(h, 30.0, now=1000.0)
+    assert e.value.reason == reason
+
+
+def test_refusal_reasons_are_known() -> None:
+    assert Refusal.auth(AuthError("replay", "x")).status == 401
+    with pytest.raises(ValueError):
+        Refusal(400, "no-such-reason", "x")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------- rate limits
+
+
+def test_rate_limiter_refills_per_address() -> None:
+    lim = RateLimiter(per_minute=3)
+    assert [lim.allow("a", 0.0) for _ in range(4)] == [True, True, True, False]
+    assert lim.allow("b", 0.0)
+    assert not lim.allow("a", 10.0)  # half a token back
+    assert lim.allow("a", 20.0)
+    assert not lim.allow("a", 20.0)
+
+
+def test_rate_limiter_never_forgets_a_live_bucket() -> None:
+    lim = RateLimiter(per_minute=1, max_addresses=2)
+    assert lim.allow("a", 0.0) and lim.allow("b", 0.0)
+    assert not lim.allow("c", 1.0)  # both buckets are still draining: a new address waits
+    assert not lim.allow("a", 1.0)
+    assert lim.allow("c", 61.0)  # a and b refilled, so they can go
+
+
+# --------------------------------------------------------------------- the registry
+
+
+def _sub(step: int = 0, k: int = 0, worker: str = KEY.public.id, sha: str = "0" * 64) -> SubmissionRecord:
+    return SubmissionRecord(worker, step, k, f"rollouts/step_{step}/{worker}-{k}.parquet", sha, 10, 1.0)
+
+
+def test_registry_persists_and_reloads(tmp_path) -> None:
+    reg = Registry(tmp_path)
+    assert reg.admit(KEY.public) and not reg.admit(KEY.public)
+    assert reg.admit(OTHER.public)
+    assert reg.claim(0, KEY.public.id, 0) is None
+    reg.release(0, KEY.public.id, 0, _sub())
+    assert reg.claim(0, KEY.public.id, 0) == _sub()  # a stored name returns its record
+    assert reg.finish(DoneRecord(KEY.public.id, 0, [_sub().path], 0, 2.0))
+    reg.close()
+    again = Registry(tmp_path)
+    assert again.workers() == [KEY.public.id, OTHER.public.id]  # admission order, not id order
+    assert again.submissions(0) == [_sub()]
+    assert again.done(0)[KEY.public.id].files == [_sub().path]
+    assert again.key(OTHER.public.id) == OTHER.public
+
+
+def test_registry_claims_are_exclusive_and_end_with_done(tmp_path) -> None:
+    reg = Registry(tmp_path)
+    w = KEY.public.id
+    assert reg.claim(0, w, 1) is None
+    with pytest.raises(Refusal) as e:
+        reg.claim(0, w, 1)
+    assert e.value.reason == "busy"
+    with pytest.raises(Refusal) as e:  # a done record cannot be written while a file is being stored
+        reg.finish(DoneRecord(w, 0, [], 0, 1.0))
+    assert e.value.reason == "busy"
+    reg.release(0, w, 1)  # the write failed: the name is free again, nothing recorded
+    assert reg.submissions(0) == [] and reg.claim(0, w, 1) is None
+    reg.release(0, w, 1, _sub(k=1))
+    assert reg.finish(DoneRecord(w, 0, [_sub(k=1).path], 0, 1.0))
+    assert not reg.finish(DoneRecord(w, 0, [_sub(k=1).path], 0, 5.0))  # the same again: nothing new
+    for rec, reason in [(DoneRecord(w, 0, [], 0, 1.0), "conflict"),
+                        (DoneRecord(w, 1, [_sub(k=1).path], 0, 1.0), "unknown_file"),
+                        (DoneRecord(OTHER.public.id, 0, [_sub(k=1).path], 0, 1.0), "unknown_file")]:
+        with pytest.raises(Refusal) as e:
+            reg.finish(rec)
+        assert e.value.reason == reason
+    with pytest.raises(Refusal) as e:
+        reg.claim(0, w, 2)
+    assert e.value.reason == "finished"
+    assert reg.claim(0, w, 1) == _sub(k=1)  # a retry of a stored file still finds it
+
+
+def test_registry_cuts_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path) -> None:
+    reg = Registry(tmp_path)
+    reg.admit(KEY.public)
+    reg.close()
+    good = reg.path.read_bytes()
+    reg.path.write_bytes(good + b'{"type": "worker", "wor')  # a crash mid-append
+    again = Registry(tmp_path)
+    assert again.workers() == [KEY.public.id]
+    assert reg.path.read_bytes() == good
+    again.admit(OTHER.public)  # appends start on a clean line
+    again.close()
+    assert Registry(tmp_path).workers() == [KEY.public.id, OTHER.public.id]
+    forged = json.dumps({"type": "worker", "worker": "k" + "0" * 20, "public": KEY.public.hex, "time": 1.0})
+    reg.path.write_bytes(good + forged.encode() + b"\n")
+    with pytest.raises(RuntimeError, match="not the id of its key"):
+        Registry(tmp_path)
+    reg.path.write_bytes(b"garbage\n" + good)
+    with pytest.raises(RuntimeError, match="unreadable registry record"):
+        Registry(tmp_path)
+
+
+def test_registry_bounds_admissions(tmp_path) -> None:
+    reg = Registry(tmp_path)
+    reg.admit(KEY.public, max_workers=1)
+    with pytest.raises(Refusal) as e:
+        reg.admit(OTHER.public, max_workers=1)
+    assert e.value.reason == "full"
+    assert not reg.admit(KEY.public, max_workers=1)
+
+
+# --------------------------------------------------------------------- config
+
+
+def test_service_config_is_strict() -> None:
+    assert ServiceConfig(allowlist=[KEY.public.hex.upper()]).allowlist == [KEY.public.hex]
+    for bad in ({"allowlist": ["00" * 31]}, {"port": 70000}, {"admission": "anyone"}, {"max_json_bytes": 1 << 30},
+                {"typo": 1}, {"ahead": -1}):
+        with pytest.raises(ValidationError):
+            ServiceConfig(**bad)
