@@ -32,9 +32,12 @@ proof            binary          TOPLOC proofs of the output (may be empty)
 
 Files come from untrusted workers, so :func:`read_submission` never trusts one: it rejects
 anything off-contract with :class:`RolloutRejected`, whose ``reason`` is one of :data:`REASONS`,
-and never lets a parser error escape. Size bounds apply before anything is decoded
-and decoding stops once a file expands past its bound (:class:`RolloutLimits`); what remains
-is one batch of rows whose pages expand enormously.
+and never lets a parser error escape. Reading is bounded end to end (:class:`RolloutLimits`):
+at most ``max_file_bytes + 1`` bytes are read; the footer and every page header are checked
+(:func:`check_layout`) before a page is decompressed, so a file whose rows, values or
+decompressed sizes exceed the limits, or whose footer disagrees with its pages, costs no
+decoding; string columns decode as dictionaries whose expanded size is checked before they
+expand; and decoding stops at the first batch past ``max_decoded_bytes``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ from pydantic import Field, model_validator
 from intellect.config import StrictModel
 from intellect.rl.assignment import canonical_worker
 from intellect.rl.lag import is_fresh
+from intellect.rl.parquet_bounds import (
+    ColumnBound, LayoutError, check_bounds, chunk_layouts, footer_length, read_capped, read_local,
+)
 
 if TYPE_CHECKING:
     from intellect.storage import RunStorage
@@ -66,7 +72,8 @@ FINISH_REASONS = ("stop", "length")
 MAX_ID_CHARS = 256
 
 Reason = Literal[
-    "unreadable", "too_large", "version", "schema", "empty", "nan", "range", "identity", "wrong_step", "stale"
+    "unreadable", "too_large", "version", "schema", "empty", "nan", "range", "identity", "wrong_step", "stale",
+    "sha256_mismatch", "size_mismatch",
 ]
 REASONS: tuple[str, ...] = get_args(Reason)
 
@@ -92,6 +99,12 @@ SCHEMA = pa.schema(
     ],
     metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
+
+#: Largest footer read (an honest one holds a few KiB per row group).
+MAX_FOOTER_BYTES = 1 << 20
+BATCH_ROWS = 1024
+# read dictionary-encoded, so that their expanded size is known before they expand
+_STRING_COLUMNS = [f.name for f in SCHEMA if pa.types.is_string(f.type) or pa.types.is_binary(f.type)]
 
 _NAME_RE = re.compile(r"(?P<worker>[a-z0-9][a-z0-9._-]{0,127})-(?P<k>0|[1-9][0-9]{0,17})\.parquet")
 _RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -120,7 +133,8 @@ class RolloutLimits(StrictModel):
     )
     max_file_bytes: int = Field(256 << 20, ge=1024, le=1 << 40, description="Largest file, as stored.")
     max_decoded_bytes: int = Field(
-        1 << 30, ge=1024, le=1 << 40, description="Largest size the file may decode to in memory."
+        1 << 30, ge=1024, le=1 << 40,
+        description="Largest size the file may decode to in memory (decompressed pages plus decoded arrays).",
     )
     reward_min: float = Field(-10.0, ge=-1e6, le=1e6, description="Lowest allowed reward and task reward.")
     reward_max: float = Field(10.0, ge=-1e6, le=1e6, description="Highest allowed reward and task reward.")
@@ -387,44 +401,98 @@ def write_submission(
     return rel
 
 
+def check_layout(data: bytes, meta: pq.FileMetaData, limits: RolloutLimits) -> int:
+    """Check a file's footer and page headers against ``limits`` before any page is decoded.
+
+    Returns a bound on the bytes decoding takes; :class:`RolloutRejected` (``too_large`` or
+    ``unreadable``) for a file whose rows, values or decompressed sizes exceed what ``limits``
+    allow, or whose footer disagrees with its pages (see :mod:`intellect.rl.parquet_bounds`).
+    """
+    if meta.num_rows > limits.max_rows or meta.num_row_groups > limits.max_rows:
+        _reject("too_large", f"{meta.num_rows} rows in {meta.num_row_groups} row groups, "
+                             f"at most {limits.max_rows} rows allowed")
+    bounds = {}
+    for f in SCHEMA:
+        if pa.types.is_list(f.type):
+            most = limits.max_prompt_tokens if f.name == "prompt_tokens" else limits.max_output_tokens
+            bounds[f.name] = ColumnBound(most, 4, True)
+        elif f.name == "proof":
+            bounds[f.name] = ColumnBound(1, limits.max_proof_bytes, False)
+        elif pa.types.is_string(f.type):
+            bounds[f.name] = ColumnBound(1, 4 * MAX_ID_CHARS, False)  # UTF-8: at most 4 bytes a character
+        else:
+            bounds[f.name] = ColumnBound(1, f.type.bit_width // 8, False)
+    try:
+        layouts = chunk_layouts(data, max_pages=16 * len(SCHEMA) + 4 * limits.max_rows)
+        rows = sum({c.row_group: c.rows for c in layouts}.values())  # the row groups' own counts, not the file's
+        if rows > limits.max_rows or meta.num_row_groups > max(1, rows):
+            _reject("too_large", f"{rows} rows in {meta.num_row_groups} row groups, at most {limits.max_rows} rows "
+                                 "allowed, in no more row groups than rows")
+        return check_bounds(layouts, bounds, max_bytes=limits.max_decoded_bytes)
+    except LayoutError as e:
+        _reject(e.reason, e.detail)
+
+
+def _dense_nbytes(name: str, col: pa.Array, limits: RolloutLimits) -> int:
+    """Bytes ``col`` takes once dictionary-decoded, computed (and each value's size checked) before it is."""
+    if not pa.types.is_dictionary(col.type):
+        return col.nbytes
+    lengths = pc.take(pc.binary_length(col.dictionary), col.indices)
+    most = limits.max_proof_bytes if name == "proof" else 4 * MAX_ID_CHARS
+    _check_range(None, f"{name} bytes", 0, most, lengths)
+    return 4 * (len(col) + 1) + (pc.sum(lengths).as_py() or 0)
+
+
+def _decode_dictionary(col: pa.DictionaryArray) -> pa.Array:
+    dense = col.dictionary_decode()
+    dense.validate(full=True)  # UTF-8 of strings: a dictionary's values are not checked when read
+    return dense
+
+
 def read_submission_table(
     source: bytes | bytearray | memoryview | str | os.PathLike,
     limits: RolloutLimits,
     **expect,
 ) -> pa.Table:
-    """Decode and validate one submission from bytes or a local path (``expect`` as in :func:`validate_table`)."""
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            size = os.path.getsize(source)
-            if size > limits.max_file_bytes:
-                _reject("too_large", f"{size} bytes, at most {limits.max_file_bytes} allowed")
-            with open(source, "rb") as f:
-                source = f.read()
-        except OSError as e:
-            _reject("unreadable", f"{type(e).__name__}: {e}")
-    data = bytes(source)
+    """Decode and validate one submission from bytes or a local path (``expect`` as in :func:`validate_table`).
+
+    Nothing is decompressed until the footer and every page header have been checked against
+    ``limits`` (:func:`check_layout`); decoding then runs batch by batch and stops at the first
+    batch that takes the file past ``max_decoded_bytes``.
+    """
+    try:
+        data = read_local(source, limits.max_file_bytes) if isinstance(source, (str, os.PathLike)) else bytes(source)
+    except LayoutError as e:
+        _reject(e.reason, e.detail)
     if len(data) > limits.max_file_bytes:
         _reject("too_large", f"{len(data)} bytes, at most {limits.max_file_bytes} allowed")
     try:
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        meta, schema = pf.metadata, pf.schema_arrow
-        declared = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if footer_length(data) > MAX_FOOTER_BYTES:
+            raise LayoutError("too_large", f"footer of {footer_length(data)} bytes, at most {MAX_FOOTER_BYTES} allowed")
+        footer = pq.ParquetFile(
+            pa.BufferReader(data), pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
+            thrift_container_size_limit=MAX_FOOTER_BYTES // 4, schema_depth_limit=16,
+        )
+        meta, schema = footer.metadata, footer.schema_arrow
+    except LayoutError as e:
+        _reject(e.reason, e.detail)
     except Exception as e:  # noqa: BLE001 - any parser failure on untrusted bytes is a rejection
         _reject("unreadable", f"not a Parquet file ({type(e).__name__}: {str(e)[:200]})")
-    if meta.num_rows > limits.max_rows:
-        _reject("too_large", f"{meta.num_rows} rows, at most {limits.max_rows} allowed")
-    if declared > limits.max_decoded_bytes:
-        _reject("too_large", f"declares {declared} decoded bytes, at most {limits.max_decoded_bytes} allowed")
     _check_schema(schema)  # before decoding: a wrong file costs no decompression
+    check_layout(data, meta, limits)
     batches, decoded = [], 0
     try:
-        # in small batches: dictionary and RLE encodings can expand far beyond the declared size
-        for batch in pf.iter_batches(batch_size=64):
-            decoded += batch.nbytes
+        pf = pq.ParquetFile(pa.BufferReader(data), metadata=meta, read_dictionary=_STRING_COLUMNS, pre_buffer=False)
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, use_threads=False):
+            # strings arrive dictionary-encoded, so what they would expand to is known before they do
+            decoded += sum(_dense_nbytes(name, col, limits) for name, col in zip(batch.schema.names, batch.columns))
             if decoded > limits.max_decoded_bytes:
                 break
-            batches.append(batch)
+            cols = [_decode_dictionary(col) if pa.types.is_dictionary(col.type) else col for col in batch.columns]
+            batches.append(pa.RecordBatch.from_arrays(cols, schema=schema))
         table = pa.Table.from_batches(batches, schema=schema)
+    except RolloutRejected:
+        raise
     except Exception as e:  # noqa: BLE001
         _reject("unreadable", f"corrupt Parquet data ({type(e).__name__}: {str(e)[:200]})")
     if decoded > limits.max_decoded_bytes:
@@ -446,14 +514,24 @@ def load_submission(
     *,
     run: str | None = None,
     async_level: int | None = None,
+    sha256: str | None = None,
+    size: int | None = None,
 ) -> list[Rollout]:
-    """Read a submission from run storage; its path fixes the step, worker and ``k`` it must claim."""
+    """Read a submission from run storage; its path fixes the step, worker and ``k`` it must claim.
+
+    At most ``limits.max_file_bytes + 1`` bytes are read, and an object that storage reports as
+    larger is not read at all. ``sha256`` and ``size``, when given, are what the uploader declared:
+    other bytes are rejected (``sha256_mismatch``, ``size_mismatch``) before they are parsed.
+    """
     try:
         step, worker, k = parse_submission_path(rel)
     except ValueError as e:
         _reject("identity", str(e))
     try:
-        data = storage.read_bytes(rel)
-    except OSError as e:
-        _reject("unreadable", f"{type(e).__name__}: {e}")
+        data = read_capped(storage, rel, limits.max_file_bytes, size=size)
+    except LayoutError as e:
+        _reject(e.reason, e.detail)
+    got = hashlib.sha256(data).hexdigest() if sha256 is not None else None
+    if got is not None and got != str(sha256).lower():  # the declared digest is public: no constant time needed
+        _reject("sha256_mismatch", f"content sha256 {got} is not the declared {str(sha256)[:64]!r}")
     return read_submission(data, limits, step=step, worker=worker, submission=k, run=run, async_level=async_level)

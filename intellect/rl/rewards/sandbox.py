@@ -1,4 +1,4 @@
-"""Run untrusted Python (a candidate solution plus its tests) in a bubblewrap sandbox.
+"""Run untrusted Python (a candidate solution) in a bubblewrap sandbox, judged from another one.
 
 Containment, outermost first:
 
@@ -19,28 +19,38 @@ Containment, outermost first:
 * **rlimits**, set by a small trusted runner before the candidate's first line:
   CPU seconds, address space, processes (threads included), file size, open
   files, no core dumps.
-* **A wall-clock deadline**, after which the sandbox's process group is killed.
+* **A wall-clock deadline**, after which every process of the run is killed.
 
-Protocol: the candidate source, then each test, is ``exec``'d in one namespace
-by ``python3 -I -S`` (the *system* interpreter, never the venv's); the run passes
-only if every unit completes and the runner then reports a per-run secret on a
-private pipe. Exiting early with status 0 (``sys.exit(0)``, ``os._exit(0)``) is
-therefore a failure, not a pass. The program arrives on stdin; stdout/stderr
-are read up to ``max_output_kb`` and the rest is discarded.
+Verdict: the candidate's code runs in one sandbox; the tests run in a second
+one, the *judge* (:mod:`intellect.rl.rewards.sandbox_runner`), where every name
+a test does not define resolves to the candidate's over a socket. Only plain
+data crosses by value; any other object stays in the candidate's process and is
+used through a reference that compares and hashes as itself. The judge writes
+one line per test on a pipe that only it holds, in a process the candidate
+cannot see (separate pid namespace), signal or read, so no frame, memory, file
+descriptor or output of the candidate's can forge a pass, and returning an
+object with a rigged ``__eq__`` fails the comparison. Each test counts on its
+own (:attr:`RunResult.tests_passed`); the run passes when all of them do.
+Exiting early, closing descriptors or printing anything is a failure. stdout and
+stderr are read up to ``max_output_kb``; the rest is discarded.
+
+What a test may do: call the candidate's functions and classes, read their
+attributes and items, take ``len``, iterate, ``str``/``repr``/``bool``, catch
+builtin exceptions they raise. Arguments must be plain data or the candidate's
+own objects (a test's lambda cannot be passed in), and a test sees copies of
+the candidate's plain values (mutating an argument in place is not observed).
 
 Without ``bwrap`` nothing runs (:class:`SandboxUnavailable`) unless
-``allow_unsandboxed`` is set: then the same runner and rlimits run in a
-temporary directory with no namespace isolation (host files and the network are
-reachable, ``RLIMIT_NPROC`` counts every process of the uid, and a child that
-calls ``setsid`` escapes the final kill), and a warning says so.
+``allow_unsandboxed`` is set: then the same two processes and rlimits run in
+temporary directories with no namespace isolation (host files and the network
+are reachable, the candidate can signal or trace the judge, ``RLIMIT_NPROC``
+counts every process of the uid, and a child that calls ``setsid`` escapes the
+final kill), and a warning says so.
 
-Not covered: tests run in the candidate's own process, so code written against
-this runner can dig the secret out of memory, or return an object whose
-``__eq__`` is always true (the tests should check types); early exits and a
-failing test are caught, a targeted forgery is not. No seccomp filter (the whole kernel interface is reachable from
+Not covered: no seccomp filter (the whole kernel interface is reachable from
 inside, as with any plain bwrap), and memory is bounded per process, not in
-total: at most ``max_processes * memory_mb + 3 * work_mb`` (a cgroup would be
-needed for less).
+total: at most ``(max_processes + 1) * memory_mb + 6 * work_mb`` (a cgroup
+would be needed for less).
 """
 
 from __future__ import annotations
@@ -48,68 +58,34 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 from pydantic import Field
 
 from intellect.config import StrictModel
+from intellect.rl.rewards.sandbox_runner import FAILED_EXIT
 
 __all__ = ["RunResult", "SandboxConfig", "SandboxError", "SandboxUnavailable", "run_python", "sandbox_status"]
 
 log = logging.getLogger("intellect.rl.rewards")
 
-#: Exit status of the runner when a unit raised (any other status is the candidate's own doing).
-FAILED_EXIT = 101
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-# Trusted code run inside the sandbox before the candidate. The secret stays a
-# local of main(): plain early exits cannot produce it.
-_RUNNER = r"""
-import json, os, resource, sys, traceback
-def main():
-    status = int(sys.argv[1])
-    data = sys.stdin.buffer.read()
-    null = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    secret, _, job = data.partition(b"\n")
-    job = json.loads(job)
-    del data
-    for name, (soft, hard) in json.loads(sys.argv[2]).items():
-        kind = resource.getrlimit(getattr(resource, name))[1]
-        if kind != resource.RLIM_INFINITY:
-            soft, hard = min(soft, kind), min(hard, kind)
-        resource.setrlimit(getattr(resource, name), (soft, hard))
-    os.write(status, b"S")
-    units = [("<solution>", job["code"])] + [("<test %d>" % i, t) for i, t in enumerate(job["tests"], 1)]
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
-    del job
-    for name, src in units:
-        try:
-            exec(compile(src, name, "exec"), scope)
-        except BaseException as exc:
-            try:
-                line = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                sys.stderr.write("FAILED %s: %s\n" % (name, line[:500]))
-                sys.stderr.flush()
-            finally:
-                os._exit(101)
-    sys.stdout.flush()
-    os.write(status, secret)
-    os._exit(0)
-main()
-"""
+#: Most bytes of the judge's verdict lines kept (one short line per test).
+MAX_VERDICT_BYTES = 1 << 20
+# Trusted code run in both sandboxes, by the system interpreter: stdlib only, never imported there.
+_RUNNER = (Path(__file__).parent / "sandbox_runner.py").read_text(encoding="utf-8")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -156,19 +132,31 @@ class SandboxConfig(StrictModel):
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    """One sandboxed run. ``reason``: ``ok``, ``failed`` (a unit raised), ``timeout``,
-    ``killed:<SIG>`` (e.g. ``killed:SIGXCPU``), ``early_exit`` (status 0 before the
-    tests finished) or ``exit:<n>``."""
+    """One sandboxed run. ``reason``: ``ok``, ``failed`` (the code or a test raised), ``timeout``,
+    ``killed:<SIG>`` (e.g. ``killed:SIGXCPU``), ``early_exit`` (the candidate's process ended
+    with status 0 before the tests finished) or ``exit:<n>``. ``tests_passed`` of ``tests_total``
+    passed, as the judge counted them."""
 
     passed: bool
     reason: str
     detail: str
     seconds: float
     sandboxed: bool
+    tests_passed: int = 0
+    tests_total: int = 0
+
+    @property
+    def score(self) -> float:
+        """The fraction of tests passed (1.0 for a passing run without tests).
+
+        >>> RunResult(False, "failed", "", 0.1, True, tests_passed=3, tests_total=4).score
+        0.75
+        """
+        return 1.0 if self.passed else self.tests_passed / self.tests_total if self.tests_total else 0.0
 
 
 def run_python(code: str, tests: Sequence[str], cfg: SandboxConfig | None = None) -> RunResult:
-    """Run ``code`` then each of ``tests`` (Python source) in the sandbox.
+    """Run ``code`` in the sandbox and judge it with each of ``tests`` (Python source), in order.
 
     Raises :class:`SandboxUnavailable` when no sandbox can run and
     ``cfg.allow_unsandboxed`` is false, and :class:`SandboxError` when the
@@ -295,88 +283,154 @@ def _bwrap_argv(bwrap: str, cfg: SandboxConfig) -> list[str]:
 
 
 def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> RunResult:
-    secret = secrets.token_hex(16).encode()
-    payload = secret + b"\n" + json.dumps({"code": code, "tests": tests}).encode()
+    limits = _limits(cfg)
+    cand_sock, judge_sock = socket.socketpair()
     status_r, status_w = os.pipe()
-    workdir = None
+    verdict_r, verdict_w = os.pipe()
+    workdirs: list[str] = []
+    procs: list[subprocess.Popen] = []
+    start = time.monotonic()
+    deadline = start + cfg.timeout_s
+    try:
+        # each process inherits only its own ends: the candidate never holds the verdict's descriptor
+        procs.append(_spawn(cfg, bwrap, ["candidate", str(cand_sock.fileno()), str(status_w), limits],
+                            (cand_sock.fileno(), status_w), workdirs))
+        procs.append(_spawn(cfg, bwrap, ["judge", str(judge_sock.fileno()), str(verdict_w), limits],
+                            (judge_sock.fileno(), verdict_w), workdirs))
+    except BaseException:
+        for fd in (status_r, verdict_r):
+            os.close(fd)
+        _finish(procs, workdirs)
+        raise
+    finally:
+        for end in (cand_sock, judge_sock):
+            end.close()
+        for fd in (status_w, verdict_w):
+            os.close(fd)
+    cand, judge = procs
+    cap = cfg.max_output_kb << 10
+    cand_err, judge_err = cand.stderr.fileno(), judge.stderr.fileno()
+    streams = {cand.stdout.fileno(): cap, cand_err: cap, status_r: 16, verdict_r: MAX_VERDICT_BYTES, judge_err: cap}
+    feeds = {cand.stdin.fileno(): (code.encode("utf-8", "surrogatepass"), cand.stdin.close),
+             judge.stdin.fileno(): (json.dumps(tests).encode(), judge.stdin.close)}
+    ended_rc = None
+    try:
+        got, timed_out = _pump(feeds, streams, verdict_r, deadline)
+        verdict = _parse_verdict(got[verdict_r])
+        if verdict["ended"]:  # the candidate quit on its own: its status says how
+            ended_rc = _wait_exit(cand, min(deadline, time.monotonic() + 2.0))
+        for proc in procs:
+            _kill_group(proc)
+        rest, _ = _pump({}, streams, None, time.monotonic() + 0.5)  # what was left in the pipes
+        for fd, data in rest.items():
+            got[fd] = (got[fd] + data)[: streams[fd]]
+    finally:
+        os.close(status_r)
+        os.close(verdict_r)
+        _finish(procs, workdirs)
+    seconds = time.monotonic() - start
+    err = got[cand_err].decode("utf-8", "replace").strip()
+    failures = "\n".join(verdict["why"][:2])[:600]
+    detail = (err[-800:] + "\n" + failures).strip()[-800:]
+    sandboxed = bwrap is not None
+
+    def result(reason: str, passed: bool = False) -> RunResult:
+        return RunResult(passed, reason, detail, seconds, sandboxed, verdict["passed"], len(tests))
+
+    if not verdict["started"]:
+        why = got[judge_err].decode("utf-8", "replace").strip()[-300:]
+        raise SandboxError(f"the judge's sandbox exited before it ran (status {judge.returncode}): "
+                           f"{why or 'no output'}")
+    if timed_out and not verdict["done"]:
+        return result("timeout")
+    if not got[status_r].startswith(b"S"):
+        raise SandboxError(f"the sandbox exited with status {cand.returncode} before the code ran: "
+                           f"{err[-300:] or 'no output'}")
+    if verdict["done"] and verdict["passed"] == len(tests):
+        return result("ok", passed=True)
+    if ended_rc is None or ended_rc == FAILED_EXIT:
+        return result("failed")
+    sig = -ended_rc if ended_rc < 0 else (ended_rc - 128 if sandboxed and 128 < ended_rc < 128 + 65 else 0)
+    if sig:
+        try:
+            return result(f"killed:{signal.Signals(sig).name}")
+        except ValueError:
+            return result(f"killed:{sig}")
+    return result("early_exit" if ended_rc == 0 else f"exit:{ended_rc}")
+
+
+def _spawn(cfg: SandboxConfig, bwrap: str | None, args: list[str], fds: tuple[int, ...],
+           workdirs: list[str]) -> subprocess.Popen:
+    argv = [cfg.python, "-I", "-S", "-c", _RUNNER, *args]
     uid = _drop_uid(cfg)
-    argv = [cfg.python, "-I", "-S", "-c", _RUNNER, str(status_w), _limits(cfg)]
     kwargs: dict = {}
     if bwrap is not None:
         argv = _bwrap_argv(bwrap, cfg) + argv
         kwargs["env"] = {"PATH": os.environ.get("PATH", _SANDBOX_PATH)}
     else:
         workdir = tempfile.mkdtemp(prefix="intellect-unsandboxed-")
+        workdirs.append(workdir)
         if uid is not None:
             os.chown(workdir, uid, uid)
         kwargs.update(cwd=workdir, env={"PATH": _SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
     if uid is not None:
         kwargs.update(user=uid, group=uid, extra_groups=[])
-    start = time.monotonic()
-    deadline = start + cfg.timeout_s
-    try:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(status_w,), start_new_session=True, **kwargs,
-        )
-    except BaseException:
-        os.close(status_r)
-        os.close(status_w)
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    os.close(status_w)
-    try:
-        cap = cfg.max_output_kb << 10
-        _, err, status, timed_out = _pump(proc, payload, status_r, cap, deadline)
-        timed_out = _reap(proc, deadline) or timed_out
-    finally:
-        os.close(status_r)
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            pass_fds=fds, start_new_session=True, **kwargs)
+
+
+def _parse_verdict(raw: bytes) -> dict:
+    """The judge's lines: whether it started and finished, tests passed, failure lines, whether the candidate quit.
+
+    >>> v = _parse_verdict(b'{"started": true}\\n{"test": 1, "ok": true}\\n{"test": 2, "ok": false, "why": "x"}\\n')
+    >>> (v["started"], v["passed"], v["why"], v["done"])
+    (True, 1, ['x'], False)
+    """
+    out = {"started": False, "done": False, "ended": False, "passed": 0, "why": []}
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            break  # cut off at the byte bound
+        if msg.get("started"):
+            out["started"] = True
+        elif msg.get("done"):
+            out["done"], out["ended"] = True, bool(msg.get("ended"))
+        elif msg.get("ok") is True:
+            out["passed"] += 1
+        elif "why" in msg:
+            out["why"].append(str(msg["why"]))
+    return out
+
+
+def _finish(procs: list[subprocess.Popen], workdirs: list[str]) -> None:
+    for proc in procs:
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None and not pipe.closed:
                 pipe.close()
         if proc.returncode is None:
             _kill_group(proc)
             proc.wait()
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-    seconds = time.monotonic() - start
-    rc = proc.returncode
-    tail = err.decode("utf-8", "replace").strip()[-800:]
-    sandboxed = bwrap is not None
-
-    def result(reason: str, passed: bool = False) -> RunResult:
-        return RunResult(passed, reason, tail, seconds, sandboxed)
-
-    if timed_out:
-        return result("timeout")
-    if not status.startswith(b"S"):
-        raise SandboxError(f"the sandbox exited with status {rc} before the code ran: {tail[-300:] or 'no output'}")
-    if rc == 0 and status == b"S" + secret:
-        return result("ok", passed=True)
-    if rc == FAILED_EXIT:
-        return result("failed")
-    sig = -rc if rc < 0 else (rc - 128 if sandboxed and 128 < rc < 128 + 65 else 0)
-    if sig:
-        try:
-            return result(f"killed:{signal.Signals(sig).name}")
-        except ValueError:
-            return result(f"killed:{sig}")
-    return result("early_exit" if rc == 0 else f"exit:{rc}")
+    for workdir in workdirs:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _pump(
-    proc: subprocess.Popen, payload: bytes, status_fd: int, cap: int, deadline: float
-) -> tuple[bytes, bytes, bytes, bool]:
-    """Feed stdin and drain stdout/stderr/status until all close or the deadline passes."""
-    assert proc.stdin and proc.stdout and proc.stderr
-    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), status_fd: bytearray()}
-    todo = memoryview(payload)
-    stdin = proc.stdin.fileno()
+    feeds: dict[int, tuple[bytes, Callable[[], None]]], reads: dict[int, int], stop: int | None, deadline: float
+) -> tuple[dict[int, bytes], bool]:
+    """Feed stdins (closing each when fed) and drain ``reads`` (each up to its byte bound) until
+    ``stop`` closes, every stream closes, or the deadline passes.
+
+    Returns what was read per descriptor and whether the deadline passed first.
+    """
+    bufs = {fd: bytearray() for fd in reads}
+    todo = {fd: memoryview(data) for fd, (data, _) in feeds.items()}
     with selectors.DefaultSelector() as sel:
-        os.set_blocking(stdin, False)
-        sel.register(stdin, selectors.EVENT_WRITE)
-        for fd in bufs:
+        for fd in todo:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_WRITE)
+        for fd in reads:
+            os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
         timed_out = False
         while sel.get_map():
@@ -386,46 +440,46 @@ def _pump(
                 break
             for key, _ in sel.select(remaining):
                 fd = key.fd
-                if fd == stdin:
+                if fd in todo:
                     try:
-                        todo = todo[os.write(fd, todo[:1 << 16]):]
+                        todo[fd] = todo[fd][os.write(fd, todo[fd][:1 << 16]):]
                     except BlockingIOError:
                         continue
                     except BrokenPipeError:
-                        todo = todo[:0]
-                    if not todo:
+                        todo[fd] = todo[fd][:0]
+                    if not todo[fd]:
                         sel.unregister(fd)
-                        proc.stdin.close()
+                        feeds[fd][1]()
                     continue
-                chunk = os.read(fd, 1 << 16)
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
                 if not chunk:
                     sel.unregister(fd)
+                    if fd == stop:
+                        return {fd: bytes(b) for fd, b in bufs.items()}, False
                     continue
                 buf = bufs[fd]
-                if len(buf) < cap:
-                    buf += chunk[: cap - len(buf)]
-    out, err, status = (bytes(b) for b in bufs.values())
-    return out, err, status, timed_out
+                if len(buf) < reads[fd]:
+                    buf += chunk[: reads[fd] - len(buf)]
+    return {fd: bytes(b) for fd, b in bufs.items()}, timed_out
 
 
-def _reap(proc: subprocess.Popen, deadline: float) -> bool:
-    """Wait for the leader until the deadline, kill its whole group, then reap it. True if it timed out.
-
-    The group is killed while the leader is still unreaped, so its id cannot have
-    been reused by an unrelated process group.
-    """
-    timed_out = True
-    while time.monotonic() < deadline:
-        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            timed_out = False
-            break
+def _wait_exit(proc: subprocess.Popen, until: float) -> int | None:
+    """The exit status of ``proc`` once it exits before ``until`` (left unreaped), else None."""
+    while time.monotonic() < until:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         time.sleep(0.005)
-    _kill_group(proc)
-    proc.wait()
-    return timed_out
+    return None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the process group of ``proc``; called while its leader is unreaped, so the id cannot be reused."""
+    if proc.returncode is not None:
+        return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
