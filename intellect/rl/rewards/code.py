@@ -3,8 +3,10 @@
 **Format.** The code is the last fenced block tagged ``python``, ``py``,
 ``python3`` or untagged (after the last ``</think>``); a completion without one
 scores ``no_code``. Each test of a :class:`~intellect.data.loaders.CodeTask` is
-Python source (typically ``assert`` lines) run after the code, in the same
-namespace, in order.
+Python source (typically ``assert`` lines), run in order in a separate judging
+sandbox: the names a test uses are looked up in the candidate's process and only
+plain data crosses by value, so the candidate can neither see the tests nor
+forge their verdict (:mod:`intellect.rl.rewards.sandbox`).
 
 **Verdict.** 1.0 only if the code and every test run to completion inside the
 sandbox of :mod:`intellect.rl.rewards.sandbox` within its limits; otherwise 0.0
