@@ -5,10 +5,14 @@
     python -m infra.cluster status
     python -m infra.cluster down                                  # SIGTERM each process group, then SIGKILL
 
-``source .cluster/env`` points the ``prefect`` CLI and ``intellect`` at the cluster. ``up`` also
-creates the automation ``intellect-worker-rejections`` (``infra/automations.py``). The server
-keeps its database in ``<state>/prefect-home`` (SQLite; Postgres for more than one worker host, see
-the README's scale-out guide), analytics off. Pools come from ``infra/pools/<pool>.json`` (base job
+``source .cluster/env`` points the ``prefect`` CLI and ``intellect`` at the cluster. The API
+answers only requests that carry the cluster's auth string: ``<state>/api-auth``, a random secret
+created once with mode 0600 and reused. The server gets it as ``PREFECT_SERVER_API_AUTH_STRING``;
+workers, ``<state>/env`` (mode 0600) and :func:`api_settings` hand it to clients as
+``PREFECT_API_AUTH_STRING``; the UI asks for it on its login page. ``up`` also creates the automation
+``intellect-worker-rejections`` (``infra/automations.py``). The server keeps its database in
+``<state>/prefect-home`` (SQLite; Postgres for more than one worker host, see ``docs/deploy.md``),
+analytics off. Pools come from ``infra/pools/<pool>.json`` (base job
 templates for process workers) and are created through the API. Every process runs in its own
 session (``setsid``): one SIGTERM to its group stops it, which a job started with ``&`` from a
 script would ignore (its SIGINT is ignored, and the worker turns SIGTERM into SIGINT). PID files
@@ -20,12 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from infra.automations import create_automations
 from infra.procs import alive
@@ -35,11 +42,46 @@ POOLS_DIR = Path(__file__).with_name("pools")
 POOLS = ("cpu", "gpu-rollout", "gpu-train", "gpu-diloco", "validator")
 # how many flow runs a worker of each pool runs at once on one host (gpu pools: one per GPU)
 LIMITS = {"cpu": 4, "gpu-rollout": 2, "gpu-train": 1, "gpu-diloco": 2, "validator": 1}
+AUTH_FILE = "api-auth"
+
+
+def _write_private(path: Path, text: str, exclusive: bool = False) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def auth_string(state: Path) -> str:
+    """The cluster's API auth string (``user:secret``, Basic auth): created once, then read back.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> s = auth_string(d); s.startswith("intellect:") and s == auth_string(d)
+    True
+    >>> oct((d / AUTH_FILE).stat().st_mode & 0o777)
+    '0o600'
+    """
+    path = state / AUTH_FILE
+    if not path.exists():
+        state.mkdir(parents=True, exist_ok=True)
+        try:
+            _write_private(path, f"intellect:{secrets.token_urlsafe(32)}\n", exclusive=True)
+        except FileExistsError:  # another `up` created it first: use theirs
+            pass
+    if path.stat().st_mode & 0o077:
+        raise PermissionError(f"{path} is readable by others; chmod 600 it (or delete it for a new secret)")
+    secret = path.read_text().strip()
+    if not secret:
+        raise ValueError(f"{path} is empty; delete it for a new secret")
+    return secret
 
 
 def cluster_env(state: Path, port: int) -> dict[str, str]:
-    """The environment every process of the cluster, and every client of it, runs with."""
+    """The environment every process of the cluster, and every client of it, runs with (the server
+    adds ``PREFECT_SERVER_API_AUTH_STRING``, see :func:`server_env`)."""
     return {
+        "PREFECT_API_AUTH_STRING": auth_string(state),
         "PREFECT_HOME": str(state / "prefect-home"),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
@@ -50,6 +92,21 @@ def cluster_env(state: Path, port: int) -> dict[str, str]:
         "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
         "INTELLECT_ROOT": str(ROOT),
     }
+
+
+def server_env(env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: the clients' plus the setting that makes it demand the auth string."""
+    return {**env, "PREFECT_SERVER_API_AUTH_STRING": env["PREFECT_API_AUTH_STRING"]}
+
+
+@contextmanager
+def api_settings(env: dict[str, str]) -> Iterator[None]:
+    """Prefect clients made inside the block talk to the cluster of ``env`` (its URL and auth string)."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"],
+                             PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}):
+        yield
 
 
 def _pids(state: Path) -> Path:
@@ -87,9 +144,8 @@ def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectAlreadyExists
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+    with api_settings(env), get_client(sync_client=True) as client:
         for name in pools:
             template = json.loads((POOLS_DIR / f"{name}.json").read_text())
             desc = template["variables"].get("description")
@@ -105,29 +161,34 @@ def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = 
        alert_webhook: str | None = None) -> dict[str, str]:
     """Server, pools, the rejection automation (calling ``alert_webhook`` if given), one worker per pool."""
     state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o700)  # the database, the auth string and the env file are the keys to every worker host
     (state / "logs").mkdir(exist_ok=True)
     if running(state):
         raise RuntimeError(f"a cluster is already running from {state} (python -m infra.cluster down)")
     env = cluster_env(state, port)
     prefect = str(Path(sys.executable).with_name("prefect"))
-    pid = _spawn("server", [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, state)
+    pid = _spawn("server", [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 server_env(env), state)
     try:
         wait_healthy(env["PREFECT_API_URL"], timeout, pid)
         create_pools(env, pools)
-        # imported late: `intellect --cluster` sets the environment before Prefect reads its settings
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        with api_settings(env):
             create_automations(alert_webhook)
         for name in pools:
-            _spawn(f"worker-{name}", [prefect, "worker", "start", "--pool", name, "--type", "process",
-                                      "--limit", str(LIMITS[name]), "--name", f"{name}-local",
-                                      "--install-policy", "never", "--no-create-pool-if-not-found"], env, state)
+            start_worker(state, env, name, LIMITS[name])
     except BaseException:
         down(state)
         raise
-    (state / "env").write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
+    _write_private(state / "env", "".join(f"export {k}={v}\n" for k, v in env.items()))
     return env
+
+
+def start_worker(state: Path, env: dict[str, str], pool: str, limit: int) -> int:
+    """One process worker of ``pool`` (an existing pool), in its own session; its PID."""
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    return _spawn(f"worker-{pool}", [prefect, "worker", "start", "--pool", pool, "--type", "process",
+                                     "--limit", str(limit), "--name", f"{pool}-local", "--install-policy", "never",
+                                     "--no-create-pool-if-not-found"], env, state)
 
 
 def deploy(state: Path, timeout: float = 600.0) -> None:
@@ -191,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     state = Path(args.state).resolve()
     if args.command == "up":
         env = up(state, args.port, alert_webhook=args.alert_webhook)
-        print(f"cluster up: {env['PREFECT_API_URL']} (UI http://127.0.0.1:{args.port}); `source {state}/env`")
+        print(f"cluster up: {env['PREFECT_API_URL']} (UI http://127.0.0.1:{args.port}, its login asks for the "
+              f"contents of {state / AUTH_FILE}); `source {state}/env`")
     elif args.command == "deploy":
         deploy(state)
     elif args.command == "status":

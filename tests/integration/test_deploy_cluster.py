@@ -73,7 +73,6 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     state, env = local_cluster
     cluster.deploy(state)
@@ -85,10 +84,10 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
         "workers": {"names": ["alice", "bob"]},
         "submission": {"prompts_per_submission": 2, "group_size": 4, "max_tokens": 4},
         "trainer": {"lr": 1e-2, "warmup_steps": 0, "steps_per_rollout": 1},
-        "eval": {"every": 0, "size": 16}, "trainer_threads": 1,
+        "eval": {"every": 0, "size": 16}, "trainer_threads": 1, "toploc": {"k": 16},  # k <= hidden size
         "dispatch": {"mode": "deployments", "timeout": 300, "poll_interval": 0.5},
     })
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+    with cluster.api_settings(env):
         run = run_deployment("rl-orchestrate/rl-orchestrate", parameters={"config": cfg.model_dump(mode="json")},
                              timeout=600, poll_interval=1)
         assert run.state.is_completed(), (run.state, (state / "logs" / "worker-cpu.log").read_text()[-3000:])
@@ -112,13 +111,12 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
 
 def test_a_worker_with_many_rejections_triggers_the_automation(local_cluster, alert_sink):
     from prefect.automations import Automation
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from infra.automations import NAME
 
     state, env = local_cluster
     url, received = alert_sink
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+    with cluster.api_settings(env):
         assert Automation.read(name=NAME).enabled
     # emitted by a process of its own, as a flow run would: this test process's events client may
     # already be bound to another test's server
@@ -162,11 +160,10 @@ def test_diloco_workers_run_as_flow_runs_on_their_pool(local_cluster, tmp_path):
     coordinator that gives up cancels its workers' flow runs and nothing keeps running."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     state, env = local_cluster
     cluster.deploy(state)
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+    with cluster.api_settings(env):
         run = run_deployment("diloco-train/diloco-train", timeout=600, poll_interval=1,
                              parameters={"config": _diloco_config(tmp_path, "dl-pools", 2), "timeout_s": 300})
         assert run.state.is_completed(), (run.state, (state / "logs" / "worker-gpu-diloco.log").read_text()[-3000:])
@@ -182,7 +179,7 @@ def test_diloco_workers_run_as_flow_runs_on_their_pool(local_cluster, tmp_path):
     assert RunStorage(f"file://{tmp_path}/dl-pools").complete_steps("checkpoints") == [0, 1, 2]
 
     # a coordinator that gives up (timeout_s) stops its workers by cancelling their flow runs
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+    with cluster.api_settings(env):
         run = run_deployment("diloco-train/diloco-train", timeout=600, poll_interval=1,
                              parameters={"config": _diloco_config(tmp_path, "dl-cancel", 10_000), "timeout_s": 40})
         assert run.state.is_failed(), run.state
