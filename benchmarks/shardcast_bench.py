@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from intellect.shardcast.client import ShardcastClient  # noqa: E402
 from intellect.shardcast.config import ClientConfig  # noqa: E402
 from intellect.shardcast.local import ServerProcess  # noqa: E402
+from intellect.trust.keys import SigningKey  # noqa: E402
 
 PEER = ROOT / "benchmarks" / "peers" / "shardcast"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -73,27 +74,32 @@ def cpu_s(pid: int) -> float:
 _TRAINER = """
 import json, sys
 from intellect.shardcast.store import VersionStore, publish_folder
+from intellect.trust.keys import SigningKey
+key = SigningKey.load(sys.argv[1])
 print("ready", flush=True)
 for line in sys.stdin:
     job = json.loads(line)
-    publish_folder(VersionStore(job["data_dir"]), job["version"], job["src"], job["shard_bytes"], keep=5)
+    publish_folder(VersionStore(job["data_dir"]), job["version"], job["src"], job["shard_bytes"], keep=5, key=key)
     print("published", flush=True)
 """
 
 
 def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) -> dict:
     procs, trainer = [], None
+    key = SigningKey.generate()  # the trainer's: it signs every version, relays and client verify
+    key_file = key.save(work / "trainer.key")
     try:
         origin = ServerProcess("origin", work / "origin")
         procs.append(origin)
-        relays = [ServerProcess("relay", work / f"relay{i}", extra=["--upstream", origin.url, "--parallel", str(parallel)])
+        relays = [ServerProcess("relay", work / f"relay{i}", extra=["--upstream", origin.url, "--parallel", str(parallel),
+                                                                  "--trainer-key", key.public.hex])
                   for i in range(2)]
         procs += relays
-        trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], cwd=ROOT, text=True,
+        trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(key_file)], cwd=ROOT, text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         if trainer.stdout.readline().strip() != "ready":
             raise RuntimeError("the trainer process did not start")
-        cfg = ClientConfig(parallel=parallel, deadline=600)
+        cfg = ClientConfig(parallel=parallel, deadline=600, trainer_key=key.public.hex)
         with ShardcastClient([r.url for r in relays], cfg) as client:
             pids = {"origin": origin.pid, "relay0": relays[0].pid, "relay1": relays[1].pid, "publish": trainer.pid}
             before = {k: cpu_s(pid) for k, pid in pids.items()}

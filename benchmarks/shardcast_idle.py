@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.shardcast_bench import cpu_s  # noqa: E402
 from intellect.shardcast.local import ServerProcess  # noqa: E402
 from intellect.shardcast.store import VersionStore, VersionWriter  # noqa: E402
+from intellect.trust.keys import SigningKey  # noqa: E402
 
 
 def main() -> None:
@@ -36,10 +37,12 @@ def main() -> None:
     try:
         origin = ServerProcess("origin", base / "origin")
         procs.append(origin)
-        relays = [ServerProcess("relay", base / f"relay{i}", extra=["--upstream", origin.url])
+        key = SigningKey.generate()  # the trainer's: relays mirror only what it signed
+        relays = [ServerProcess("relay", base / f"relay{i}", extra=["--upstream", origin.url,
+                                                                   "--trainer-key", key.public.hex])
                   for i in range(args.relays)]
         procs += relays
-        with VersionWriter(VersionStore(base / "origin"), 1, 1 << 20) as w:
+        with VersionWriter(VersionStore(base / "origin"), 1, 1 << 20, key) as w:
             w.begin_file("w")
             w.write(os.urandom(4 << 20))
         deadline = time.monotonic() + 60

@@ -29,6 +29,7 @@ from intellect.shardcast.client import ShardcastClient  # noqa: E402
 from intellect.shardcast.config import ClientConfig  # noqa: E402
 from intellect.shardcast.local import ServerProcess  # noqa: E402
 from intellect.shardcast.store import VersionStore, publish_folder  # noqa: E402
+from intellect.trust.keys import SigningKey  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--shard-kib", default="16384,1024,256,64,16", help="Comma-separated shard sizes, KiB.")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="shardcast-many-"))
+    key = SigningKey.generate()  # the trainer's: every shard is signed, and verified by relay and client
     try:
         payload = base / "payload.bin"
         payload.write_bytes(os.urandom(args.size_mib << 20))
@@ -45,14 +47,15 @@ def main() -> None:
         for kib in (int(k) for k in args.shard_kib.split(",")):
             work = base / f"s{kib}"
             origin = ServerProcess("origin", work / "origin")
-            relay = ServerProcess("relay", work / "relay", extra=["--upstream", origin.url])
+            relay = ServerProcess("relay", work / "relay", extra=["--upstream", origin.url,
+                                                                 "--trainer-key", key.public.hex])
             try:
                 servers = {"origin": origin.pid, "relay": relay.pid}
                 before = {k: cpu_s(p) for k, p in servers.items()}
                 t0, c0 = time.perf_counter(), os.times()
-                m = publish_folder(VersionStore(work / "origin"), 1, payload, kib << 10, keep=5)
+                m = publish_folder(VersionStore(work / "origin"), 1, payload, kib << 10, keep=5, key=key)
                 c1 = os.times()
-                with ShardcastClient([relay.url], ClientConfig(deadline=1800)) as client:
+                with ShardcastClient([relay.url], ClientConfig(deadline=1800, trainer_key=key.public.hex)) as client:
                     client.fetch(1, work / "out")
                 seconds, c2 = time.perf_counter() - t0, os.times()
                 cpu = {k: cpu_s(p) - before[k] for k, p in servers.items()}

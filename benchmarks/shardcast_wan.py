@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from infra.wan.testbed import Testbed, probe  # noqa: E402
 from intellect.shardcast.store import VersionStore, VersionWriter  # noqa: E402
+from intellect.trust.keys import SigningKey  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 1 << 20
@@ -65,8 +66,9 @@ def wait_relays(work: Path, relays: int, version: int, timeout: float) -> float:
         time.sleep(0.05)
 
 
-def clients(tb: Testbed, hosts: list[int], urls: list[str], version: int, work: Path, timeout: float) -> list[dict]:
-    args = [a for u in urls for a in ("--relay", u)]
+def clients(tb: Testbed, hosts: list[int], urls: list[str], version: int, work: Path, timeout: float,
+            key: SigningKey) -> list[dict]:
+    args = [a for u in urls for a in ("--relay", u)] + ["--trainer-key", key.public.hex]
     procs = [tb.run(h, [sys.executable, "-m", "intellect.shardcast", "client", *args, "--version", version,
                         "--dest", work / f"client{h}-v{version}", "--deadline", timeout],
                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in hosts]
@@ -100,6 +102,8 @@ def main() -> int:
     uplinks = [None] + [B] * R + [None] * C
     work = Path(tempfile.mkdtemp(prefix="shardcast-wan-"))
     payload = bytes(range(256)) * (size // 256)
+    key = SigningKey.generate()  # the trainer's: relays and clients pin its public half
+    key_file = key.save(work / "trainer.key")
     result = {"relays": R, "clients": C, "rate_mbit": B, "size_mib": a.size_mib, "shard_mib": a.shard_mib,
               "aggregate": [], "pipelining": []}
     try:
@@ -108,7 +112,8 @@ def main() -> int:
             serve(tb, 0, "origin", origin, [])
             urls = []
             for i in range(R):
-                serve(tb, 1 + i, "relay", work / f"relay{i}", ["--upstream", f"http://{tb.addr(0)}:{PORT}"])
+                serve(tb, 1 + i, "relay", work / f"relay{i}", ["--upstream", f"http://{tb.addr(0)}:{PORT}",
+                                                               "--trainer-key", key.public.hex])
                 urls.append(f"http://{tb.addr(1 + i)}:{PORT}")
             store = VersionStore(origin)
             hosts = list(range(1 + R, n))
@@ -117,11 +122,11 @@ def main() -> int:
             version = 0
             for r in range(a.rounds):
                 version += 1
-                with VersionWriter(store, version, shard) as w:
+                with VersionWriter(store, version, shard, key) as w:
                     w.begin_file("model.safetensors")
                     w.write(payload)
                 wait_relays(work, R, version, 600)
-                got = clients(tb, hosts, urls, version, work, 600)
+                got = clients(tb, hosts, urls, version, work, 600, key)
                 span = max(g["finished"] for g in got) - min(g["started"] for g in got)
                 mbit = C * size * 8 / span / 1e6
                 row = {"seconds": span, "aggregate_mbit": mbit, "of_RxB": mbit / (R * B),
@@ -137,10 +142,11 @@ def main() -> int:
                 version += 1
                 started = time.time()
                 writer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(origin), str(version), str(shard),
-                                           str(size), str(a.write_mbit)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                           str(size), str(a.write_mbit), str(key_file)], cwd=ROOT,
+                                          stdout=subprocess.PIPE, text=True)
                 while VersionStore(origin).manifest(version) is None:
                     time.sleep(0.005)
-                got = clients(tb, [hosts[0]], urls, version, work, 600)[0]
+                got = clients(tb, [hosts[0]], urls, version, work, 600, key)[0]
                 written = json.loads(writer.communicate(timeout=600)[0])["finished"] - started
                 done = got["finished"] - started
                 bound = written + size * 8 / (B * 1e6) + size * 8 / (R * B * 1e6)
@@ -166,10 +172,12 @@ def main() -> int:
 _TRAINER = """
 import json, sys, time
 from intellect.shardcast.store import VersionStore, VersionWriter
+from intellect.trust.keys import SigningKey
 root, version, shard, size, mbit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+key = SigningKey.load(sys.argv[6])
 chunk = bytes(range(256)) * 4096
 t0 = time.monotonic()
-with VersionWriter(VersionStore(root), version, shard) as w:
+with VersionWriter(VersionStore(root), version, shard, key) as w:
     w.begin_file("model.safetensors")
     for k in range(size // len(chunk)):
         w.write(chunk)

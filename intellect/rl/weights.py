@@ -3,8 +3,9 @@
 Both sources answer the two questions a worker asks (:func:`~intellect.rl.worker.run_worker`):
 which checkpoints are complete, and the model of one of them. With SHARDCAST the trainer publishes
 each checkpoint's inference files (not its optimizer state) to the origin
-(:func:`publish_to_origin`), relays mirror it, and a worker downloads a version into its own cache
-folder, keeping only the newest few.
+(:func:`publish_to_origin`), signed with the trainer's key, relays mirror it, and a worker downloads
+a version into its own cache folder, keeping only the newest few; relays and workers pin the
+trainer's public key and use nothing it did not sign (:mod:`intellect.shardcast.signing`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl.config import RLRunConfig
 from intellect.shardcast.client import ShardcastClient
+from intellect.shardcast.config import ClientConfig
+from intellect.shardcast.manifest import Manifest, verify_header
+from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import VersionStore, publish_folder
 from intellect.storage import STABLE, RunStorage
+from intellect.trust.keys import SigningKey, VerifyKey
 
 log = logging.getLogger("intellect.rl.weights")
 
@@ -78,32 +83,54 @@ class ShardcastWeights:
         self.client.close()
 
 
-def weight_source(cfg: RLRunConfig, storage: RunStorage, cache: str | Path) -> WeightSource:
-    """The source ``cfg`` asks for: SHARDCAST when ``cfg.shardcast`` is set (its relays must be resolved)."""
+def weight_source(cfg: RLRunConfig, storage: RunStorage, cache: str | Path,
+                  trainer_key: VerifyKey | str | None = None) -> WeightSource:
+    """The source ``cfg`` asks for: SHARDCAST when ``cfg.shardcast`` is set (its relays must be resolved,
+    and ``trainer_key``, the trainer's public key or its hex, given: only versions it signed are used)."""
     sc = cfg.shardcast
     if sc is None:
         return StorageWeights(storage)
     if not sc.relays:
         raise ValueError("shardcast.relays is empty: the run resolves it when it starts its relays")
-    return ShardcastWeights(ShardcastClient(sc.relays, sc.client), cache, keep=cfg.async_level + 2)
+    if trainer_key is None:
+        raise ValueError("SHARDCAST needs the trainer's public key (trainer_key): there is no unsigned mode")
+    key = trainer_key.hex if isinstance(trainer_key, VerifyKey) else VerifyKey.from_hex(trainer_key).hex
+    client = ShardcastClient(sc.relays, ClientConfig(**sc.client.model_dump(), trainer_key=key))
+    return ShardcastWeights(client, cache, keep=cfg.async_level + 2)
 
 
-def publish_to_origin(cfg: RLRunConfig, storage: RunStorage, step: int, origin_dir: str | Path) -> dict:
-    """Publish checkpoint ``step``'s inference files as SHARDCAST version ``step`` (idempotent: an
-    existing complete version is kept, a half-written one replaced)."""
+def _signed(m: Manifest, key: VerifyKey) -> bool:
+    """Whether every header and shard of ``m`` carries ``key``'s signature: a version the origin holds from
+    before (another key, or none) would get the origin marked bad by every relay, so it is written anew."""
+    verifier = Verifier(key)
+    try:
+        verify_header(verifier, m)
+        for s in m.shards:
+            verifier.shard(m.version, m.publication, s)
+    except Untrusted:
+        return False
+    return True
+
+
+def publish_to_origin(cfg: RLRunConfig, storage: RunStorage, step: int, origin_dir: str | Path, *,
+                      signing_key: SigningKey) -> dict:
+    """Publish checkpoint ``step``'s inference files as SHARDCAST version ``step``, signed with the
+    trainer's ``signing_key`` (idempotent: an existing complete version is kept, a half-written one
+    replaced)."""
     store = VersionStore(origin_dir)
     have = store.manifest(step)
-    if have is not None and have.complete:
+    if have is not None and have.complete and _signed(have, signing_key.public):
         return {"version": step, "bytes": have.total_size, "shards": len(have.shards), "published": False}
     if have is not None:
         store.drop(step)
     rel = storage.step_path(step, CHECKPOINTS)
     skip = TRAINER_ONLY | {STABLE}
     if (local := storage.local_path(rel)) is not None:
-        m = publish_folder(store, step, local, cfg.shardcast.shard_size, cfg.shardcast.keep, skip=skip)
+        m = publish_folder(store, step, local, cfg.shardcast.shard_size, cfg.shardcast.keep, key=signing_key,
+                           skip=skip)
     else:  # S3: the checkpoint comes down once, into a folder that goes away after
         with tempfile.TemporaryDirectory(prefix="intellect-publish-") as tmp:
             storage.get_dir(rel, Path(tmp) / "ckpt")
             m = publish_folder(store, step, Path(tmp) / "ckpt", cfg.shardcast.shard_size, cfg.shardcast.keep,
-                               skip=skip)
+                               key=signing_key, skip=skip)
     return {"version": step, "bytes": m.total_size, "shards": len(m.shards), "published": True}

@@ -1,13 +1,16 @@
 """``python -m intellect.shardcast origin|relay|client`` (also ``intellect shardcast ...``).
 
     # the trainer's machine: serve ./sc/origin, optionally publishing a checkpoint folder first
-    python -m intellect.shardcast origin --data-dir sc/origin --port 18000 [--publish ckpt/ --version 3]
+    python -m intellect.shardcast origin --data-dir sc/origin --port 18000 [--publish ckpt/ --version 3 --key-file trainer.key]
     # the trainer, each time a checkpoint is saved (the running origin serves it as shards appear)
-    python -m intellect.shardcast publish --data-dir sc/origin --version 4 --src ckpt/step_4
-    # relays, anywhere the origin is reachable
-    python -m intellect.shardcast relay --data-dir sc/r1 --port 18001 --upstream http://10.0.0.1:18000
+    python -m intellect.shardcast publish --data-dir sc/origin --version 4 --src ckpt/step_4 --key-file trainer.key
+    # relays, anywhere the origin is reachable, pinning the trainer's public key
+    python -m intellect.shardcast relay --data-dir sc/r1 --port 18001 --upstream http://10.0.0.1:18000 --trainer-key <hex>
     # a worker: download version 3 (or the newest complete one) into a folder
-    python -m intellect.shardcast client --relay http://10.0.0.2:18001 --relay ... --version 3 --dest ckpt/step_3
+    python -m intellect.shardcast client --relay http://10.0.0.2:18001 --relay ... --trainer-key <hex> --version 3 --dest ckpt/step_3
+
+Every version is signed with the trainer's key file (``intellect.trust.keys``, mode 0600); relays
+and clients verify each header and shard against the public key they pin before they use it.
 
 Servers listen on 127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` picks a free port and
 ``--port-file`` receives the base URL once the server listens. SIGTERM or SIGINT stops them.
@@ -26,6 +29,7 @@ import time
 
 from intellect.shardcast.config import LOOPBACK, ClientConfig, RelayConfig
 from intellect.shardcast.store import VersionStore, publish_folder
+from intellect.trust.keys import SigningKey
 
 # Each role imports only what it runs: ``publish`` is on the critical path of every broadcast (the
 # trainer starts it per checkpoint), and the HTTP client stack alone took ~0.1 s of CPU to import here.
@@ -76,6 +80,15 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent", type=int, help="Stop when this process (the one that started us) is gone.")
 
 
+def _key_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--key-file", required=required, help="The trainer's signing key file (mode 0600).")
+
+
+def _trainer_key_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trainer-key", required=True, help="The trainer's public key (64 hex digits): only versions "
+                   "it signed are trusted.")
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardcast") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +99,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
     o.add_argument("--version", type=int, help="Version number of --publish.")
     o.add_argument("--shard-mib", type=float, default=16, help="Shard size in MiB (default 16).")
     o.add_argument("--copy", action="store_true", help=_COPY_HELP)
+    _key_args(o, required=False)
     pub = sub.add_parser("publish", help="write a checkpoint into an origin's folder as a new version")
     pub.add_argument("--data-dir", required=True, help="The origin's folder.")
     pub.add_argument("--version", type=int, required=True)
@@ -93,9 +107,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
     pub.add_argument("--shard-mib", type=float, default=16, help="Shard size in MiB (default 16).")
     pub.add_argument("--keep", type=int, default=5, help="Newest versions kept (default 5).")
     pub.add_argument("--copy", action="store_true", help=_COPY_HELP)
+    _key_args(pub, required=True)
     r = sub.add_parser("relay", help="mirror upstream versions and serve them")
     _server_args(r)
     r.add_argument("--upstream", action="append", required=True, help="Origin or relay base URL (repeatable).")
+    _trainer_key_arg(r)
     r.add_argument("--parallel", type=int, default=RelayConfig.model_fields["parallel"].default,
                    help="Shards fetched at once (default %(default)s).")
     r.add_argument("--poll", type=float, default=0.05, help="Seconds between looks upstream (default 0.05).")
@@ -103,6 +119,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
                    help="Bytes/s under which a shard's download is abandoned and fetched again (default %(default)s).")
     c = sub.add_parser("client", help="download a version from relays")
     c.add_argument("--relay", action="append", required=True, help="Relay base URL (repeatable).")
+    _trainer_key_arg(c)
     c.add_argument("--version", type=int, help="Version to fetch (default: the newest complete one).")
     c.add_argument("--dest", required=True, help="Folder to create (atomically, STABLE last).")
     c.add_argument("--parallel", type=int, default=ClientConfig.model_fields["parallel"].default,
@@ -117,25 +134,33 @@ def main(argv: list[str] | None = None, prog: str = "python -m intellect.shardca
         store = VersionStore(args.data_dir)
         store.clean_temp()
         if args.publish:
-            if args.version is None:
-                ap.error("--publish needs --version")
-            publish_folder(store, args.version, args.publish, int(args.shard_mib * MIB), args.keep, link=not args.copy)
+            if args.version is None or args.key_file is None:
+                ap.error("--publish needs --version and --key-file")
+            publish_folder(store, args.version, args.publish, int(args.shard_mib * MIB), args.keep,
+                           key=SigningKey.load(args.key_file), link=not args.copy)
         return _serve(args, store)
     if args.role == "publish":
         m = publish_folder(VersionStore(args.data_dir), args.version, args.src, int(args.shard_mib * MIB), args.keep,
-                           link=not args.copy)
+                           key=SigningKey.load(args.key_file), link=not args.copy)
         print(json.dumps({"version": m.version, "bytes": m.total_size, "shards": len(m.shards), "sha256": m.sha256}))
         return 0
     if args.role == "relay":
         from intellect.shardcast.relay import Relay
 
         store = VersionStore(args.data_dir)
-        cfg = RelayConfig(upstreams=args.upstream, keep=args.keep, parallel=args.parallel, poll_interval=args.poll,
-                          min_rate=args.min_rate)
+        try:
+            cfg = RelayConfig(upstreams=args.upstream, trainer_key=args.trainer_key, keep=args.keep,
+                              parallel=args.parallel, poll_interval=args.poll, min_rate=args.min_rate)
+        except ValueError as e:
+            ap.error(f"invalid relay settings: {e}")
         return _serve(args, store, Relay(store, cfg))
     from intellect.shardcast.client import ShardcastClient, ShardcastError
 
-    with ShardcastClient(args.relay, ClientConfig(parallel=args.parallel, deadline=args.deadline)) as client:
+    try:
+        client_cfg = ClientConfig(parallel=args.parallel, deadline=args.deadline, trainer_key=args.trainer_key)
+    except ValueError:
+        ap.error("--trainer-key: 64 hex digits")
+    with ShardcastClient(args.relay, client_cfg) as client:
         if args.list:
             print(json.dumps(client.versions()))
             return 0

@@ -5,8 +5,8 @@ is still writing it, and downloads each shard from a relay that advertises it (p
 :mod:`~intellect.shardcast.choice`). One thread per relay watches its listing with long polls (the
 relay answers when it holds another shard, with only the shards new to this client), and one
 :class:`~intellect.shardcast.manifest.ManifestView` unites the relays' listings. Each shard is read
-from a kept-alive connection into one reused buffer (:class:`ShardConnections`), hashed piece by
-piece as it arrives, and written to its place in the checkpoint's files (no second copy). The
+from a kept-alive connection into one reused buffer
+(:class:`~intellect.shardcast.wire.ShardConnections`), hashed piece by piece as it arrives, and written to its place in the checkpoint's files (no second copy). The
 hash starts from the blob's SHA-256 chaining value where the shard begins
 (:mod:`~intellect.shardcast.chain`), so one pass checks the shard against the manifest's chaining
 value at its end and also extends the whole-checkpoint SHA-256; a shard that does not match is
@@ -17,21 +17,23 @@ chaining values (an origin without OpenSSL's SHA-256 calls, a last shard ending 
 hashes the finished prefix, so the whole hash is ready right after the last shard. Only then is
 the temporary folder renamed to its final name and ``STABLE`` written: a failed fetch leaves
 nothing visible, and every wait is bounded by one deadline.
+
+Nothing a relay says is taken on its word: every header and shard entry must carry the trainer's
+signature (:mod:`~intellect.shardcast.signing`, checked by the view before anything is used), and
+every JSON answer is read with a byte cap before it is parsed. A relay that serves anything
+unsigned, mis-signed, of another version, oversized or malformed, or shard bytes that do not match
+the signed hashes, is marked bad for the rest of the fetch (the reason is kept in
+:attr:`ShardcastClient.bad`), and the shards come from the others; when every relay is bad the fetch
+fails at once.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import http.client
-import itertools
 import logging
-import math
 import os
 import random
-import select
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -40,7 +42,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -48,7 +49,10 @@ from intellect.shardcast import chain
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
+from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import preallocate, write_at
+from intellect.shardcast.wire import (ShardConnections, ShardMismatch, download_shard, fetch_delta, http_client,
+                                      list_versions)
 from intellect.storage import STABLE
 
 log = logging.getLogger("intellect.shardcast.client")
@@ -59,242 +63,6 @@ _READ_BACK = 4 << 20
 
 class ShardcastError(RuntimeError):
     """A version could not be fetched (the message says which relays failed how)."""
-
-
-class ShardError(Exception):
-    """One try of one shard failed."""
-
-
-class _Deadlines:
-    """Shuts a download's socket down when its deadline passes: one thread for all of a process's downloads.
-
-    Read timeouts bound each wait, not a download: a server that sends a byte now and then, in the
-    body or the headers, would otherwise hold a download thread (and a client's fetch past its
-    deadline) for days.
-    """
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._heap: list[tuple[float, int, socket.socket]] = []
-        self._armed: set[int] = set()
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def arm(self, sock: socket.socket, deadline: float) -> int | None:
-        if deadline == math.inf:
-            return None
-        with self._cv:
-            key = next(self._seq)
-            heapq.heappush(self._heap, (deadline, key, sock))
-            self._armed.add(key)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="shardcast-deadlines", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return key
-
-    def disarm(self, key: int | None) -> None:
-        if key is not None:
-            with self._cv:
-                self._armed.discard(key)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-
-    def _run(self) -> None:
-        with self._cv:
-            while not self._closed:
-                while self._heap and self._heap[0][1] not in self._armed:
-                    heapq.heappop(self._heap)  # finished in time
-                if not self._heap:
-                    self._cv.wait()
-                    continue
-                deadline, key, sock = self._heap[0]
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cv.wait(left)
-                    continue
-                heapq.heappop(self._heap)
-                self._armed.discard(key)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
-                except OSError:
-                    pass
-
-
-class ShardConnections:
-    """Kept-alive HTTP/1.1 connections for shard bodies, a few per server, and one reused buffer per thread.
-
-    Shard bodies come through the standard library's ``http.client``, whose ``readinto`` fills the
-    buffer straight from the socket; httpx hands a body over as fresh ``bytes`` after h11 has
-    copied every byte twice. On loopback, 1 GiB in 16 MiB shards, 4 at once, hashed and written:
-    1.1 CPU-s against 1.7 through httpx (the bulk of a relay's and a client's CPU, hashing aside).
-    Listings and manifests, small and JSON, stay on httpx.
-    """
-
-    BUFFER = 1 << 20  # per download thread; each fill is one hash call and one write
-
-    def __init__(self, connect_timeout: float, read_timeout: float, per_server: int):
-        self.connect_timeout, self.read_timeout, self.per_server = connect_timeout, read_timeout, per_server
-        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self._closed = False
-        self.deadlines = _Deadlines()
-
-    def buffer(self) -> memoryview:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = memoryview(bytearray(self.BUFFER))
-        return buf
-
-    def take(self, base: str, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
-        """An idle connection to ``base`` (True: reused) or, when there is none or ``fresh``, a new one,
-        connected within the connect timeout."""
-        while not fresh:
-            with self._lock:
-                idle = self._idle.get(base)
-                conn = idle.pop() if idle else None
-            if conn is None:
-                break
-            if _idle_and_open(conn):
-                return conn, True
-            conn.close()  # the server closed it (or sent something unasked) while it idled
-        url = urlsplit(base)
-        cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-        conn = cls(url.hostname, url.port, timeout=self.connect_timeout)
-        conn.connect()
-        conn.sock.settimeout(self.read_timeout)
-        return conn, False
-
-    def give_back(self, base: str, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(base, [])
-            if conn.sock is not None and not self._closed and len(idle) < self.per_server:
-                idle.append(conn)
-                return
-        conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        self.deadlines.close()
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
-
-
-def _idle_and_open(conn: http.client.HTTPConnection) -> bool:
-    """True when a pooled connection still has its socket and nothing to read: a closed one reads as EOF."""
-    if conn.sock is None:
-        return False
-    poll = select.poll()
-    poll.register(conn.sock, select.POLLIN)
-    return not poll.poll(0)
-
-
-def download_shard(conns: ShardConnections, base: str, version: int, entry: ShardEntry,
-                   sink: Callable[[int, memoryview], None], deadline: float, start: str | None = None) -> bool:
-    """Stream shard ``entry`` from ``base``, handing each piece to ``sink(offset_in_shard, piece)`` as it
-    arrives (``piece`` is this thread's reused buffer: use it before returning); raise ShardError
-    unless exactly ``entry.size`` bytes arrived before ``deadline``, with ``entry.sha256``. The caller
-    keeps what ``sink`` wrote private until then.
-
-    With ``start``, the blob's chaining value where the shard begins (see
-    :func:`~intellect.shardcast.manifest.chain_before`), and ``entry.chain``, the bytes are checked by
-    the chain instead, in the same one pass; True when they were (the caller's whole-blob hash may
-    then skip this shard)."""
-    chained = chain.AVAILABLE and start is not None and entry.chain is not None
-    h = chain.ChainedSha256(start, entry.offset) if chained else hashlib.sha256()
-    path = f"{urlsplit(base).path.rstrip('/')}/v/{version}/shard/{entry.index}"
-    conn = guard = None
-    try:
-        conn, reused = conns.take(base)
-        guard = conns.deadlines.arm(conn.sock, deadline)
-        try:
-            conn.request("GET", path)
-            r = conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            if not reused or time.monotonic() >= deadline:
-                raise
-            conn.close()  # closed by the server just as it was reused: once more, on a new connection
-            conns.deadlines.disarm(guard)
-            conn, _ = conns.take(base, fresh=True)
-            guard = conns.deadlines.arm(conn.sock, deadline)
-            conn.request("GET", path)
-            r = conn.getresponse()
-        if r.status != 200:
-            raise ShardError(f"HTTP {r.status}")
-        announced = r.getheader("content-length")
-        if r.chunked or announced != str(entry.size):  # a wrong length fails before a byte is written
-            raise ShardError(f"{announced} bytes announced, {entry.size} expected")
-        buf, pos = conns.buffer(), 0
-        while pos < entry.size:
-            want, got = min(len(buf), entry.size - pos), 0
-            while got < want:
-                n = r.readinto(buf[got:want])
-                if not n:
-                    raise ShardError(f"{pos + got} of {entry.size} bytes: the server closed the connection")
-                got += n
-            piece = buf[:got]
-            h.update(piece)  # while the piece is still in this core's cache
-            sink(pos, piece)
-            pos += got
-        conns.deadlines.disarm(guard)
-    except BaseException as e:
-        conns.deadlines.disarm(guard)
-        if conn is not None:
-            conn.close()  # mid-answer: nothing more can be read from it in step
-        if time.monotonic() >= deadline and isinstance(e, (ShardError, http.client.HTTPException, OSError)):
-            raise ShardError("deadline passed mid-shard") from e
-        if isinstance(e, (http.client.HTTPException, OSError)):
-            raise ShardError(f"{type(e).__name__}: {e}") from e
-        raise
-    conns.give_back(base, conn)
-    if chained:
-        if h.chain() != entry.chain:
-            raise ShardError("sha256 chaining value mismatch")
-    elif h.hexdigest() != entry.sha256:
-        raise ShardError("sha256 mismatch")
-    return chained
-
-
-def http_client(servers: int) -> httpx.Client:
-    """One client for a process's listings and manifest requests: a kept-alive connection for each
-    server's watcher and one more for listings."""
-    n = 2 * servers
-    return httpx.Client(limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n))
-
-
-def get_json(http: httpx.Client, url: str, timeout: httpx.Timeout):
-    r = http.get(url, timeout=timeout)
-    r.raise_for_status()
-    return r.json()
-
-
-def fetch_delta(http: httpx.Client, base: str, version: int, query: str, wait: float,
-                timeout: httpx.Timeout) -> ManifestDelta:
-    """The server's answer to a :meth:`ManifestView.query` about ``version``, held up to ``wait`` s until
-    it has news; raises httpx.HTTPError or ValueError (a malformed answer)."""
-    return ManifestDelta.model_validate(get_json(http, f"{base}/v/{version}/manifest?{query}&wait={wait:.3f}",
-                                                 timeout))
-
-
-def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout, newer: int | None = None,
-                  wait: float = 0.0) -> list[tuple[int, bool]]:
-    """``(version, complete)`` for each version the server at ``base`` lists (with ``newer``: once it
-    lists a newer version, or after ``wait`` s); raises httpx.HTTPError or ValueError when it does not
-    answer or answers something else."""
-    query = f"?newer={newer}&wait={wait:.3f}" if newer is not None else ""
-    try:
-        listed = get_json(http, f"{base}/versions{query}", timeout)["versions"]
-        return [(int(v["version"]), bool(v["complete"])) for v in listed]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{base}/versions: unexpected answer ({e!r})") from e
 
 
 @dataclass
@@ -353,11 +121,16 @@ class _Assembly:
 
 
 class ShardcastClient:
-    def __init__(self, relays: list[str], cfg: ClientConfig | None = None):
+    """Fetches versions signed by ``cfg.trainer_key`` from ``relays``."""
+
+    def __init__(self, relays: list[str], cfg: ClientConfig):
         if not relays:
             raise ValueError("a SHARDCAST client needs at least one relay URL")
         self.relays = [r.rstrip("/") for r in relays]
-        self.cfg = cfg or ClientConfig()
+        self.cfg = cfg
+        self.verifier = Verifier(cfg.trainer_key)
+        #: relay -> why it was marked bad (in the fetch or listing that last found it so)
+        self.bad: dict[str, str] = {}
         self.scores = {r: RelayScore() for r in self.relays}
         self.rng = random.Random(self.cfg.seed)
         self._timeout = httpx.Timeout(self.cfg.read_timeout, connect=self.cfg.connect_timeout)
@@ -382,7 +155,10 @@ class ShardcastClient:
         out: dict[int, bool] = {}
         for relay in self.relays:
             try:
-                listed = list_versions(self._http, relay, self._timeout)
+                listed = list_versions(self._http, relay, self._timeout, self.verifier, self.cfg.max_versions_bytes)
+            except Untrusted as e:
+                self._distrust(relay, f"/versions: {e}")
+                continue
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("relay %s: %s", relay, e)
                 continue
@@ -424,13 +200,14 @@ class ShardcastClient:
                     progress: Callable[[int, int | None], None] | None) -> FetchStats:
         cfg = self.cfg
         errors: dict[str, str] = {}
+        bad: set[str] = set()  # relays not asked again in this fetch
         asm = _Assembly(folder)
         pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="shardcast-get")
         inflight: dict[Future, tuple[ShardEntry, str, float]] = {}
         done: set[int] = set()
         tries: dict[int, list[str]] = {}
         by_relay: dict[str, int] = {}
-        view = ManifestView(version)  # every relay's listing, each answer costing only its news
+        view = ManifestView(version, self.verifier)  # every relay's listing, each answer costing only its news
         ref: Manifest | None = None  # the view when last looked at: what downloads are started from
         pending: list[int] = []  # a heap of listed shards not yet started: lowest index first
         heard: list[ShardEntry] = []  # listed since ref was last made
@@ -450,7 +227,8 @@ class ShardcastClient:
                     load = Counter(r for _, r, _ in inflight.values())
                     while pending and len(inflight) < cfg.parallel:
                         index = heapq.heappop(pending)
-                        s, relays = view.shard(index), view.holders.get(index)
+                        s = view.shard(index)
+                        relays = [r for r in view.holders.get(index, ()) if r not in bad]
                         if index in done or index in busy or s is None or ref.shard(index) != s:
                             continue  # done, started, or no longer listed as it was
                         if not relays:  # its relays went quiet: wait for one to list it again
@@ -479,7 +257,7 @@ class ShardcastClient:
                     if fut in watch:
                         unheard.discard(watch[fut])
                         first_heard = first_heard or time.monotonic()
-                        heard += self._watched(fut, watch, view, errors, version, deadline)
+                        heard += self._watched(fut, watch, view, errors, bad, version, deadline)
                         continue
                     entry, relay, started = inflight.pop(fut)
                     err = fut.exception()
@@ -496,6 +274,8 @@ class ShardcastClient:
                         continue
                     errors[relay] = f"shard {entry.index}: {err}"
                     log.warning("shard %d of v%d from %s failed: %s", entry.index, version, relay, err)
+                    if isinstance(err, ShardMismatch):
+                        self._mark_bad(relay, f"shard {entry.index}: {err} (not the signed bytes)", view, errors, bad)
                     if len(tries[entry.index]) >= cfg.attempts:
                         raise ShardcastError(self._why(f"shard {entry.index} of version {version} failed "
                                                        f"{len(tries[entry.index])} tries", errors, done, ref))
@@ -504,7 +284,10 @@ class ShardcastClient:
                 # spread over all of them, not sent to whichever answered first
                 if (heard or (view.header is not None and (ref is None or view.header.complete != ref.complete))) \
                         and (not unheard or time.monotonic() - first_heard >= cfg.poll_interval):
-                    ref = view.manifest()
+                    new_ref = view.manifest()
+                    if done and new_ref is not None and new_ref.publication != ref.publication:
+                        raise ShardcastError(f"version {version} was written anew while it was fetched; fetch again")
+                    ref = new_ref
                     for e in heard:
                         heapq.heappush(pending, e.index)
                     heard = []
@@ -531,13 +314,33 @@ class ShardcastClient:
         if delay > 0:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         return fetch_delta(self._http, relay, version, query, max(0.0, min(hold, deadline - time.monotonic())),
-                           self._timeout)
+                           self._timeout, self.cfg.max_manifest_bytes)
+
+    def _distrust(self, relay: str, why: str) -> None:
+        self.bad[relay] = why
+        log.warning("relay %s marked bad: %s", relay, why)
+        with self._lock:
+            observe(self.scores, relay, ok=False, nbytes=0, seconds=0.0, alpha=self.cfg.alpha, heal=self.cfg.heal)
+
+    def _mark_bad(self, relay: str, why: str, view: ManifestView, errors: dict[str, str], bad: set[str]) -> None:
+        """Stop using ``relay`` in this fetch; fail the fetch when no relay is left."""
+        if relay in bad:
+            return
+        bad.add(relay)
+        errors[relay] = f"marked bad: {why}"
+        view.drop(relay)
+        self._distrust(relay, why)
+        if bad.issuperset(self.relays):
+            raise ShardcastError(f"version {view.version}: every relay served data that failed verification "
+                                 f"({'; '.join(f'{r}: {errors[r]}' for r in self.relays)}); nothing was kept")
 
     def _watched(self, fut: Future, watch: dict[Future, str], view: ManifestView, errors: dict[str, str],
-                 version: int, deadline: float) -> list[ShardEntry]:
+                 bad: set[str], version: int, deadline: float) -> list[ShardEntry]:
         """Take one answer of a relay's watcher into ``view`` (returns the shards new to it) and start
-        its next look (none once it listed the whole version)."""
+        its next look (none once it listed the whole version, or once it is bad)."""
         relay = watch.pop(fut)
+        if relay in bad:
+            return []
         err, new = fut.exception(), []
         # an answer with nothing new (the long poll expired, or a server that does not hold
         # requests) is followed by a pause, so no relay is asked in a tight loop
@@ -548,8 +351,14 @@ class ShardcastClient:
                 new = view.apply(relay, d)
                 if d.shards or d.complete:
                     delay = 0.0
+            except Untrusted as e:
+                self._mark_bad(relay, f"manifest: {str(e)[:300]}", view, errors, bad)
+                return []
             except ValueError as e:
                 errors[relay] = f"manifest disagrees with the other relays ({str(e)[:200]})"
+        elif isinstance(err, Untrusted):
+            self._mark_bad(relay, f"manifest: {str(err)[:300]}", view, errors, bad)
+            return []
         else:
             if not isinstance(err, (httpx.HTTPError, ValueError)):
                 raise err

@@ -7,10 +7,19 @@ from pydantic import Field
 from intellect.config import StrictModel
 
 LOOPBACK = "127.0.0.1"
+PUBLIC_KEY_HEX = r"^[0-9a-f]{64}$"
+MIB = 1 << 20
+
+_TRAINER_KEY = ("The trainer's Ed25519 public key (64 hex digits; intellect.trust.keys): only versions it signed are "
+                "trusted, mirrored or exposed. Required: there is no unsigned mode.")
+_MANIFEST_BYTES = ("Bytes a manifest answer may have; a longer one is refused before it is parsed, and its server "
+                   "marked bad. The default holds ~24,000 signed shard entries of ~345 bytes: a 390 GB checkpoint "
+                   "in 16 MiB shards.")
+_VERSIONS_BYTES = "Bytes a /versions answer may have (it lists the newest few versions, each with its signed header)."
 
 
-class ClientConfig(StrictModel):
-    """How a client downloads a version from relays."""
+class ClientTuning(StrictModel):
+    """How a client downloads a version from relays (all but the trainer's key: :class:`ClientConfig`)."""
 
     parallel: int = Field(
         4, ge=1, le=256, description="Shards downloaded at once. More threads fight over the GIL: on loopback "
@@ -35,12 +44,21 @@ class ClientConfig(StrictModel):
         False, description="Hash the assembled files once more before exposing them. Off: shards checked by their "
         "SHA-256 chaining values already prove the whole checkpoint's SHA-256 (one hash pass, not two); on: "
         "also catches a fault between memory and the files (a bad disk), for one more pass.")
+    max_manifest_bytes: int = Field(8 * MIB, ge=4096, le=1 << 30, description=_MANIFEST_BYTES)
+    max_versions_bytes: int = Field(MIB, ge=1024, le=64 * MIB, description=_VERSIONS_BYTES)
+
+
+class ClientConfig(ClientTuning):
+    """A client: its tuning and the trainer's key it pins."""
+
+    trainer_key: str = Field(pattern=PUBLIC_KEY_HEX, description=_TRAINER_KEY)
 
 
 class RelayConfig(StrictModel):
-    """A relay: mirrors the newest versions of its upstreams and serves what it holds."""
+    """A relay: mirrors the newest versions of its upstreams and serves what it holds, once verified."""
 
     upstreams: list[str] = Field(min_length=1, max_length=64, description="Base URLs of the origin or other relays.")
+    trainer_key: str = Field(pattern=PUBLIC_KEY_HEX, description=_TRAINER_KEY)
     keep: int = Field(5, ge=1, le=1000, description="Newest versions kept; older ones are deleted.")
     parallel: int = Field(4, ge=1, le=256, description="Shards fetched from upstream at once (see ClientConfig).")
     poll_interval: float = Field(0.05, gt=0, le=60, description="Seconds between looks at the upstreams.")
@@ -50,6 +68,11 @@ class RelayConfig(StrictModel):
         65536.0, gt=0, le=1e12, description="Bytes/s under which a shard's download is abandoned and fetched again "
         "on a later pass: each may take read_timeout + its size / min_rate seconds in all (16 MiB: 286 s by default), "
         "so an upstream that sends a byte now and then cannot hold a download thread.")
+    max_manifest_bytes: int = Field(8 * MIB, ge=4096, le=1 << 30, description=_MANIFEST_BYTES)
+    max_versions_bytes: int = Field(MIB, ge=1024, le=64 * MIB, description=_VERSIONS_BYTES)
+    distrust_seconds: float = Field(
+        300.0, gt=0, le=86400, description="Seconds an upstream that served unsigned, mis-signed, oversized or "
+        "malformed data is not asked (it is asked again afterwards, and marked bad again at its first lie).")
 
 
 class ShardcastConfig(StrictModel):
@@ -66,4 +89,5 @@ class ShardcastConfig(StrictModel):
         None, max_length=256, description="Base URLs of relays run elsewhere; the run then starts none and the "
         "origin is expected to be reachable by them at http://host:origin_port."
     )
-    client: ClientConfig = Field(default_factory=ClientConfig)
+    client: ClientTuning = Field(
+        default_factory=ClientTuning, description="Workers' client settings; the trainer's key is the run's own.")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from intellect.shardcast.config import ShardcastConfig
+from intellect.trust.keys import VerifyKey
 
 
 class ServerProcess:
@@ -89,16 +90,19 @@ class LocalCDN:
             p.stop()
 
 
-def start_local(cfg: ShardcastConfig, root: str | os.PathLike) -> LocalCDN:
-    """Origin serving ``root/origin`` and ``cfg.local_relays`` relays under ``root/relay<i>``."""
+def start_local(cfg: ShardcastConfig, root: str | os.PathLike, trainer_key: VerifyKey | str) -> LocalCDN:
+    """Origin serving ``root/origin`` and ``cfg.local_relays`` relays under ``root/relay<i>``, which
+    mirror only what ``trainer_key`` (the trainer's public key, or its hex) signed."""
     root = Path(root)
+    key_hex = trainer_key.hex if isinstance(trainer_key, VerifyKey) else VerifyKey.from_hex(trainer_key).hex
     origin = ServerProcess("origin", root / "origin", host=cfg.host, port=cfg.origin_port,
                            extra=["--keep", str(cfg.keep)], log_dir=root / "logs")
     cdn = LocalCDN(root / "origin", origin)
     try:
         for i in range(cfg.local_relays):
             cdn.relays.append(ServerProcess("relay", root / f"relay{i}", host=cfg.host, log_dir=root / "logs",
-                                            extra=["--upstream", origin.url, "--keep", str(cfg.keep)]))
+                                            extra=["--upstream", origin.url, "--keep", str(cfg.keep),
+                                                   "--trainer-key", key_hex]))
     except BaseException:
         cdn.stop()
         raise

@@ -9,6 +9,10 @@ log; readers follow it by :class:`ManifestDelta`), so a reader may see a manifes
 first shards and the files begun so far (``size`` None for the file still being written); every
 shard listed is final. A relay lists only the shards it holds, so a manifest never advertises a
 byte the server cannot send (:meth:`Manifest.holding`: a manifest as such a server would list it).
+Every header and shard entry carries the trainer's signature (:mod:`~intellect.shardcast.signing`);
+:class:`ManifestView` takes nothing from a server before it verifies. ``complete`` is the server's
+own word that it lists every shard; that the version is whole (``total_size`` and ``sha256``) is
+the trainer's, signed.
 
 >>> m = Manifest(version=3, files=[FileEntry(name="config.json", offset=0, size=5),
 ...                                FileEntry(name="model.safetensors", offset=5, size=7)],
@@ -30,6 +34,7 @@ from typing import Iterator
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from intellect.shardcast.chain import INITIAL
+from intellect.shardcast.signing import PUBLICATION, SIGNATURE_FIELD, Untrusted, Verifier
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 # A file name of a version: one path component, no hidden or temporary names, so a client can
@@ -57,6 +62,9 @@ class ShardEntry(_Strict):
         "(:mod:`~intellect.shardcast.chain`): with the previous shard's, it checks this shard and, shard by "
         "shard, the whole blob in one pass. None where the shard ends mid-block or the origin had no way to "
         "compute it.")
+    signature: str | None = Field(
+        None, pattern=SIGNATURE_FIELD, description="The trainer's Ed25519 signature of this shard "
+        "(:func:`~intellect.shardcast.signing.shard_message`), passed on unchanged by relays.")
 
 
 def _check_fits(s: ShardEntry, shard_size: int) -> None:
@@ -74,6 +82,10 @@ class Manifest(_Strict):
     total_size: int | None = Field(None, ge=0, description="Blob bytes, once complete.")
     sha256: str | None = Field(None, pattern=SHA256_HEX, description="SHA-256 of the blob, once complete.")
     complete: bool = False
+    publication: str | None = Field(None, pattern=PUBLICATION, description="Id of this writing of the version.")
+    signature: str | None = Field(
+        None, pattern=SIGNATURE_FIELD, description="The trainer's signature of the header: version, publication, "
+        "shard size, files, total size and SHA-256 (:func:`~intellect.shardcast.signing.header_message`).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -179,6 +191,8 @@ class ManifestDelta(_Strict):
     total_size: int | None = Field(None, ge=0)
     sha256: str | None = Field(None, pattern=SHA256_HEX)
     complete: bool = False
+    publication: str | None = Field(None, pattern=PUBLICATION)
+    signature: str | None = Field(None, pattern=SIGNATURE_FIELD, description="The trainer's, over the header.")
     listing: str = Field("", pattern=r"^[0-9a-f]{0,32}$", description="Name of the server's listing.")
     since: int = Field(0, ge=0, description="Listing position of the first shard here.")
     shards: list[ShardEntry] = Field(default_factory=list, description="In listing order.")
@@ -197,33 +211,78 @@ class ManifestDelta(_Strict):
         return self.since + len(self.shards)
 
 
-def _header_rank(h: ManifestDelta | Manifest) -> tuple[bool, int, bool]:
-    # the newest header of one version: complete, then more files begun, then the last one's size known
-    return h.complete, len(h.files), bool(h.files) and h.files[-1].size is not None
+class ListedVersion(_Strict):
+    """One version in a server's ``/versions`` answer, with its signed header: a reader counts a version
+    only once the trainer's signature on its header verifies, and a version as complete only when
+    that header is sealed (its total size and SHA-256 signed), so no server can make readers chase a
+    version the trainer never wrote."""
+
+    version: int = Field(ge=0)
+    complete: bool = Field(description="The server holds every shard.")
+    shards: int = Field(ge=0, description="Shards the server lists.")
+    files: list[FileEntry] = Field(default_factory=list, max_length=100_000)
+    shard_size: int = Field(ge=1)
+    total_size: int | None = Field(None, ge=0)
+    sha256: str | None = Field(None, pattern=SHA256_HEX)
+    publication: str | None = Field(None, pattern=PUBLICATION)
+    signature: str | None = Field(None, pattern=SIGNATURE_FIELD)
+
+    @classmethod
+    def of(cls, m: Manifest, shards: int) -> "ListedVersion":
+        return cls.model_construct(version=m.version, complete=m.complete, shards=shards, files=m.files,
+                                   shard_size=m.shard_size, total_size=m.total_size, sha256=m.sha256,
+                                   publication=m.publication, signature=m.signature)
+
+
+class VersionList(_Strict):
+    versions: list[ListedVersion] = Field(default_factory=list, max_length=100_000)
+
+
+def _header_rank(h: ManifestDelta | Manifest) -> tuple[bool, bool, int, bool]:
+    # the newest header of one version: complete, sealed, then more files begun, then the last one's size known
+    return h.complete, h.sha256 is not None, len(h.files), bool(h.files) and h.files[-1].size is not None
+
+
+def verify_header(verifier: Verifier, h: ManifestDelta | Manifest) -> None:
+    """Raise :class:`~intellect.shardcast.signing.Untrusted` unless ``h``'s header is the trainer's."""
+    verifier.header(h.version, h.publication, h.shard_size, h.files, h.total_size, h.sha256, h.signature)
 
 
 class ManifestView:
     """One version as several servers list it, kept up to date from their :class:`ManifestDelta`
     answers: each answer costs its own shards, never the whole list again.
 
-    The view holds every shard any agreeing server listed (a relay lists only what it holds), which
-    servers hold each, and the newest header. A server whose answer contradicts the view (another
-    hash for a shard, another layout) is dropped from it; the first complete listing is the
-    authority over servers that were still listing.
+    Nothing enters the view before ``verifier`` checked the trainer's signature on it
+    (:mod:`~intellect.shardcast.signing`): each header once, each shard once, when first heard; an
+    answer that fails raises :class:`~intellect.shardcast.signing.Untrusted` and its server is
+    dropped. The view holds every shard any agreeing server listed (a relay lists only what it
+    holds), which servers hold each, and the newest header, all of one writing (publication) of the
+    version. A server whose answer contradicts the view (another layout, another writing: the origin
+    withdrew a half-written version and wrote it anew) is dropped from it, and heard again from the
+    start; a complete listing of another writing replaces a view of one still being listed.
 
+    >>> from intellect.trust.keys import SigningKey
+    >>> from intellect.shardcast.signing import VersionSigner
+    >>> key = SigningKey.from_seed(bytes(32)); sign = VersionSigner(key, 1)
     >>> w = [FileEntry(name="w", offset=0)]
-    >>> e = [ShardEntry(index=i, offset=4 * i, size=4, sha256=f"{i}" * 64) for i in range(3)]
-    >>> v = ManifestView(1)
-    >>> [s.index for s in v.apply("a", ManifestDelta(version=1, files=w, shard_size=4, listing="aa", shards=e[:2]))]
+    >>> head = dict(version=1, files=w, shard_size=4, publication=sign.publication, signature=sign.header(w, 4))
+    >>> e = [sign.shard(ShardEntry(index=i, offset=4 * i, size=4, sha256=f"{i}" * 64)) for i in range(3)]
+    >>> v = ManifestView(1, Verifier(key.public))
+    >>> [s.index for s in v.apply("a", ManifestDelta(**head, listing="aa", shards=e[:2]))]
     [0, 1]
-    >>> [s.index for s in v.apply("b", ManifestDelta(version=1, files=w, shard_size=4, listing="bb", shards=[e[2]]))]
+    >>> [s.index for s in v.apply("b", ManifestDelta(**head, listing="bb", shards=[e[2]]))]
     [2]
     >>> v.query("a"), v.holders[2], [s.index for s in v.manifest().shards]
     ('since=2&listing=aa', ['b'], [0, 1, 2])
+    >>> forged = e[0].model_copy(update={"sha256": "f" * 64})
+    >>> v.apply("c", ManifestDelta(**head, listing="cc", shards=[forged]))
+    Traceback (most recent call last):
+    ...
+    intellect.shardcast.signing.Untrusted: bad_signature: shard 0 of version 1 is not signed by the trainer's key kfd0408a034418ede3f97 for this publication
     """
 
-    def __init__(self, version: int):
-        self.version = version
+    def __init__(self, version: int, verifier: Verifier):
+        self.version, self.verifier = version, verifier
         self.header: ManifestDelta | None = None  # the newest header heard (its shards unused)
         self.entries: dict[int, ShardEntry] = {}
         self.holders: dict[int, list[str]] = {}
@@ -266,11 +325,26 @@ class ManifestView:
         if forget and not self.entries and not self._position:
             self.header = None  # nothing is left of what was heard: the version may be laid out anew
 
+    def _positions_reset(self) -> None:
+        """Forget every server and shard heard: the version is heard anew."""
+        self.header, self._manifest = None, None
+        self.entries.clear()
+        self.holders.clear()
+        self._position.clear()
+        self._held.clear()
+        self._sorted = []
+
     def apply(self, server: str, d: ManifestDelta) -> list[ShardEntry]:
         """Take one answer of ``server``; returns the shards new to the view. ValueError when the answer
         contradicts the view (``server`` is then dropped from it) or does not follow the last one."""
         if d.version != self.version:
-            raise ValueError(f"manifest of version {d.version} served for {self.version}")
+            raise Untrusted("rollback" if d.version < self.version else "wrong_version",
+                            f"manifest of version {d.version} served for {self.version}")
+        try:
+            verify_header(self.verifier, d)
+        except Untrusted:
+            self.drop(server)
+            raise
         listing, since = self._position.get(server, ("", 0))
         if d.since == 0 and (d.complete or d.listing != listing or since):
             self.drop(server, forget=not d.complete)  # a listing from the start replaces its last one
@@ -278,6 +352,12 @@ class ManifestView:
             raise ValueError(f"an answer from position {d.since} of listing {d.listing!r}, "
                              f"asked from {since} of {listing!r}")
         try:
+            # each shard once, when first heard (an equal entry of the same writing was checked then),
+            # and before anything else is learnt from the answer
+            same = self.header is not None and self.header.publication == d.publication
+            for s in d.shards:
+                if not same or self.entries.get(s.index) != s:
+                    self.verifier.shard(d.version, d.publication, s)
             self._check(d)
         except ValueError:
             self.drop(server)
@@ -309,8 +389,14 @@ class ManifestView:
         h = self.header
         if h is None:
             return
-        if d.shard_size != h.shard_size or (d.complete and h.complete and d.sha256 != h.sha256):
+        if d.shard_size != h.shard_size or (None not in (d.sha256, h.sha256) and d.sha256 != h.sha256):
             raise ValueError("another layout or hash of the version")
+        if d.publication != h.publication:
+            if d.complete and not h.complete:  # the finished writing replaces one the origin withdrew
+                self._positions_reset()
+                return
+            # a server still listing a withdrawn writing, or already listing the new one
+            raise ValueError("another writing of the version (another publication)")
         for fa, fb in zip(d.files, h.files):
             if fa.name != fb.name or fa.offset != fb.offset or (None not in (fa.size, fb.size) and fa.size != fb.size):
                 raise ValueError(f"another layout of the version's files ({fa.name!r})")
@@ -348,7 +434,8 @@ class ManifestView:
 
 def _header_fields(d: ManifestDelta, shards: list[ShardEntry]) -> dict:
     return {"version": d.version, "files": d.files, "shard_size": d.shard_size, "total_size": d.total_size,
-            "sha256": d.sha256, "complete": d.complete, "shards": shards}
+            "sha256": d.sha256, "complete": d.complete, "publication": d.publication, "signature": d.signature,
+            "shards": shards}
 
 
 _COMPLETE = "complete"  # a server's position once it listed the whole version

@@ -12,6 +12,16 @@ listing, which lists only what it holds, so it starts serving a version's first 
 origin is still writing the last ones, and never advertises a byte it cannot send. A bad shard is
 discarded and fetched again on a later pass (one bad hop does not spread). When every upstream is
 down, it keeps serving what it has.
+
+A relay trusts nothing its upstreams say before the trainer's signature on it verifies
+(:mod:`~intellect.shardcast.signing`, against ``trainer_key``): the versions they list, every header
+and shard entry (the view checks each once), and every shard's bytes against the signed hashes
+before it is renamed into place. It lists only the trainer's signed header and entries, unchanged,
+so its own readers verify them in turn. An upstream that answers anything unsigned, mis-signed,
+of another version, oversized or malformed is marked bad (:attr:`Relay.bad`, with the reason) and
+not asked for ``distrust_seconds``: nothing it listed is mirrored, and the versions it lists do not
+count. (Asked again after that, it is marked bad again at its first lie; an honest upstream that
+served a stale version signed otherwise is not shut out for good.)
 """
 
 from __future__ import annotations
@@ -27,22 +37,26 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from intellect.shardcast.choice import RelayScore, observe, pick
-from intellect.shardcast.client import (ShardConnections, ShardError, download_shard, fetch_delta, http_client,
-                                       list_versions)
-from intellect.shardcast.config import ClientConfig, RelayConfig
-from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before
+from intellect.shardcast.config import ClientTuning, RelayConfig
+from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before, verify_header
+from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import VersionStore, preallocate, write_at
+from intellect.shardcast.wire import (ShardConnections, ShardError, download_shard, fetch_delta, http_client,
+                                      list_versions)
 
 log = logging.getLogger("intellect.shardcast.relay")
 
 _LONG_POLL = 1.0  # seconds an upstream may hold a manifest request until it has another shard
-_CHOICE = ClientConfig()  # a relay picks among its upstreams as a client does, with the client's defaults
+_CHOICE = ClientTuning()  # a relay picks among its upstreams as a client does, with the client's defaults
 
 
 class Relay:
     def __init__(self, store: VersionStore, cfg: RelayConfig, seed: int | None = None):
         self.store, self.cfg = store, cfg
         self.upstreams = [u.rstrip("/") for u in cfg.upstreams]
+        self.verifier = Verifier(cfg.trainer_key)
+        self.bad: dict[str, str] = {}  # upstream -> why it was last marked bad
+        self._bad_until: dict[str, float] = {}  # upstream -> when it may be asked again
         self.scores = {u: RelayScore() for u in self.upstreams}
         self.rng = random.Random(seed)
         self._timeout = httpx.Timeout(cfg.read_timeout, connect=cfg.connect_timeout)
@@ -60,6 +74,14 @@ class Relay:
         store.clean_temp()
         for v in store.versions():
             m = store.manifest(v)
+            try:  # what it holds from before (another trainer key, or none) is not served as signed data
+                verify_header(self.verifier, m)
+                for s in m.shards:
+                    self.verifier.shard(v, m.publication, s)
+            except Untrusted as e:
+                log.warning("version %d in %s does not verify (%s); dropping it", v, store.root, e)
+                store.drop(v)
+                continue
             self._mine[v] = {s.index: s for s in m.shards if store.shard_path(v, s.index).is_file()}
 
     # ------------------------------------------------------------------ loop
@@ -91,7 +113,7 @@ class Relay:
             if local is not None and local.complete:
                 continue
             busy = True
-            view = self._views.get(v) or ManifestView(v)
+            view = self._views.get(v) or ManifestView(v, self.verifier)
             hold = 0.0
             if not held_on and view.header is not None and not view.header.complete:
                 # one long poll per pass: the upstream answers when it has another shard
@@ -104,7 +126,8 @@ class Relay:
                 self._views[v] = view
                 mine = self._mine.setdefault(v, {})
                 if any(e.index in mine and mine[e.index] != e for e in new) or \
-                        (mine and local is not None and local.shard_size != view.header.shard_size):
+                        (mine and local is not None and (local.shard_size, local.publication) !=
+                         (view.header.shard_size, view.header.publication)):
                     log.warning("version %d changed upstream; dropping the local copy", v)
                     self.store.drop(v)
                     mine.clear()
@@ -117,7 +140,8 @@ class Relay:
                 self._inflight.update((v, i) for i in todo)
             for i in todo:
                 e = view.entries[i]
-                self._pool.submit(self._fetch, v, e, view.holders.get(i) or listing[v], chain_before(view, e))
+                sources = [u for u in view.holders.get(i) or listing[v] if self._trusted(u)]
+                self._pool.submit(self._fetch, v, e, sources, chain_before(view, e))
         with self._lock:
             for v in self.store.retain(self.cfg.keep):
                 for d in (self._views, self._mine, self._missing):
@@ -133,15 +157,20 @@ class Relay:
         request that long."""
         out: dict[int, list[str]] = {}
         waited = False
-        for i, u in enumerate(self.upstreams):
+        trusted = [u for u in self.upstreams if self._trusted(u)]
+        for i, u in enumerate(trusted):
             t0 = time.monotonic()
+            args = (self._http, u, self._timeout, self.verifier, self.cfg.max_versions_bytes)
             try:
                 if i == 0 and hold:
-                    listed = list_versions(self._http, u, self._timeout, newer=self._newest, wait=hold)
+                    listed = list_versions(*args, newer=self._newest, wait=hold)
                     # an answer at once with nothing newer (a server that does not hold) is no wait
                     waited = any(v > self._newest for v, _ in listed) or time.monotonic() - t0 >= hold / 2
                 else:
-                    listed = list_versions(self._http, u, self._timeout)
+                    listed = list_versions(*args)
+            except Untrusted as e:
+                self._distrust(u, f"/versions: {e}")
+                continue
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s: %s", u, e)
                 continue
@@ -155,14 +184,28 @@ class Relay:
         may hold the answer up to ``hold`` s until it has news. Returns the shards new to the view."""
         new: list[ShardEntry] = []
         for i, u in enumerate(upstreams):
-            if view.complete_at(u):
+            if view.complete_at(u) or not self._trusted(u):
                 continue
             try:
-                d = fetch_delta(self._http, u, view.version, view.query(u), hold if i == 0 else 0.0, self._timeout)
+                d = fetch_delta(self._http, u, view.version, view.query(u), hold if i == 0 else 0.0, self._timeout,
+                                self.cfg.max_manifest_bytes)
                 new += view.apply(u, d)
+            except Untrusted as e:
+                view.drop(u)
+                self._distrust(u, f"manifest of v{view.version}: {e}")
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("upstream %s manifest v%d: %s", u, view.version, e)
         return new
+
+    def _trusted(self, upstream: str) -> bool:
+        return time.monotonic() >= self._bad_until.get(upstream, 0.0)
+
+    def _distrust(self, upstream: str, why: str) -> None:
+        with self._lock:
+            self.bad[upstream] = why
+            self._bad_until[upstream] = time.monotonic() + self.cfg.distrust_seconds
+            observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_CHOICE.alpha, heal=_CHOICE.heal)
+        log.warning("upstream %s marked bad, not asked for %.0f s: %s", upstream, self.cfg.distrust_seconds, why)
 
     def _publish(self, version: int, added: list[ShardEntry]) -> None:
         """List ``added`` (now held) in this relay's manifest, after its header (under the lock). The
@@ -175,8 +218,11 @@ class Relay:
             if head is None or not head.complete:
                 self.store.write_manifest(view.manifest())
             return
-        if head is None or (head.files, head.shard_size) != (up.files, up.shard_size):
-            self.store.write_manifest(Manifest(version=version, files=up.files, shard_size=up.shard_size))
+        if head is None or (head.files, head.shard_size, head.signature) != (up.files, up.shard_size, up.signature):
+            # the trainer's header as signed (sealed or not), never one of the relay's own making
+            self.store.write_manifest(Manifest(version=version, files=up.files, shard_size=up.shard_size,
+                                               total_size=up.total_size, sha256=up.sha256,
+                                               publication=up.publication, signature=up.signature))
         if added:
             self.store.append_listing(version, added)
 
@@ -185,6 +231,8 @@ class Relay:
         upstream, held = None, False
         t0 = time.monotonic()
         try:
+            if not upstreams:
+                raise ShardError("no trusted upstream lists it")
             with self._lock:
                 upstream = pick(self.scores, upstreams, self.rng, self._load)
                 self._load[upstream] += 1

@@ -4,7 +4,8 @@ Routes (all GET; anything else is 404/405, and a path can only name a version an
 integer, so no request reaches a file outside the store)::
 
     /health                       {"ok": true}
-    /versions                     {"versions": [{"version": 3, "complete": true, "shards": 4}, ...]}
+    /versions                     {"versions": [{"version": 3, "complete": true, "shards": 4, <its signed
+                                  header: files, shard_size, total_size, sha256, publication, signature>}, ...]}
     /versions?newer=V&wait=S      the same, once a version newer than V is listed (or after S
                                   seconds, at most 10): an idle relay learns of a new version at
                                   once, with one request a second instead of twenty
@@ -45,7 +46,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-from intellect.shardcast.manifest import ManifestDelta
+from intellect.shardcast.manifest import ListedVersion, ManifestDelta, VersionList
 from intellect.shardcast.store import SourceChanged, VersionStore
 
 log = logging.getLogger("intellect.shardcast.server")
@@ -172,7 +173,7 @@ class H11Sendfile(H11Protocol):
             cycle.scope.setdefault("extensions", {})[ZERO_COPY] = {}
 
 
-def _listing(store: VersionStore) -> list[dict]:
+def _listing(store: VersionStore) -> VersionList:
     out = []
     for v in store.versions():
         try:
@@ -181,8 +182,8 @@ def _listing(store: VersionStore) -> list[dict]:
             log.warning("version %d: unreadable manifest (%s)", v, str(e).splitlines()[0])
             continue
         if m is not None:  # deleted between listing and reading
-            out.append({"version": v, "complete": m.complete, "shards": len(m.shards) + listed})
-    return out
+            out.append(ListedVersion.of(m, len(m.shards) + listed))
+    return VersionList.model_construct(versions=out)
 
 
 class _Changes:
@@ -296,7 +297,7 @@ def create_app(store: VersionStore) -> Starlette:
                                 status_code=400)
         if poll is not None:
             await _await_newer(store, changes, poll["newer"], poll["wait"])
-        return JSONResponse({"versions": _listing(store)})
+        return Response(_listing(store).model_dump_json(), media_type="application/json")
 
     async def manifest(request: Request) -> Response:
         version = request.path_params["version"]

@@ -7,6 +7,10 @@ manifest header that covers its files), and a manifest is replaced atomically. S
 advertises a shard it cannot send, and a crash leaves at most a ``.tmp-*`` file, which is ignored
 and removed, or a last line half appended, which is not read.
 
+Every header and listing line carries the trainer's signature (:mod:`~intellect.shardcast.signing`):
+the origin's :class:`VersionWriter` signs them as it writes, a relay writes them as it received and
+verified them. A server passes them on unchanged, and its readers check them in turn.
+
 :class:`VersionWriter` is how the origin publishes: bytes go in as the checkpoint is written,
 shards come out as soon as they fill, so relays and clients start before the checkpoint is whole.
 A checkpoint folder that already exists on the origin's file system is published without a copy
@@ -35,7 +39,9 @@ from typing import Any, Callable
 
 from intellect.shardcast.chain import whole_hasher
 from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ManifestDelta, ShardEntry
+from intellect.shardcast.signing import VersionSigner
 from intellect.storage import STABLE
+from intellect.trust.keys import SigningKey
 
 log = logging.getLogger("intellect.shardcast.store")
 
@@ -260,7 +266,8 @@ class VersionStore:
         head, listed, count, name = self._state(version)
         if head is None:
             return None
-        fields = {k: getattr(head, k) for k in ("version", "files", "shard_size", "total_size", "sha256", "complete")}
+        fields = {k: getattr(head, k) for k in ("version", "files", "shard_size", "total_size", "sha256", "complete",
+                                                "publication", "signature")}
         if head.complete:
             return ManifestDelta.model_construct(**fields, listing="", since=0, shards=head.shards)
         total = len(head.shards) + count
@@ -372,14 +379,16 @@ class _CannotLink(OSError):
 
 
 class VersionWriter:
-    """Cut a checkpoint into shards while it is being written; each full shard is published at once.
+    """Cut a checkpoint into shards while it is being written; each full shard is published at once,
+    every header and shard signed with the trainer's ``key`` (:mod:`~intellect.shardcast.signing`:
+    one Ed25519 signature per shard and one per file begun, and one to seal the version).
 
     With ``linked``, the version is whole files that already exist (:meth:`add_file` only): each is
     hard-linked into the store and hashed, and a shard is published as a range of them, no copy made.
 
     >>> import tempfile
     >>> store = VersionStore(tempfile.mkdtemp())
-    >>> with VersionWriter(store, version=1, shard_size=4) as w:
+    >>> with VersionWriter(store, version=1, shard_size=4, key=SigningKey.from_seed(bytes(32))) as w:
     ...     w.begin_file("a.txt"); w.write(b"hello ")
     ...     w.begin_file("b.txt"); w.write(b"world")
     >>> m = store.manifest(1)
@@ -387,10 +396,11 @@ class VersionWriter:
     (True, 11, [4, 4, 3], [('a.txt', 0, 6), ('b.txt', 6, 5)])
     """
 
-    def __init__(self, store: VersionStore, version: int, shard_size: int, linked: bool = False):
+    def __init__(self, store: VersionStore, version: int, shard_size: int, key: SigningKey, linked: bool = False):
         if store.manifest(version) is not None:
             raise FileExistsError(f"version {version} already exists in {store.root}")
         self.store, self.version, self.shard_size, self.linked = store, version, shard_size, linked
+        self._signer = VersionSigner(key, version)
         self._linked_stat: dict[str, list[int]] = {}
         self._files: list[FileEntry] = []
         self._header_files: list[FileEntry] | None = None  # the files the manifest on disk lists
@@ -490,19 +500,23 @@ class VersionWriter:
         if self._fh is not None:
             os.close(self._fh)
             self.store.put_shard(self.version, index, self._tmp)
-        entry = ShardEntry(index=index, offset=index * self.shard_size, size=size,
-                           sha256=self._shard_hash.hexdigest(), chain=self._whole.chain())
+        entry = self._signer.shard(ShardEntry(index=index, offset=index * self.shard_size, size=size,
+                                              sha256=self._shard_hash.hexdigest(), chain=self._whole.chain()))
         self._shards.append(entry)
         self._fh = self._tmp = self._shard_hash = None
         if self._files != self._header_files:  # the header first: it must cover the shard's files
             self._header_files = list(self._files)
-            self.store.write_manifest(Manifest(version=self.version, files=self._files, shard_size=self.shard_size))
+            self.store.write_manifest(Manifest(version=self.version, files=self._files, shard_size=self.shard_size,
+                                               publication=self._signer.publication,
+                                               signature=self._signer.header(self._files, self.shard_size)))
         self.store.append_listing(self.version, [entry])
 
     def _publish(self) -> None:
+        sha = self._whole.hexdigest()
         self.store.write_manifest(Manifest(
             version=self.version, files=self._files, shards=self._shards, shard_size=self.shard_size,
-            total_size=self._pos, sha256=self._whole.hexdigest(), complete=True))
+            total_size=self._pos, sha256=sha, complete=True, publication=self._signer.publication,
+            signature=self._signer.header(self._files, self.shard_size, self._pos, sha)))
 
     def finish(self) -> Manifest:
         self._stop_hasher()
@@ -544,9 +558,10 @@ def _size_mtime(path: Path) -> list[int]:
 
 
 def publish_folder(store: VersionStore, version: int, folder: str | os.PathLike, shard_size: int,
-                   keep: int, skip: frozenset[str] | set[str] = frozenset({STABLE}), link: bool = True) -> Manifest:
+                   keep: int, *, key: SigningKey, skip: frozenset[str] | set[str] = frozenset({STABLE}),
+                   link: bool = True) -> Manifest:
     """Publish the regular files of a checkpoint folder (sorted by name, but not those in ``skip``;
-    or one file) as ``version``, then keep the newest ``keep``.
+    or one file) as ``version``, signed with the trainer's ``key``, then keep the newest ``keep``.
 
     With ``link`` the files are hard-linked into the store, not copied, where the file system allows
     (else they are copied): they must not be modified in place afterwards (a file changed after
@@ -555,12 +570,12 @@ def publish_folder(store: VersionStore, version: int, folder: str | os.PathLike,
     files = [src] if src.is_file() else sorted(
         p for p in src.iterdir() if p.is_file() and FILE_NAME.match(p.name) and p.name not in skip)
     try:
-        with VersionWriter(store, version, shard_size, linked=link) as w:
+        with VersionWriter(store, version, shard_size, key, linked=link) as w:
             for p in files:
                 w.add_file(p)
     except _CannotLink as e:  # the version was withdrawn: publish it again as a copy
         log.info("%s; copying instead", e)
-        with VersionWriter(store, version, shard_size) as w:
+        with VersionWriter(store, version, shard_size, key) as w:
             for p in files:
                 w.add_file(p)
     store.retain(keep)

@@ -8,13 +8,17 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from intellect.shardcast import chain, choice, manifest, store
+from intellect.shardcast import chain, choice, manifest, signing, store
 from intellect.shardcast.choice import RelayScore, observe, pick, weights
 from intellect.shardcast.manifest import FileEntry, Manifest, ManifestDelta, ManifestView, ShardEntry
+from intellect.shardcast.signing import Untrusted, Verifier, VersionSigner
 from intellect.shardcast.store import VersionStore, VersionWriter, publish_folder
+from intellect.trust.keys import SigningKey
+
+KEY = SigningKey.from_seed(b"\1" * 32)  # the trainer's
 
 
-@pytest.mark.parametrize("mod", [chain, choice, manifest, store])
+@pytest.mark.parametrize("mod", [chain, choice, manifest, signing, store])
 def test_doctests(mod):
     assert doctest.testmod(mod).failed == 0
 
@@ -129,7 +133,7 @@ def test_every_weight_stays_positive_and_unmeasured_relays_are_tried_early():
 
 def test_writer_publishes_each_shard_as_it_fills(tmp_path):
     st = VersionStore(tmp_path)
-    w = VersionWriter(st, version=7, shard_size=4)
+    w = VersionWriter(st, version=7, shard_size=4, key=KEY)
     w.begin_file("weights.bin")
     w.write(b"0123456789")
     m = st.manifest(7)
@@ -140,7 +144,7 @@ def test_writer_publishes_each_shard_as_it_fills(tmp_path):
     assert m.complete and m.total_size == 10 and m.sha256 == hashlib.sha256(b"0123456789").hexdigest()
     assert [s.size for s in m.shards] == [4, 4, 2]
     with pytest.raises(FileExistsError):
-        VersionWriter(st, version=7, shard_size=4)
+        VersionWriter(st, version=7, shard_size=4, key=KEY)
 
 
 def test_a_chained_hash_resumes_anywhere_on_a_block_boundary():
@@ -168,7 +172,7 @@ def test_each_shard_checks_on_its_own_by_chaining_values(tmp_path, shard_size, w
     finished off is the whole blob's SHA-256 (shards that end mid-block carry none)."""
     rng = random.Random(1)
     st = VersionStore(tmp_path)
-    with VersionWriter(st, 1, shard_size) as w:
+    with VersionWriter(st, 1, shard_size, KEY) as w:
         w.begin_file("w")
         blob = b""
         while len(blob) < 3 * shard_size + 77:
@@ -199,13 +203,13 @@ def test_each_shard_checks_on_its_own_by_chaining_values(tmp_path, shard_size, w
 def test_a_failed_publish_leaves_no_version(tmp_path):
     st = VersionStore(tmp_path)
     with pytest.raises(RuntimeError):
-        with VersionWriter(st, version=1, shard_size=4) as w:
+        with VersionWriter(st, version=1, shard_size=4, key=KEY) as w:
             w.begin_file("a")
             w.write(b"123456")
             raise RuntimeError("trainer died")
     assert st.versions() == [] and not st.version_dir(1).exists()
     with pytest.raises(ValueError, match="one plain path component"):
-        VersionWriter(st, version=2, shard_size=4).begin_file("../escape")
+        VersionWriter(st, version=2, shard_size=4, key=KEY).begin_file("../escape")
 
 
 def test_retention_keeps_the_newest_versions(tmp_path):
@@ -215,7 +219,7 @@ def test_retention_keeps_the_newest_versions(tmp_path):
     (src / "STABLE").write_text("{}")  # the storage marker is not part of a version
     st = VersionStore(tmp_path / "origin")
     for v in range(1, 8):
-        m = publish_folder(st, v, src, shard_size=4, keep=5)
+        m = publish_folder(st, v, src, shard_size=4, keep=5, key=KEY)
     assert st.versions() == [3, 4, 5, 6, 7]
     assert [f.name for f in m.files] == ["model.safetensors"]
 
@@ -235,7 +239,7 @@ def test_shards_are_served_exactly_without_the_zero_copy_extension(tmp_path, lin
     for name, data in files.items():
         (src / name).write_bytes(data)
     st = VersionStore(tmp_path / "origin")
-    m = publish_folder(st, 1, src, shard_size=(1 << 20) + 3, keep=5, link=link)
+    m = publish_folder(st, 1, src, shard_size=(1 << 20) + 3, keep=5, key=KEY, link=link)
     assert (st.version_dir(1) / "files").is_dir() == link
     blob = b"".join(files[f.name] for f in m.files)
     server = Server(st, bind("127.0.0.1", 0), zero_copy=False).start()
@@ -261,9 +265,21 @@ def test_store_names_only_come_from_integers(tmp_path):
     assert st.shard_path(3, 2).relative_to(st.root).as_posix() == "v3/shard_00002.bin"
 
 
+_PUBLICATIONS: dict[tuple, str] = {}
+
+
 def _delta(m: Manifest, listing: str = "ab", since: int = 0, shards=None) -> ManifestDelta:
-    return ManifestDelta(**m.model_dump(exclude={"shards"}), listing=listing, since=since,
-                         shards=m.shards if shards is None else shards)
+    """``m`` as a server answers it, signed by the trainer: one writing per version and layout."""
+    pub = _PUBLICATIONS.setdefault((m.version, m.shard_size), signing.new_publication())
+    sign = VersionSigner(KEY, m.version, pub)
+    shards = m.shards if shards is None else shards
+    return ManifestDelta(**m.model_dump(exclude={"shards", "publication", "signature"}), listing=listing, since=since,
+                         publication=pub, signature=sign.header(m.files, m.shard_size, m.total_size, m.sha256),
+                         shards=[sign.shard(e) for e in shards])
+
+
+def _view(version: int) -> ManifestView:
+    return ManifestView(version, Verifier(KEY.public))
 
 
 def test_a_view_unites_relays_that_each_hold_different_shards():
@@ -272,7 +288,7 @@ def test_a_view_unites_relays_that_each_hold_different_shards():
                     total_size=12, sha256=H, complete=True)
     early = full.model_copy(update={"files": [FileEntry(name="w", offset=0)], "complete": False,
                                     "total_size": None, "sha256": None})
-    view = ManifestView(2)
+    view = _view(2)
     assert [s.index for s in view.apply("a", _delta(early.holding({0, 1})))] == [0, 1]
     assert [s.index for s in view.apply("b", _delta(early.holding({2}), "cd"))] == [2]
     assert [s.index for s in view.manifest().shards] == [0, 1, 2] and not view.manifest().complete
@@ -295,13 +311,14 @@ def test_a_view_unites_relays_that_each_hold_different_shards():
 def test_a_complete_listing_overrules_what_relays_listed_before():
     early = Manifest(version=1, files=[FileEntry(name="w", offset=0)], shard_size=4,
                      shards=[ShardEntry(index=i, offset=4 * i, size=4, sha256=H) for i in range(2)])
-    view = ManifestView(1)
+    view = _view(1)
     view.apply("liar", _delta(early.model_copy(update={"shards": [early.shards[0].model_copy(
         update={"sha256": "c" * 64})]}), "aa"))
     full = early.model_copy(update={"files": [FileEntry(name="w", offset=0, size=8)], "total_size": 8,
                                     "sha256": H, "complete": True})
-    assert [s.index for s in view.apply("origin", _delta(full, ""))] == [0, 1]  # 0 anew: the liar's is gone
-    assert view.manifest().shards == full.shards and view.holders == {0: ["origin"], 1: ["origin"]}
+    signed = _delta(full, "")
+    assert [s.index for s in view.apply("origin", signed)] == [0, 1]  # 0 anew: the liar's is gone
+    assert view.manifest().shards == signed.shards and view.holders == {0: ["origin"], 1: ["origin"]}
     assert "liar" not in view.servers()
 
 
@@ -309,7 +326,7 @@ def test_a_version_written_anew_in_another_layout_replaces_the_view():
     """The origin withdrew a half-written version and wrote it again with another shard size."""
     old = Manifest(version=1, files=[FileEntry(name="w", offset=0)], shard_size=4,
                    shards=[ShardEntry(index=0, offset=0, size=4, sha256=H)])
-    view = ManifestView(1)
+    view = _view(1)
     view.apply("origin", _delta(old, "aa"))
     new = Manifest(version=1, files=[FileEntry(name="w", offset=0, size=8)], shard_size=8, total_size=8, sha256=H,
                    complete=True, shards=[ShardEntry(index=0, offset=0, size=8, sha256="d" * 64)])
@@ -323,7 +340,7 @@ def test_a_version_being_written_grows_by_appends_not_rewrites(tmp_path):
     """Each new shard is one line appended to the listing: rewriting a manifest that lists every shard
     at every shard made a 4,096-shard version cost a relay 71 CPU-s."""
     st = VersionStore(tmp_path)
-    w = VersionWriter(st, 1, shard_size=4)
+    w = VersionWriter(st, 1, shard_size=4, key=KEY)
     w.begin_file("w")
     w.write(b"abcd")
     head = st.version_dir(1) / store.MANIFEST
