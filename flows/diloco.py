@@ -5,7 +5,13 @@ own (``diloco-outer-step``), so the dashboard shows one run per worker per
 outer step; this flow publishes the run-level table and progress. Workers are
 subprocesses of this flow run (``dispatch.mode = "local"``) or flow runs of the
 ``diloco-worker`` deployment on its work pool (``"deployments"``,
-:class:`DeploymentLauncher`).
+:class:`DeploymentLauncher`). Members that the robust all-reduce flags or bans
+show in the event feed (``flows.diloco_events``) and in the table's ``flagged``.
+
+The run secret reaches the workers as ``Coordinator`` hands it out: in the
+environment of local subprocesses, in the job variables of deployment flow runs
+(readable by whoever holds the Prefect API credential) unless every worker host
+has ``diloco.secret_file``, in which case nothing is passed.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from prefect.states import Cancelled, Cancelling
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
+from flows.diloco_events import emit_outliers
 from flows.diloco_worker import diloco_worker
 from flows.dispatch import deployment_name
 from flows.events import emit_membership
 from flows.progress import progress_bar
 from intellect.config import DilocoRunConfig
-from intellect.diloco.coordinator import EXIT_DONE, EXIT_FAILED, Coordinator, Launcher, LocalLauncher
+from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, EXIT_FAILED, Coordinator, Launcher, LocalLauncher
 from intellect.diloco.worker import init_run
 from intellect.storage import RunStorage
 
@@ -126,12 +133,14 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         now = sorted(metrics[0].get("members", [])) if metrics else []
         emit_membership(cfg.run_name, n, now, members[-1] if members else None)
         members.append(now)
+        flagged = emit_outliers(cfg.run_name, n - 1, metrics)
         loss = sum(m["inner_loss"] for m in metrics) / max(len(metrics), 1)
         row = {"outer_step": n, "participants": len(metrics), "mean_inner_loss": round(loss, 4),
                "bytes_sent": sum(m["bytes_sent"] for m in metrics),
                "allreduce_s": round(max((m["allreduce_seconds"] for m in metrics), default=0.0), 3),
                "algorithm": metrics[0].get("algorithm", "") if metrics else "",
-               "attempts": max((m["attempts"] for m in metrics), default=0)}
+               "attempts": max((m["attempts"] for m in metrics), default=0),
+               "flagged": ",".join(flagged)}
         rows.append(row)
         logger.info("outer step %d/%d committed: %s", n, cfg.diloco.outer_steps, row)
         update_progress_artifact(artifact_id=progress, progress=100.0 * n / cfg.diloco.outer_steps)
@@ -144,13 +153,16 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
                 coord.start_worker()
             codes = coord.watch(timeout=timeout_s, on_commit=on_commit)
             committed = coord.progress() or start
+            refused = dict(coord.server.refusals)  # requests without the run secret, by reason
         finally:
             coord.close()
             bar.close()
     create_table_artifact(key=artifact_key(cfg.run_name, "outer-steps"),
                           table=rows or [{"outer_step": start}], description="DiLoCo outer steps")
     create_markdown_artifact(markdown=f"# DiLoCo `{cfg.run_name}`\n\n{committed}/{cfg.diloco.outer_steps} outer steps "
-                             f"committed; worker exit codes {codes}")
-    if any(c != 0 for c in codes.values()):
+                             f"committed; worker exit codes {codes}"
+                             + (f"; the rendezvous refused requests: {refused}" if refused else ""))
+    # a banned worker is the run defending itself (its events are in the feed), not a failure
+    if any(c not in (EXIT_DONE, EXIT_BANNED) for c in codes.values()):
         raise RuntimeError(f"DiLoCo workers failed: exit codes {codes}")
     return DilocoReport(run_name=cfg.run_name, committed_steps=committed, exit_codes=codes, steps=rows)

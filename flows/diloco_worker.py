@@ -30,7 +30,8 @@ def diloco_outer_step(worker_id: str, step: int, run_name: str) -> dict:
     report = asdict(w.outer_step(run_phase))
     create_table_artifact(
         key=artifact_key(run_name, f"{worker_id}-outer-step"),
-        table=[{k: v for k, v in report.items() if k != "members"} | {"members": ",".join(report["members"])}],
+        table=[{k: v for k, v in report.items() if k not in ("members", "flagged", "banned")}
+               | {k: ",".join(report[k]) for k in ("members", "flagged", "banned")}],
         description=f"DiLoCo outer step {report['step']} on {worker_id}",
     )
     return report

@@ -207,7 +207,36 @@ class DilocoConfig(StrictModel):
         description="Bytes sent each way per worker pair to measure throughput when membership changes; "
         "the ring follows the max-min-bandwidth cycle (0: fixed order).",
     )
-    store_host: str = Field("127.0.0.1", description="Address of the rendezvous TCPStore (the coordinator).")
+    store_host: str = Field(
+        "127.0.0.1",
+        description="Address of the rendezvous store (the coordinator). It authenticates every request with the "
+        "run secret, but values and gloo's traffic travel in clear: off one machine, use a private network "
+        "(WireGuard) or TLS.",
+    )
+    secret_file: str | None = Field(
+        None,
+        description="File holding the run secret (hex, at least 32 digits, mode 0600) that admits a peer to the "
+        "rendezvous and keys the all-reduce MACs. The environment variable INTELLECT_DILOCO_SECRET (hex) takes "
+        "precedence. Unset on the coordinator: it makes a fresh secret and hands it to the workers it starts "
+        "(local: in their environment; deployments: in the flow run's job variables, i.e. to whoever can read "
+        "the Prefect API). Never part of the config itself, which travels as flow-run parameters.",
+    )
+    rendezvous_window: float = Field(
+        60.0, ge=5, le=3600,
+        description="Seconds a rendezvous request's timestamp may differ from the store's clock (hosts need NTP); "
+        "nonces are remembered that long, so a captured request cannot be sent again.",
+    )
+    outlier_clip: float = Field(
+        4.0, ge=0, le=1000,
+        description="Robust aggregation (direct and ring-owner all-reduces, 3+ contributors): each owner clips "
+        "every contribution to its chunk to this many times the median distance from the coordinate-wise "
+        "median (centred clip) and flags those it clipped; 0 turns it off (plain mean).",
+    )
+    exclude_after: int = Field(
+        2, ge=1, le=1000,
+        description="Committed outer steps in which a majority of the members flagged a worker as an outlier "
+        "before it is banned from the run.",
+    )
     store_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store (0: pick a free one).")
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="Publish an outer checkpoint every N outer steps.")
     max_attempts: int = Field(5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.")
@@ -216,6 +245,11 @@ class DilocoConfig(StrictModel):
     def _timeouts_ordered(self) -> "DilocoConfig":
         if not all(0 < c <= 64 for c in self.clip_sigmas):
             raise ValueError(f"clip_sigmas must lie in (0, 64] (got {self.clip_sigmas})")
+        if self.outlier_clip and self.outlier_clip < 1:
+            raise ValueError(f"outlier_clip must be 0 (off) or at least 1 (got {self.outlier_clip})")
+        if self.outlier_clip and self.algorithm in ("ring", "ring-residual"):
+            raise ValueError(f"algorithm {self.algorithm!r} sends partial sums, so no owner sees a contribution "
+                             "to clip: set outlier_clip = 0 to run it without robust aggregation")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"

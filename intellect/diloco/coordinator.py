@@ -7,7 +7,14 @@ killed coordinator loses no progress. Its workers notice the lost store and
 stop; a new coordinator resumes from the newest outer checkpoint.
 
 A worker process is ``python -m intellect.diloco.coordinator worker ...``;
-it exits 0 when the run's outer steps are done, 3 when the store is lost.
+it exits 0 when the run's outer steps are done, 3 when the store is lost,
+4 when it failed, 5 when the run banned it (``robust.py``).
+
+The run secret. The coordinator's rendezvous (``rendezvous.py``) admits only requests MAC'd
+with the run secret. It is read from ``$INTELLECT_DILOCO_SECRET`` or ``diloco.secret_file``
+(:func:`~intellect.diloco.rendezvous.load_secret`); without either the coordinator makes a
+fresh one and hands it to the workers it launches in their environment (``env``), never in
+the config, which travels as flow-run parameters.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from typing import Callable, Protocol
 
 from intellect.config import DilocoRunConfig
 from intellect.diloco.membership import StoreLost, connect_store
+from intellect.diloco.rendezvous import SECRET_ENV, RendezvousServer, load_secret
 from intellect.storage import RunStorage
+from intellect.trust.mac import new_secret
 
-EXIT_DONE, EXIT_STORE_LOST, EXIT_FAILED = 0, 3, 4
+EXIT_DONE, EXIT_STORE_LOST, EXIT_FAILED, EXIT_BANNED = 0, 3, 4, 5
 log = logging.getLogger("intellect.diloco")
 
 
@@ -102,8 +111,14 @@ class Coordinator:
 
     def __post_init__(self) -> None:
         cfg = self.run.diloco
-        self.port = cfg.store_port or free_port(cfg.store_host)
-        self.store = connect_store(cfg.store_host, self.port, timeout=30.0, is_master=True)
+        secret = load_secret(cfg.secret_file)
+        if secret is None:  # the workers get it from us
+            secret = new_secret()
+            self.env = {**self.env, SECRET_ENV: secret.hex()}
+        self.server = RendezvousServer(secret, self.run.run_name, cfg.store_host, cfg.store_port,
+                                       window=cfg.rendezvous_window)
+        self.port = self.server.port
+        self.store = connect_store(cfg.store_host, self.port, 30.0, secret, self.run.run_name, "coordinator")
         self.storage = RunStorage.from_config(self.run.storage, self.run.run_name)
         self._tmp = tempfile.TemporaryDirectory(prefix="intellect-diloco-")
         self.config_path = str(Path(self._tmp.name) / "run.json")
@@ -175,7 +190,8 @@ class Coordinator:
 
     def close(self) -> None:
         self.stop()
-        del self.store  # closes the server socket: any worker left sees StoreLost
+        self.store.close()
+        self.server.stop()  # closes the server socket: any worker left sees StoreLost
         self._tmp.cleanup()
 
 
@@ -184,7 +200,7 @@ class Coordinator:
 
 def worker_main(config_path: str, worker: str, index: int, store: str, step_runner=None) -> int:
     """Run one worker until the run is done; ``step_runner(w)`` runs one outer step."""
-    from intellect.diloco.worker import DilocoWorker
+    from intellect.diloco.worker import Banned, DilocoWorker
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker} %(levelname)s %(message)s")
     run = DilocoRunConfig.model_validate_json(Path(config_path).read_text())
@@ -199,7 +215,11 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        w = DilocoWorker(run, worker, index, host, int(port))
+        secret = load_secret(run.diloco.secret_file)
+        if secret is None:
+            log.error("no run secret: set %s or diloco.secret_file", SECRET_ENV)
+            return EXIT_FAILED
+        w = DilocoWorker(run, worker, index, host, int(port), secret)
         while not w.done():
             r = step_runner(w) if step_runner else w.outer_step()
             log.info("step %d committed=%s members=%s loss=%.4f bytes=%d algorithm=%s digest=%s",
@@ -208,6 +228,9 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
     except StoreLost as e:
         log.error("stopping: %s", e)
         return EXIT_STORE_LOST
+    except Banned as e:
+        log.error("stopping: %s", e)
+        return EXIT_BANNED
     finally:
         if w is not None:
             w.close()  # deathrattle: peers drop us at once instead of after the heartbeat timeout

@@ -1,8 +1,11 @@
-"""Elastic membership of DiLoCo workers over a TCPStore: liveness and agreement.
+"""Elastic membership of DiLoCo workers over the rendezvous store: liveness and agreement.
 
-The store is the rendezvous the coordinator hosts. Keys (all strings):
+The store is the authenticated rendezvous the coordinator hosts (:mod:`intellect.diloco.rendezvous`:
+nobody without the run's secret can read or write a key). Keys (all strings):
 
-``launched/<i>``      the i-th worker the coordinator started (``launched``: how many)
+``launched/<i>``      the i-th worker the coordinator admitted (``launched``: how many); the
+                      admission order, never the names' sort order, ranks members: the first
+                      admitted live member leads (writes ``progress`` and checkpoints)
 ``committed/<t>/<w>`` outer steps ``w`` had committed when it reached boundary ``t``
 ``hb/<w>``            heartbeat counter, bumped every ``heartbeat_interval`` s
 ``dead/<w>``          deathrattle, written on clean exit and on SIGTERM
@@ -14,6 +17,9 @@ The store is the rendezvous the coordinator hosts. Keys (all strings):
 ``probe/<t>``, ``order/<t>/<a>``  whether to measure bandwidth; the ring order used
 ``outcome/<t>/<a>``   ``commit`` or ``abort``, decided once
 ``progress``          newest committed outer step (JSON)
+``flags/<t>/<a>/<w>``  the members ``w`` found to be outliers in that attempt (JSON list)
+``blame/<t>/<a>/<w>``  the owners whose results ``w`` refused in that attempt (JSON list)
+``banned/<w>``        ``w`` was an outlier in too many steps: it is never a member again
 
 Every decision is taken with ``compare_set`` on an empty key, so the first
 proposal wins and every worker reads the same answer: no leader, no split
@@ -32,7 +38,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
-import torch.distributed as dist
+from intellect.diloco.rendezvous import RendezvousStore
 
 
 class StoreLost(RuntimeError):
@@ -43,15 +49,15 @@ class MembershipTimeout(TimeoutError):
     """A bounded wait on other workers ran out."""
 
 
-def connect_store(host: str, port: int, timeout: float, is_master: bool = False) -> dist.TCPStore:
-    """A TCPStore client (or the server, for the coordinator) with bounded waits."""
+def connect_store(host: str, port: int, timeout: float, secret: bytes, run: str, peer: str = "") -> RendezvousStore:
+    """A client of the run's rendezvous with bounded waits; :class:`StoreLost` when it does not answer
+    (or refuses our credential)."""
+    store = RendezvousStore(host, port, secret, run, peer=peer, timeout=timedelta(seconds=timeout))
     try:
-        return dist.TCPStore(
-            host, port, is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False,
-            use_libuv=True,
-        )
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        store.num_keys()
+    except Exception as e:  # noqa: BLE001
         raise StoreLost(f"cannot reach the rendezvous store at {host}:{port}: {e}") from e
+    return store
 
 
 class Membership:
@@ -62,6 +68,8 @@ class Membership:
         host: str,
         port: int,
         worker: str,
+        secret: bytes,
+        run: str,
         heartbeat_interval: float = 2.0,
         heartbeat_timeout: float = 10.0,
         store_timeout: float = 30.0,
@@ -69,10 +77,10 @@ class Membership:
     ):
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
-        self.host, self.port, self.worker = host, port, worker
+        self.host, self.port, self.worker, self._secret, self.run = host, port, worker, secret, run
         self.interval, self.timeout, self.store_timeout = heartbeat_interval, heartbeat_timeout, store_timeout
         self.startup_grace = max(startup_grace, heartbeat_timeout)
-        self.store = connect_store(host, port, store_timeout)
+        self.store = connect_store(host, port, store_timeout, secret, run, worker)
         self._seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._lost: Exception | None = None
@@ -89,7 +97,7 @@ class Membership:
     def _heartbeat(self) -> None:
         # its own connection: TCPStore clients are not shared across threads
         try:
-            store = connect_store(self.host, self.port, self.store_timeout)
+            store = connect_store(self.host, self.port, self.store_timeout, self._secret, self.run, self.worker)
             while not self._stop.wait(self.interval):
                 store.add(f"hb/{self.worker}", 1)
         except Exception as e:  # noqa: BLE001
@@ -193,7 +201,12 @@ class Membership:
         return None if raw is None else json.loads(raw)
 
     def propose_members(self, step: int, attempt: int, workers: list[str]) -> list[str]:
-        return json.loads(self.decide(f"members/{step}/{attempt}", json.dumps(sorted(workers))))
+        """Propose ``workers`` in admission order (the caller's order; duplicates dropped): ranks and
+        the leader follow it, so a name chosen to sort first gains nothing."""
+        return json.loads(self.decide(f"members/{step}/{attempt}", json.dumps(list(dict.fromkeys(workers)))))
+
+    def banned(self, worker: str) -> bool:
+        return self.has(f"banned/{worker}")
 
     def progress(self) -> int | None:
         raw = self.decided("progress")

@@ -15,6 +15,13 @@ that is alive but silent fails them after ``timeout``. Either way the caller
 gets ``CommError`` and must drop the group: after a failure, half-finished
 messages may still be queued in it.
 
+Sealed channels. A :class:`Channel` given a ``mac_key`` (the worker derives one per outer step
+and attempt: ``derive_key(secret, "allreduce", run, step, attempt)``) prefixes every message
+with an HMAC over (sender rank, receiver rank, tag, bytes) and its length; :meth:`Channel.open`
+checks it on the receiving side, so a message forged by anyone without the key, altered on the
+way, or replayed into another slot (another peer, tag, attempt or step) raises ``CommError``
+like a garbled one. The key is shared by the members: it authenticates *a member*, not which.
+
     >>> shard_prefix("mesh_3", 1)
     'mesh_3/shard1'
 """
@@ -22,12 +29,19 @@ messages may still be queued in it.
 from __future__ import annotations
 
 import datetime
+import struct
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommError", "Channel", "new_group", "shard_group", "shard_prefix", "group_timeout"]
+from intellect.trust.mac import TAG_BYTES, check, tag
+
+__all__ = ["CommError", "Channel", "SEAL_BYTES", "new_group", "shard_group", "shard_prefix", "group_timeout"]
+
+_SEAL_DOMAIN = "intellect/allreduce/message/v1"
+_LEN = struct.Struct("<Q")
+SEAL_BYTES = TAG_BYTES + _LEN.size  # what a sealed message adds
 
 
 class CommError(RuntimeError):
@@ -107,15 +121,42 @@ class Channel:
     handed to the transport, by ``kind`` and by destination rank.
     """
 
-    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta, device: torch.device | None = None):
+    def __init__(self, group: dist.ProcessGroup, timeout: datetime.timedelta, device: torch.device | None = None,
+                 mac_key: bytes | None = None):
         self.group = group
         self.timeout = timeout
         self.device = device or torch.device("cpu")
+        self.mac_key = mac_key
+        self.rank = group.rank()
         self.sent: dict[str, int] = {}
         self.sent_to: dict[int, int] = {}
         self.messages = 0
 
+    def _seal(self, t: torch.Tensor, dst: int, tag_: int) -> torch.Tensor:
+        body = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        mac = tag(self.mac_key, _SEAL_DOMAIN, self.rank, dst, tag_, body)
+        return torch.frombuffer(bytearray(mac + _LEN.pack(len(body)) + body), dtype=torch.uint8)
+
+    def open(self, buf: torch.Tensor, src: int, tag_: int) -> torch.Tensor:
+        """The message in receive buffer ``buf`` from ``src`` under ``tag_``: ``buf`` itself on an
+        unsealed channel; on a sealed one the bytes after the seal, once their MAC checks out."""
+        if self.mac_key is None:
+            return buf
+        raw = buf.cpu()
+        if raw.numel() < SEAL_BYTES:
+            raise CommError(f"message from rank {src} (tag {tag_}) is shorter than its seal")
+        head = raw[:SEAL_BYTES].numpy().tobytes()
+        (n,) = _LEN.unpack_from(head, TAG_BYTES)
+        if n > raw.numel() - SEAL_BYTES:
+            raise CommError(f"message from rank {src} (tag {tag_}) claims {n} bytes, more than its buffer")
+        body = raw[SEAL_BYTES:SEAL_BYTES + n]
+        if not check(self.mac_key, head[:TAG_BYTES], _SEAL_DOMAIN, src, self.rank, tag_, body.numpy().tobytes()):
+            raise CommError(f"message from rank {src} (tag {tag_}) fails its MAC (forged, altered or misdirected)")
+        return body.to(buf.device)
+
     def isend(self, t: torch.Tensor, dst: int, tag: int, kind: str) -> dist.Work:
+        if self.mac_key is not None:
+            t = self._seal(t, dst, tag)
         t = t.to(self.device).contiguous()
         try:
             work = self.group.send([t], dst, tag)
@@ -128,7 +169,9 @@ class Channel:
         return work
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        """A receive buffer for a message of up to ``nbytes`` (and its seal, on a sealed channel)."""
+        extra = SEAL_BYTES if self.mac_key is not None else 0
+        return torch.empty(nbytes + extra, dtype=torch.uint8, device=self.device)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
         try:

@@ -18,7 +18,13 @@ One outer step ``t`` is four phases, each a method so a Prefect task can wrap it
    retries with the survivors (Decoupled DiLoCo: the average is over the
    contributors; a non-finite pseudo-gradient contributes nothing).
 4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer
-   state to run storage (the lowest member does it, every N steps).
+   state to run storage (the first member by admission order does it, every N steps).
+
+Trust. The rendezvous admits only holders of the run secret (``rendezvous.py``); every
+all-reduce message is sealed with ``derive_key(secret, "allreduce", run, step, attempt)``, so a
+forged or altered one fails the attempt like a garbled one; with 3+ contributors each owner
+aggregates its chunk with a centred clip and reports outliers (``robust.py``); a worker that a
+majority reports in ``diloco.exclude_after`` committed steps is banned (``banned/<w>``).
 
 Invariant after every commit: all members hold bit-identical ``theta_sync``
 (their SHA-256 is written to ``digest/<t>/<w>`` for anyone to compare).
@@ -40,16 +46,18 @@ import torch.distributed as dist
 
 from intellect.config import DilocoRunConfig, TrainConfig
 from intellect.data.arithmetic import documents
-from intellect.diloco.allreduce import AllReduceError, all_reduce_mean, choose_algorithm
+from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean, choose_algorithm
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState
+from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group
 from intellect.model.checkpoint import build_model
 from intellect.pretrain import CHECKPOINTS, fetch_checkpoint, publish_checkpoint
 from intellect.storage import RunStorage
 from intellect.train import Trainer
+from intellect.trust.mac import derive_key
 
 log = logging.getLogger("intellect.diloco")
 
@@ -63,8 +71,28 @@ def _fault(kind: str, step: int, worker: str) -> bool:
             and os.environ.get(f"INTELLECT_TEST_{kind.split('_')[0]}_WORKER") == worker)
 
 
+def _lie(pseudo: list[torch.Tensor], worker: str) -> None:
+    """An admitted liar for the robustness tests (off unless ``INTELLECT_TEST_LIE_WORKER`` names us):
+    ``INTELLECT_TEST_LIE`` = ``const`` (1e6 everywhere), ``flip`` (sign-flipped) or ``scale`` (100x)."""
+    if os.environ.get("INTELLECT_TEST_LIE_WORKER") != worker:
+        return
+    kind = os.environ.get("INTELLECT_TEST_LIE", "const")
+    with torch.no_grad():
+        for g in pseudo:
+            if kind == "const":
+                g.fill_(1e6)
+            elif kind == "flip":
+                g.neg_()
+            else:
+                g.mul_(100.0)
+
+
 class Excluded(RuntimeError):
     """This worker was left out of a step's membership; it rejoins at a later boundary."""
+
+
+class Banned(RuntimeError):
+    """This worker was banned from the run for its outlying contributions; it stops."""
 
 
 @dataclass
@@ -83,6 +111,8 @@ class StepReport:
     onboarded: bool = False
     committed: bool = False
     digest: str = ""
+    flagged: list[str] = field(default_factory=list)  # members a majority reported as outliers in this step
+    banned: list[str] = field(default_factory=list)  # members banned at this step (exclude_after strikes)
 
 
 def shard_stream(run: DilocoRunConfig, index: int):
@@ -142,13 +172,16 @@ def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
 
 
 class DilocoWorker:
-    def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int):
+    def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
+                 secret: bytes):
         self.run, self.cfg, self.worker, self.index = run, run.diloco, worker, index
         # train.threads 0: the machine's cores split among the run's workers. Left at torch's default
         # (all cores each), two workers on 2 cores spin on each other's threads: measured 6x slower.
         torch.set_num_threads(run.train.threads or max(1, (os.cpu_count() or 1) // run.diloco.workers))
         self.storage = RunStorage.from_config(run.storage, run.run_name)
-        self.m = Membership(store_host, store_port, worker, self.cfg.heartbeat_interval,
+        self.secret = secret
+        self.strikes = Strikes(self.cfg.exclude_after)
+        self.m = Membership(store_host, store_port, worker, secret, run.run_name, self.cfg.heartbeat_interval,
                             self.cfg.heartbeat_timeout, store_timeout=max(30.0, self.cfg.heartbeat_timeout),
                             startup_grace=self.cfg.boundary_timeout)
         n = self.storage.latest_step(CHECKPOINTS)
@@ -174,9 +207,10 @@ class DilocoWorker:
     # ------------------------------------------------------------------ helpers
 
     def launched(self) -> list[str]:
-        """Workers the coordinator has started so far (``launched/<i>``)."""
+        """Workers the coordinator has admitted so far (``launched/<i>``), in admission order, banned ones left out."""
         n = int(self.m.counter("launched"))
-        return [self.m.get(f"launched/{i}") for i in range(n) if self.m.has(f"launched/{i}")]
+        names = dict.fromkeys(self.m.get(f"launched/{i}") for i in range(n) if self.m.has(f"launched/{i}"))
+        return [w for w in names if not self.m.banned(w)]
 
     def _group(self, step: int, attempt: int, members: list[str]):
         # a fresh store prefix per membership: a dead member's half-written keys cannot leak in
@@ -197,6 +231,8 @@ class DilocoWorker:
         undecided boundary and is onboarded there.
         """
         me, m = self.worker, self.m
+        if m.banned(me):
+            raise Banned(f"{me} was banned from the run for outlying contributions")
         founder = m.progress() is None
         veteran = me in self.prev_members
         if not (founder or veteran):
@@ -209,8 +245,9 @@ class DilocoWorker:
         if members is None and (founder or veteran):
             # veterans block for newcomers still starting up, as INTELLECT-1's onboarding does;
             # a newcomer that never comes up is dropped after its startup grace
-            expected = self.launched() if founder else self.prev_members + [
-                w for w in self.launched() if w not in self.prev_members and not m.has(f"left/{t}/{w}")]
+            launched = self.launched()
+            expected = launched if founder else [w for w in self.prev_members if w in launched] + [
+                w for w in launched if w not in self.prev_members and not m.has(f"left/{t}/{w}")]
             m.wait_for_keys(f"arrive/{t}", [w for w in expected if w != me],
                             self._deadline(self.cfg.boundary_timeout), step=t)
             arrived = [w for w in self.launched() if m.has(f"arrive/{t}/{w}") and m.alive(w)]
@@ -303,6 +340,7 @@ class DilocoWorker:
         """All-reduce, vote, commit or retry with the survivors (bounded attempts)."""
         t, me, m = self.step, self.worker, self.m
         pseudo = self.outer.pseudo_gradient(self.model)
+        _lie(pseudo, me)
         if _fault("NAN", t, me):
             pseudo[0].view(-1)[0] = float("nan")
         contribute = all(bool(torch.isfinite(g).all()) for g in pseudo)
@@ -333,11 +371,23 @@ class DilocoWorker:
                     log.info("%s: step %d attempt %d: all-reduce %s over ring %s (estimated s: %s)",
                              me, t, a, algorithm, plan["order"], plan["estimates"] or "unmeasured")
                     self.last_algorithm = algorithm
+                robust = self.cfg.outlier_clip if algorithm in ("direct", "ring-owner") else 0.0
                 stats = all_reduce_mean(average, group, order=plan["order"], contribute=contribute,
                                         algorithm=algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
-                                        codec=self.cfg.wire_codec)
+                                        codec=self.cfg.wire_codec, outlier_clip=robust,
+                                        mac_key=derive_key(self.secret, "allreduce", self.run.run_name, t, a))
+                # before the vote: whoever sees the commit can read every member's report
+                m.set(f"flags/{t}/{a}/{me}", json.dumps(reported(stats.outliers, members)))
                 ok = True
-            except (AllReduceError, CommError, dist.DistError) as e:
+            except Misbehaviour as e:
+                log.warning("%s: all-reduce of step %d attempt %d: %s", me, t, a, e)
+                m.set(f"blame/{t}/{a}/{me}", json.dumps([members[r] for r in e.blamed if r < len(members)]))
+                ok, average, stats = False, None, None
+            except StoreLost:
+                raise
+            except (AllReduceError, CommError, dist.DistError, RuntimeError) as e:
+                # RuntimeError: gloo's own, e.g. a group whose connection handshake someone who
+                # reaches its ports broke (gloo's listeners are unauthenticated): the attempt fails
                 log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, t, a, e)
                 ok, average, stats = False, None, None
             report.allreduce_seconds += time.perf_counter() - t0
@@ -359,12 +409,30 @@ class DilocoWorker:
                 report.algorithm, report.estimates = stats.algorithm, plan["estimates"]
                 report.committed, report.digest = True, self.outer.digest()
                 m.set(f"digest/{t}/{me}", report.digest)
+                self._judge(t, a, members, report)
                 if me == members[0]:
                     m.set("progress", json.dumps(self.committed))
                 return
-            survivors = [w for w in members if m.alive(w) and m.has(f"vote/{t}/{a}/{w}")]
+            blamed = majority_flagged({w: json.loads(m.get(f"blame/{t}/{a}/{w}")) for w in members
+                                       if m.has(f"blame/{t}/{a}/{w}")}, members)
+            self._ban(self.strikes.add(blamed), t)  # strikes for a majority's blame, and out of the retry
+            survivors = [w for w in members if m.alive(w) and m.has(f"vote/{t}/{a}/{w}") and w not in blamed]
             members, a = self._next_attempt(t, a, survivors)
         raise MembershipTimeout(f"outer step {t} did not commit in {self.cfg.max_attempts} attempts")
+
+    def _judge(self, t: int, a: int, members: list[str], report: StepReport) -> None:
+        """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
+        reports = {w: json.loads(self.m.get(f"flags/{t}/{a}/{w}")) for w in members if self.m.has(f"flags/{t}/{a}/{w}")}
+        report.flagged = majority_flagged(reports, members)
+        report.banned = self.strikes.add(report.flagged)
+        self._ban(report.banned, t)
+        if report.flagged:
+            log.warning("%s: step %d: outlier contributions from %s", self.worker, t, report.flagged)
+
+    def _ban(self, workers: list[str], t: int) -> None:
+        for w in workers:
+            log.warning("%s: banning %s: outlying contributions in %d steps", self.worker, w, self.cfg.exclude_after)
+            self.m.set(f"banned/{w}", json.dumps({"step": t, "by": self.worker}))
 
     def _next_attempt(self, t: int, a: int, candidates: list[str]) -> tuple[list[str], int]:
         members = self.m.propose_members(t, a + 1, candidates)
@@ -417,5 +485,5 @@ class DilocoWorker:
         self.m.close()
 
 
-__all__ = ["DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "init_run", "publish_outer_checkpoint",
+__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "init_run", "publish_outer_checkpoint",
            "shard_stream"]

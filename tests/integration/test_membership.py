@@ -1,4 +1,4 @@
-"""Membership over a real TCPStore in this process: liveness, deathrattle, agreement, timeouts."""
+"""Membership over the real rendezvous server in this process: liveness, deathrattle, agreement, timeouts."""
 
 import subprocess
 import sys
@@ -8,18 +8,20 @@ import pytest
 
 from intellect.diloco.coordinator import free_port
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, connect_store
+from intellect.diloco.rendezvous import RendezvousServer
+
+SECRET = bytes(range(32))
 
 
 @pytest.fixture
 def store():
-    port = free_port()
-    master = connect_store("127.0.0.1", port, timeout=5, is_master=True)
-    yield port, master
-    del master
+    server = RendezvousServer(SECRET, "run")
+    yield server.port, server
+    server.stop()
 
 
 def member(port, name, **kw):
-    return Membership("127.0.0.1", port, name, heartbeat_interval=0.2, heartbeat_timeout=1.5,
+    return Membership("127.0.0.1", port, name, SECRET, "run", heartbeat_interval=0.2, heartbeat_timeout=1.5,
                       store_timeout=5, startup_grace=2.5, **kw)
 
 
@@ -49,9 +51,10 @@ def test_heartbeat_deathrattle_and_timeout(store):
 def test_first_proposal_wins_for_everyone(store):
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
-    assert a.propose_members(3, 0, ["b", "a"]) == ["a", "b"]
-    assert b.propose_members(3, 0, ["b"]) == ["a", "b"]
-    assert a.members(3, 0) == b.members(3, 0) == ["a", "b"]
+    # the proposal's order (admission order) is kept, never the names' sort order
+    assert a.propose_members(3, 0, ["b", "a", "b"]) == ["b", "a"]
+    assert b.propose_members(3, 0, ["a"]) == ["b", "a"]
+    assert a.members(3, 0) == b.members(3, 0) == ["b", "a"]
     assert a.members(3, 1) is None
     assert b.decide("outcome/3/0", "abort") == "abort" and a.decide("outcome/3/0", "commit") == "abort"
 
@@ -75,8 +78,8 @@ def test_waits_are_bounded_and_skip_the_dead_and_the_departed(store):
 
 SERVER = """
 import sys, time
-from intellect.diloco.membership import connect_store
-s = connect_store("127.0.0.1", int(sys.argv[1]), timeout=5, is_master=True)
+from intellect.diloco.rendezvous import RendezvousServer
+s = RendezvousServer(bytes(range(32)), "run", port=int(sys.argv[1]))
 print("up", flush=True)
 time.sleep(120)
 """
@@ -104,4 +107,79 @@ def test_lost_store_raises_instead_of_hanging():
     finally:
         server.kill()
     with pytest.raises(StoreLost, match="cannot reach"):
-        connect_store("127.0.0.1", free_port(), timeout=0.5)
+        connect_store("127.0.0.1", free_port(), 0.5, SECRET, "run")
+
+
+def test_a_peer_without_the_secret_is_refused_with_a_reason(store):
+    port, server = store
+    with pytest.raises(StoreLost, match="bad_mac"):
+        connect_store("127.0.0.1", port, 2, b"not the run secret!", "run", "mallory")
+    with pytest.raises(StoreLost, match="bad_mac"):  # the secret of another run
+        connect_store("127.0.0.1", port, 2, SECRET, "other-run", "mallory")
+    assert server.refusals["bad_mac"] == 2 and server.refused[-1][2:4] == ("mallory", "bad_mac")
+
+
+def _raw(port: int, body: bytes, headers: dict) -> tuple[int, bytes]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("POST", "/v1/set", body, headers)
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out
+
+
+def test_replayed_stale_and_oversized_requests_are_refused(store):
+    import json as _json
+    import secrets
+
+    from intellect.diloco.rendezvous import (MAC_HEADER, MAX_BODY, NONCE_HEADER, PEER_HEADER, TIME_HEADER,
+                                             request_key, request_tag)
+
+    port, server = store
+    key = request_key(SECRET, "run")
+
+    def signed(body: bytes, at: float) -> dict:
+        ms, nonce = int(at * 1000), secrets.token_hex(16)
+        return {TIME_HEADER: str(ms), NONCE_HEADER: nonce, PEER_HEADER: "w0",
+                MAC_HEADER: request_tag(key, "set", body, ms, nonce, "w0").hex()}
+
+    body = _json.dumps({"key": "progress", "value": "MQ=="}).encode()
+    headers = signed(body, time.time())
+    assert _raw(port, body, headers)[0] == 200
+    status, why = _raw(port, body, headers)  # the same request again
+    assert status == 401 and _json.loads(why)["reason"] == "replay"
+    status, why = _raw(port, body, signed(body, time.time() - 3600))
+    assert status == 401 and _json.loads(why)["reason"] == "stale"
+    big = _json.dumps({"key": "k", "value": "A" * MAX_BODY}).encode()
+    assert _raw(port, big, signed(big, time.time()))[0] == 413
+    assert server.refusals == {"replay": 1, "stale": 1, "too_large": 1}
+
+
+def test_an_answer_without_the_run_mac_is_not_believed():
+    import http.server
+    import threading
+
+    from intellect.diloco.rendezvous import RendezvousStore, StoreError
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'{"value": true}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(StoreError, match="without the run's MAC"):
+            RendezvousStore("127.0.0.1", httpd.server_address[1], SECRET, "run", timeout=2).check(["progress"])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -1,0 +1,154 @@
+"""What the authenticated rendezvous costs: store ops, ours (HTTP + HMAC) vs a plain TCPStore.
+
+The store runs in a process of its own (as the coordinator's does) and one client in this
+process makes, for each store, (1) each op many times, and (2) the sequence of store ops one
+worker's outer step makes in the commit protocol with W members and nobody to wait for
+(boundary: committed, arrive, launched, liveness, members, onboarding check; sync: ready,
+plan, one gloo group's rendezvous, flags, vote, outcome, digest, the others' reports,
+progress, metrics). Prints a table; the step figure is what the protocol adds to an outer
+step, before any waiting for peers.
+
+    python benchmarks/diloco_rendezvous.py [--workers 4] [--repeat 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed as dist  # noqa: E402
+
+from intellect.diloco.coordinator import free_port  # noqa: E402
+from intellect.diloco.rendezvous import RendezvousStore  # noqa: E402
+
+SECRET = bytes(range(32))
+SERVE = {
+    "ours": "from intellect.diloco.rendezvous import RendezvousServer as S; s = S(bytes(range(32)), 'bench', port={port})",
+    "tcpstore": "import datetime, torch.distributed as dist; s = dist.TCPStore('127.0.0.1', {port}, is_master=True, "
+                "timeout=datetime.timedelta(seconds=30), wait_for_workers=False, use_libuv=True)",
+}
+
+
+def serve(kind: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    code = SERVE[kind].format(port=port) + "\nprint('up', flush=True)\nimport time\ntime.sleep(3600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout.readline().strip() == "up"
+    return proc, port
+
+
+def client(kind: str, port: int):
+    if kind == "ours":
+        return RendezvousStore("127.0.0.1", port, SECRET, "bench", peer="w0", timeout=30)
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30),
+                         wait_for_workers=False, use_libuv=True)
+
+
+def outer_step(s, t: int, w: int) -> int:
+    """One worker's store ops in one outer step with ``w`` members; returns how many."""
+    me, names = "w0", [f"w{i}" for i in range(w)]
+    ops = 0
+
+    def op(fn, *a):
+        nonlocal ops
+        ops += 1
+        return fn(*a)
+
+    op(s.set, f"committed/{t}/{me}", "0")
+    op(s.set, f"arrive/{t}/{me}", "1")
+    op(s.check, [f"members/{t}/0"])
+    n = op(s.add, "launched", 0)
+    for i in range(n):
+        op(s.check, [f"launched/{i}"]), op(s.get, f"launched/{i}"), op(s.check, [f"banned/w{i}"])
+    for x in names[1:]:
+        op(s.check, [f"arrive/{t}/{x}"]), op(s.check, [f"dead/{x}"]), op(s.add, f"hb/{x}", 0)
+    op(s.compare_set, f"members/{t}/0", "", json.dumps(names))
+    for x in names:
+        op(s.get, f"committed/{t}/{x}")
+    op(s.set, f"ready/{t}/0/{me}", "1")
+    for x in names[1:]:
+        op(s.check, [f"ready/{t}/0/{x}"])
+    for i in range(w):  # gloo's rendezvous of one group: each rank's address, read by the others
+        op(s.set, f"pg/{t}/0/rank{i}", b"x" * 64)
+    for i in range(1, w):
+        op(s.get, f"pg/{t}/0/rank{i}")
+    op(s.compare_set, f"plan/{t}/0", "", json.dumps({"order": None, "algorithm": "direct", "estimates": {}}))
+    op(s.set, f"flags/{t}/0/{me}", "[]")
+    op(s.set, f"vote/{t}/0/{me}", "ok")
+    for x in names:
+        op(s.check, [f"vote/{t}/0/{x}"]), op(s.get, f"vote/{t}/0/{x}")
+    op(s.compare_set, f"outcome/{t}/0", "", "commit")
+    op(s.set, f"digest/{t}/{me}", "d" * 64)
+    for x in names:
+        op(s.check, [f"flags/{t}/0/{x}"]), op(s.get, f"flags/{t}/0/{x}")
+    op(s.set, "progress", str(t + 1))
+    op(s.set, f"metrics/{t}/{me}", "{}" * 200)
+    return ops
+
+
+def prime(s, w: int) -> None:
+    # the keys other members would have written, so that no get waits
+    for i in range(w):
+        s.set(f"launched/{i}", f"w{i}")
+    s.add("launched", w)
+
+
+def bench(kind: str, workers: int, repeat: int) -> dict:
+    proc, port = serve(kind)
+    try:
+        s = client(kind, port)
+        prime(s, workers)
+        for x in [f"w{i}" for i in range(workers)]:
+            s.set(f"arrive/{x}", "1")
+        out = {}
+        cases = {"set": lambda i: s.set(f"k{i}", "v" * 32), "get": lambda i: s.get(f"k{i}"),
+                 "check": lambda i: s.check([f"k{i}"]), "add": lambda i: s.add("counter", 1),
+                 "compare_set": lambda i: s.compare_set(f"c{i}", "", "x")}
+        for name, fn in cases.items():
+            times = []
+            for i in range(repeat):
+                t0 = time.perf_counter()
+                fn(i)
+                times.append(time.perf_counter() - t0)
+            out[name] = statistics.median(times) * 1e6
+        steps = []
+        for t in range(max(5, repeat // 30)):
+            for x in [f"w{i}" for i in range(workers)]:  # the others' keys of this step
+                for key in (f"committed/{t}/{x}", f"vote/{t}/0/{x}", f"flags/{t}/0/{x}"):
+                    s.set(key, "ok" if key.startswith("vote") else "[]" if key.startswith("flags") else "0")
+            t0 = time.perf_counter()
+            n = outer_step(s, t, workers)
+            steps.append(time.perf_counter() - t0)
+        out["ops_per_step"] = n
+        out["step_ms"] = statistics.median(steps) * 1e3
+        return out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=300)
+    args = ap.parse_args()
+    rows = {kind: bench(kind, args.workers, args.repeat) for kind in ("tcpstore", "ours")}
+    print(f"median over {args.repeat} calls, us per op; one worker's outer step of the commit protocol "
+          f"with {args.workers} members, ms (cpus: {os.cpu_count()})")
+    print(f"{'':10}" + "".join(f"{k:>12}" for k in rows["ours"]))
+    for kind, row in rows.items():
+        print(f"{kind:10}" + "".join(f"{v:12.1f}" if isinstance(v, float) else f"{v:12d}" for v in row.values()))
+
+
+if __name__ == "__main__":
+    main()
