@@ -28,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled, Cancelling
+from prefect.settings import get_current_settings
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
@@ -111,7 +112,11 @@ class DeploymentLauncher:
 def _api_env() -> dict[str, str]:
     # children must report to this flow's API server, never start ephemeral servers of their own
     with get_client(sync_client=True) as client:
-        return {"PREFECT_API_URL": str(client.api_url).rstrip("/")}
+        env = {"PREFECT_API_URL": str(client.api_url).rstrip("/")}
+    auth = get_current_settings().api.auth_string  # a locked-down server refuses children without it
+    if auth is not None:
+        env["PREFECT_API_AUTH_STRING"] = auth.get_secret_value()
+    return env
 
 
 @flow(name="diloco-train", log_prints=True)
