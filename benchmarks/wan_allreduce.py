@@ -179,7 +179,8 @@ def fmt_matrix(bw: list[list[float]]) -> str:
 
 
 def part1(a) -> dict:
-    from intellect.diloco.allreduce import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_CODEC
+    from intellect.diloco.allreduce import DEFAULT_ALGORITHM, DEFAULT_CODEC
+    from intellect.diloco.plan import ALGORITHMS
 
     W = 4
     algs = a.algorithms or [x for x in dict.fromkeys([DEFAULT_ALGORITHM, *ALGORITHMS]) if x != "prime"]

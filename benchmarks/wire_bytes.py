@@ -34,12 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from allreduce_error import spawn  # noqa: E402
 
-from intellect.diloco.allreduce import (  # noqa: E402
-    DEFAULT_ALGORITHM,
-    DEFAULT_CODEC,
-    all_reduce_mean,
-    layer_buckets,
-)
+from intellect.diloco.allreduce import DEFAULT_ALGORITHM, DEFAULT_CODEC, all_reduce_mean  # noqa: E402
+from intellect.diloco.plan import layer_buckets  # noqa: E402
 
 ALGOS = ["direct", "ring-residual", "ring-owner", "ring"]
 # (algorithm, codec) rows: every algorithm with the default codec, the default one raw too

@@ -5,7 +5,7 @@ Every directed pair is probed once per new membership: in round-robin rounds
 exchanges a ping, then the sender pushes ``nbytes`` and the receiver times the
 arrival. The receiver's column goes to the store; every worker reads the same
 matrix and solves the same ring (``ring_order``), and under ``diloco.algorithm =
-"auto"`` estimates the same algorithm times (``allreduce.choose_algorithm``), so
+"auto"`` estimates the same algorithm times (``plan.choose_algorithm``), so
 no one has to broadcast it (the worker still agrees each attempt's plan through
 the store: a restarted worker may have missed the probe).
 """

@@ -46,10 +46,11 @@ import torch.distributed as dist
 
 from intellect.config import DilocoRunConfig, TrainConfig
 from intellect.data.arithmetic import documents
-from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean, choose_algorithm
+from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState
+from intellect.diloco.plan import choose_algorithm
 from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from intellect.diloco.allreduce import AllReduceError, all_reduce_mean, chunk_bounds, payload_bytes
+from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
+from intellect.diloco.plan import chunk_bounds, payload_bytes
 from intellect.diloco.quantize import wire_nbytes
 
 # (37, 29) and (1000,): several chunks per rank; (5,): chunks of 1-2 values; (0,): no chunk;

@@ -281,16 +281,16 @@ def _lying_rank(rank: int, world: int, port: int, lie: str, q) -> None:
 
     import torch.distributed as dist
 
-    from intellect.diloco import allreduce
+    from intellect.diloco import allreduce, schedules
     from intellect.diloco.transport import new_group
 
     try:
         if rank == world - 1 and lie == "owner":  # publishes 1e3 everywhere for the chunks it owns
             def owner(self, parts, received, senders=(), b=0):
-                return allreduce._enc(self.quantize(torch.full_like(parts[self.pos], 1e3)), self.codec)
-            allreduce._Run._owner = owner
+                return schedules.encode(self.quantize(torch.full_like(parts[self.pos], 1e3)), self.codec)
+            schedules.Run._owner = owner
         if rank == world - 1 and lie == "claims":  # announces a millionth of what it sends
-            real = allreduce._Run.exchange_claims
+            real = schedules.Run.exchange_claims
 
             def claims(self, buckets):
                 kept, self.tensors = self.tensors, [t * 1e-6 for t in self.tensors]
@@ -298,7 +298,7 @@ def _lying_rank(rank: int, world: int, port: int, lie: str, q) -> None:
                     real(self, buckets)
                 finally:
                     self.tensors = kept
-            allreduce._Run.exchange_claims = claims
+            schedules.Run.exchange_claims = claims
         store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=datetime.timedelta(seconds=30),
                               wait_for_workers=False)
         group = new_group(store, "pg", rank, world, timeout=20)

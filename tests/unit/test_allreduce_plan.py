@@ -4,9 +4,9 @@ import itertools
 import pytest
 import torch
 
-from intellect.diloco import allreduce, transport
-from intellect.diloco.allreduce import (
-    all_reduce_mean,
+from intellect.diloco import allreduce, claims, plan, schedules, transport
+from intellect.diloco.allreduce import all_reduce_mean
+from intellect.diloco.plan import (
     choose_algorithm,
     chunk_bounds,
     estimate_seconds,
@@ -21,7 +21,7 @@ from intellect.diloco.ring_order import bottleneck, ring_order
 
 
 def test_doctests():
-    for mod in (allreduce, transport):
+    for mod in (allreduce, claims, plan, schedules, transport):
         assert doctest.testmod(mod).failed == 0
 
 

@@ -1,0 +1,322 @@
+"""Planning the DiLoCo all-reduce (pure): its algorithms, how tensors are cut into
+buckets and chunks, and the cost model that picks an algorithm for a membership.
+
+The executor (``allreduce.all_reduce_mean``) flattens each bucket (e.g. one layer:
+``layer_buckets``, small ones joined by ``merge_small``) and splits it into W chunks
+(``chunk_bounds``); chunk c is owned by ring position c, i.e. rank ``order[c]``. The owner
+divides its fp32 sum by the number of contributors and quantizes the mean once; the
+all-gather moves those exact bytes, so every rank ends bit-identical. This module says
+which messages each algorithm sends (``relay_counts``, ``link_chunks``), how many bytes
+(``payload_bytes``) and how long the busiest link takes (``estimate_seconds``), and which
+algorithm to run on a probed bandwidth matrix (``choose_algorithm``).
+
+Reduce-scatter algorithms:
+
+* ``"direct"`` (default): each rank sends its quantized chunk c straight to
+  owner c, and each owner sends its result straight to every rank (one
+  exchange per phase). Every value is quantized twice (as a contribution, as
+  the result), and the bytes equal the classic ring's. Not neighbour-only:
+  each ordered pair carries two chunks per bucket (2/W of the bucket), where a
+  ring pushes 2(W-1) chunks over each ring link, so on a mesh of equal links it
+  needs 1/(W-1) of a ring's time (per-host uplinks: the same time, the bytes
+  per host are equal), unless the network is itself ring-shaped. An all-gather
+  along the ring instead puts W chunks per bucket on the ring links and one on
+  the others, through W-1 dependent hops. On the 4-host
+  WAN testbed (``benchmarks/wan_allreduce.py``, 50 Mbit/s links, raw indices)
+  the direct all-gather halves the busiest link's bytes (4.03 -> 2.02 MB) and the
+  time (0.81 -> 0.56-0.59 s); the time is then CPU-bound there (4 ranks on 2 shared
+  cores: the same run on unshaped links takes 0.25-0.59 s), so it is 1.6-1.7x
+  its link bound where the ring family, with 2.7-4.5x the bytes, hides its CPU
+  time behind the links (1.00-1.10x, 0.96-1.47 s). The cost: with one slow
+  pair the all-gather crosses it too (testbed part 2, one 5 Mbit/s pair among
+  100 Mbit/s, solved order: 1.19 -> 1.57 s); there, ``"ring-owner"`` on the
+  solved ring is the algorithm to use (0.40-0.44 s). A worker's
+  ``diloco.algorithm = "auto"`` (its config's default) makes that choice per
+  membership from the probed bandwidths: ``choose_algorithm`` compares the two
+  algorithms' link-bandwidth bounds.
+* ``"ring-residual"``: classic ring, but each hop sends its fp32 partial sum as
+  int8 plus int8 of the residual that missed: the partial sums stay ~16-bit
+  accurate, so only the owner's final quantization counts. Neighbour-only,
+  lowest error, 1.5x the bytes at any W.
+* ``"ring-owner"``: each hop relays the ORIGINAL contribution bytes it received
+  and appends its own; the owner decodes each once. Two quantizations, as
+  ``"direct"``, neighbour-only, but hop s carries s+1 contributions: W(W-1)/2
+  chunk messages instead of W-1. Fewest bytes of the neighbour-only accurate
+  options for W <= 3 (same as residual at W = 4, more above).
+* ``"ring"``: classic ring; each hop requantizes the fp32 partial sum (PRIME's
+  reduce-scatter), so error compounds with W. Fewest bytes, neighbour-only.
+  ``relay=k`` interpolates to ``"ring-owner"``: requantize only when a message
+  would exceed k contributions.
+* ``"prime"``: the INTELLECT-1 baseline: ``"ring"`` plus requantization at every
+  all-gather hop. Benchmark only; ranks may end with different values.
+
+Measured (``benchmarks/allreduce_error.py``, W real gloo processes, 1M floats
+per rank in 4 buckets = shared signal + equal-power worker noise; relative L2
+error vs the exact fp32 mean, max over ranks; payload bytes sent per rank
+divided by the fp32 size of the tensor, an fp32 ring sends 2(W-1)/W)::
+
+    Gaussian, clip (4, 6)          W=2     W=4     W=8     W=16
+    direct (default)             1.06%   1.04%   0.99%   0.95%
+    ring-residual                0.92%   0.91%   0.91%   0.90%
+    ring-owner                   1.06%   1.04%   0.99%   0.95%
+    ring relay=2                 1.06%   1.22%   1.43%   1.75%
+    ring                         1.06%   1.29%   1.65%   2.20%
+    prime                        1.06%   1.29%   1.65%   2.20%
+    Gaussian, clip 6 fixed: direct 1.56 1.54 1.47 1.42%; ring 1.56 1.91 2.46 3.29%
+    Laplace, clip (4, 6), W=8/16: direct 1.60/1.52%; residual 1.50/1.45%;
+                                  ring = prime 2.57/3.35%
+    bytes / fp32 size, codec "none"
+    direct, ring, prime          0.252   0.381   0.451   0.499
+    ring-residual                0.378   0.571   0.677   0.748
+    ring-owner                   0.252   0.571   1.128   2.243
+    ring relay=2                 0.252   0.444   0.548   0.615
+    codec "zstd" (default): 0.89x those, e.g. direct 0.225 0.340 0.404 0.449
+    (the errors are the same: coding is lossless)
+
+"prime" equals "ring": requantizing decoded int8 values is lossless with this
+quantizer (<= 256 distinct values, one per bucket), so PRIME's excess error is
+all in its reduce-scatter. Wire bytes vs DDP at H=100 on the tiny model: see
+``benchmarks/wire_bytes.py`` (raw indices and codebooks cap the ratio just under
+4H = 400x; coded, 444-448x with one bucket, 420-442x per layer, W=2-8).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Sequence
+
+from intellect.diloco.quantize import wire_nbytes
+
+__all__ = [
+    "ALGORITHMS",
+    "AUTO_CANDIDATES",
+    "choose_algorithm",
+    "chunk_bounds",
+    "chunk_nbytes",
+    "estimate_seconds",
+    "layer_buckets",
+    "link_chunks",
+    "merge_small",
+    "payload_bytes",
+    "relay_counts",
+    "relay_limit",
+]
+
+ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring", "prime")
+AUTO_CANDIDATES = ("direct", "ring-owner")
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous chunks whose sizes differ by at most 1.
+
+    >>> chunk_bounds(10, 4)
+    [(0, 2), (2, 5), (5, 7), (7, 10)]
+    >>> chunk_bounds(2, 3)
+    [(0, 0), (0, 1), (1, 2)]
+    """
+    if parts < 1 or n < 0:
+        raise ValueError(f"chunk_bounds: need n >= 0 and parts >= 1, got {n}, {parts}")
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+_INT = re.compile(r"\d+")
+
+
+def layer_buckets(names: Sequence[str]) -> list[list[int]]:
+    """Indices of consecutive parameters grouped by the first integer in their name
+    (PRIME's layer cut); names without one group with their unnumbered neighbours.
+
+    >>> layer_buckets(["embed.w", "layers.0.q", "layers.0.k", "layers.1.q", "norm.w", "head.w"])
+    [[0], [1, 2], [3], [4, 5]]
+    """
+    out: list[list[int]] = []
+    prev: object = object()
+    for i, name in enumerate(names):
+        m = _INT.search(name)
+        key = m.group() if m else None
+        if key != prev:
+            out.append([])
+            prev = key
+        out[-1].append(i)
+    return out
+
+
+def merge_small(buckets: Sequence[Sequence[int]], numels: Sequence[int], min_numel: int) -> list[list[int]]:
+    """Merge consecutive buckets until each holds >= ``min_numel`` elements (a short
+    tail joins the last bucket). Each chunk message carries a 1 KiB codebook, so tiny
+    buckets cost bytes; merged buckets share one codebook per chunk, which costs
+    accuracy when their scales differ.
+
+    >>> merge_small([[0], [1, 2], [3], [4]], [10, 500, 500, 500, 500], 100)
+    [[0, 1, 2], [3], [4]]
+    >>> merge_small([[0], [1], [2]], [500, 500, 5], 100)
+    [[0], [1, 2]]
+    """
+    out: list[list[int]] = []
+    acc: list[int] = []
+    for b in buckets:
+        acc += b
+        if sum(numels[i] for i in acc) >= min_numel:
+            out.append(acc)
+            acc = []
+    if acc:
+        if out:
+            out[-1] += acc
+        else:
+            out.append(acc)
+    return out
+
+
+def relay_counts(contributes: Sequence[bool], relay: int) -> list[int]:
+    """Pieces in each reduce-scatter message along one chunk's chain of senders.
+
+    A sender appends its own quantized contribution to the pieces it received,
+    unless that would exceed ``relay`` pieces: then it sums them in fp32 with
+    its contribution and sends one requantized piece. Non-contributors forward.
+
+    >>> relay_counts([1, 1, 1, 1], 1)   # classic ring: one requantized partial sum
+    [1, 1, 1, 1]
+    >>> relay_counts([1, 1, 1, 1], 4)   # ring-owner: every contribution as sent
+    [1, 2, 3, 4]
+    >>> relay_counts([1, 0, 1, 1, 1], 2)
+    [1, 1, 2, 1, 2]
+    """
+    k, out = 0, []
+    for f in contributes:
+        if f:
+            k = 1 if k + 1 > relay else k + 1
+        out.append(k)
+    return out
+
+
+def chunk_nbytes(numel: int) -> int:
+    """Bytes of one raw chunk message of ``numel`` values (``quantize.wire_nbytes``); an
+    empty chunk is skipped, not sent.
+
+    >>> chunk_nbytes(0), chunk_nbytes(4) == wire_nbytes(4)
+    (0, True)
+    """
+    return wire_nbytes(numel) if numel else 0
+
+
+def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: str, relay: int | None = None) -> int:
+    """Payload bytes sent by ring position ``position`` when every rank contributes,
+    with raw indices (``codec="none"``; coded messages are at most this).
+
+    >>> payload_bytes([8], 2, 0, "ring") == 2 * wire_nbytes(4)
+    True
+    >>> payload_bytes([8], 2, 0, "ring-owner") == payload_bytes([8], 2, 0, "direct")
+    True
+    """
+    relay = relay_limit(algorithm, relay, world)
+    total = 0
+    for n in numels:
+        w = [chunk_nbytes(e - s) for s, e in chunk_bounds(n, world)]
+        p = position
+        if algorithm == "direct":  # own chunk to every other rank, twice (contribution, result)
+            total += sum(w) - w[p] + (world - 1) * w[p]
+            continue
+        ag = sum(w) - w[(p + 1) % world]  # ring all-gather: all but the chunk owned by next
+        stages = 2 if algorithm == "ring-residual" else 1
+        total += stages * sum((s % relay + 1) * w[(p - s - 1) % world] for s in range(world - 1)) + ag
+    return total
+
+
+def relay_limit(algorithm: str, relay: int | None, world: int) -> int:
+    """Most contributions one reduce-scatter message carries (``relay_counts``): ``relay``
+    if given (ring algorithms only), else W-1 for ``"ring-owner"`` and 1 otherwise.
+    Raises ``ValueError`` on an unknown algorithm or a bad ``relay``.
+
+    >>> relay_limit("ring-owner", None, 4), relay_limit("ring", None, 4), relay_limit("ring", 2, 4)
+    (3, 1, 2)
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    if relay is not None:
+        if algorithm not in ("ring", "ring-owner") or relay < 1:
+            raise ValueError(f"relay={relay!r} needs a ring algorithm and relay >= 1")
+        return relay
+    return max(world - 1, 1) if algorithm == "ring-owner" else 1
+
+
+def link_chunks(algorithm: str, order: Sequence[int], relay: int | None = None) -> dict[tuple[int, int], int]:
+    """Chunk messages (each 1/W of a bucket) every directed link (sender, receiver)
+    carries per bucket when every rank contributes; links not listed carry none.
+
+    ``"direct"``: every ordered pair, two chunks (a contribution, a result). Ring
+    algorithms: only ``order``'s links, each carrying its reduce-scatter pieces
+    (``relay_counts``, doubled for the residual) plus W-1 all-gather chunks.
+
+    >>> link_chunks("direct", [0, 1, 2])[(2, 0)]
+    2
+    >>> link_chunks("ring-owner", [0, 2, 1, 3])   # 1+2+3 relayed pieces + 3 gathered
+    {(0, 2): 9, (2, 1): 9, (1, 3): 9, (3, 0): 9}
+    """
+    W = len(order)
+    relay = relay_limit(algorithm, relay, W)
+    if W < 2:
+        return {}
+    if algorithm == "direct":
+        return {(i, j): 2 for i in range(W) for j in range(W) if i != j}
+    stages = 2 if algorithm == "ring-residual" else 1
+    per_link = stages * sum(relay_counts([True] * (W - 1), relay)) + (W - 1)
+    return {(order[k], order[(k + 1) % W]): per_link for k in range(W)}
+
+
+def estimate_seconds(bw: Sequence[Sequence[float]], algorithm: str, order: Sequence[int], nbytes: float = 1.0) -> float:
+    """Link-bandwidth bound of one all-reduce of ``nbytes`` wire bytes per rank:
+    the busiest link's bytes / its throughput (``bw[i][j]``: bytes/s from i to j,
+    as probed). Latency and CPU are left out: buckets are pipelined, and CPU time
+    does not depend on the link the bytes take.
+
+    Pairs are probed one at a time, so a shared uplink looks like W-1 independent
+    links and ``"direct"``'s true time can be up to W-1 times this; that never
+    changes its choice against ``"ring-owner"``, whose (W+2)/4 times larger
+    per-host bytes all cross one ring link, no faster than the host's fastest.
+
+    >>> estimate_seconds([[0, 2e6, 1e6], [2e6, 0, 2e6], [2e6, 2e6, 0]], "direct", [0, 1, 2], 3e6)
+    2.0
+    """
+    W = len(order)
+    if sorted(order) != list(range(W)) or len(bw) != W or any(len(row) != W for row in bw):
+        raise ValueError(f"estimate_seconds: need a {W} x {W} bandwidth matrix and a permutation order, got {order}")
+    worst = 0.0
+    for (i, j), k in link_chunks(algorithm, order).items():
+        rate = float(bw[i][j])
+        worst = max(worst, math.inf if rate <= 0 else k * nbytes / W / rate)
+    return worst
+
+
+def choose_algorithm(bw: Sequence[Sequence[float]], order: Sequence[int], nbytes: float = 1.0,
+                     candidates: Sequence[str] = AUTO_CANDIDATES) -> tuple[str, dict[str, float]]:
+    """The candidate with the smallest ``estimate_seconds`` (ties: the earlier one),
+    and every candidate's estimate. ``order``: the solved ring (``ring_order(bw)``).
+
+    With the defaults the rule is: ``"ring-owner"`` on the solved ring iff the
+    slowest pair is below 4/((W-1)(W+2)) of the ring's slowest link (W=3: 0.4,
+    W=4: 0.22, W=8: 0.057), since direct puts 2 chunks on every pair and
+    ring-owner W(W-1)/2 + W-1 on each ring link. The chunk size cancels, so the
+    choice does not depend on ``nbytes`` (it only scales the estimates).
+
+    Worked example, the WAN testbed's part 2: 4 hosts at 100 Mbit/s (12.5 MB/s)
+    but the pair 1<->2 at 5 Mbit/s, 4M int8 values per rank. Direct sends 2 of
+    its 1 MB chunks over the slow pair: 3.2 s; the solved ring 0-1-3-2 avoids it
+    and ring-owner moves 9 chunks per link: 0.72 s. With every link at 50 Mbit/s,
+    direct (0.32 s) beats ring-owner (1.44 s).
+
+    >>> fast, slow = 12.5e6, 0.625e6
+    >>> bw = [[0, fast, fast, fast], [fast, 0, slow, fast], [fast, slow, 0, fast], [fast, fast, fast, 0]]
+    >>> algo, est = choose_algorithm(bw, [0, 1, 3, 2], nbytes=4e6)
+    >>> algo, {a: round(s, 2) for a, s in est.items()}
+    ('ring-owner', {'direct': 3.2, 'ring-owner': 0.72})
+    >>> even = [[0 if i == j else 6.25e6 for j in range(4)] for i in range(4)]
+    >>> algo, est = choose_algorithm(even, [0, 1, 2, 3], nbytes=4e6)
+    >>> algo, {a: round(s, 2) for a, s in est.items()}
+    ('direct', {'direct': 0.32, 'ring-owner': 1.44})
+    """
+    if not candidates:
+        raise ValueError("choose_algorithm: give at least one candidate")
+    est = {a: estimate_seconds(bw, a, order, nbytes) for a in candidates}
+    return min(candidates, key=est.__getitem__), est
+
