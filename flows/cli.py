@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--cluster", nargs="?", const=".cluster", metavar="STATE",
                        help="report to the local cluster of `python -m infra.cluster up` (its state folder, "
                        "default .cluster) instead of a temporary Prefect server")
+    sub.add_parser("worker", add_help=False,
+                   help="a permissionless RL inference worker: keygen, or join a run by its URL "
+                   "(see `intellect worker -h`)")
     sub.add_parser("shardcast", add_help=False,
                    help="SHARDCAST servers and client: origin | publish | relay | client "
                    "(see `intellect shardcast -h`)")
@@ -41,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # its own parser, and no Prefect: it runs on machines nobody here owns
+        from intellect.rl.worker import main as worker_main
+
+        return worker_main(argv[1:], prog="intellect worker")
     if argv[:1] == ["shardcast"]:  # its own parser: servers and a client, not a run config
         from intellect.shardcast.__main__ import main as shardcast_main
 

@@ -1,11 +1,11 @@
 """``demo``: the whole pipeline on one machine, with one report.
 
 DiLoCo pretraining (``diloco-train``: worker processes, int8 all-reduce) -> the pass@k difficulty
-filter (``filter-pass-at-k``) -> asynchronous GRPO (``rl-train``: worker processes, TOPLOC
-validation, SHARDCAST broadcast, the DuckDB ledger). Held-out greedy accuracy is measured on the
-same problems before and after each phase; the report (markdown artifact, printed, and
-``<rl run>/report.md``) has the gains, the plots, the ledger summary and where to look in the
-dashboard.
+filter (``filter-pass-at-k``) -> asynchronous GRPO (``rl-train``: ``intellect worker`` processes
+behind the submission service, TOPLOC validation, signed SHARDCAST broadcast, the DuckDB ledger).
+Held-out greedy accuracy is measured on the same problems before and after each phase; the report
+(markdown artifact, printed, and ``<rl run>/report.md``) has the gains, the plots, the ledger
+summary and where to look in the dashboard.
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 
 One step is the DAG ``collect -> validate -> record -> grpo-update -> broadcast -> commit-step``:
 six task runs whatever the number of workers (``collect`` and ``validate`` handle each worker in a
-thread of their own). In ``rl-train`` the generation is done by worker processes
-(:mod:`intellect.rl.worker`) that run up to ``async_level`` steps ahead of the trainer, so
+thread of their own). In ``rl-train`` the generation is done by ``intellect worker`` processes
+(:mod:`intellect.rl.worker`), each with its own key, which reach the run only through the
+submission service the flow starts beside the trainer and get weights only through SHARDCAST
+(signed by the trainer; without ``cfg.shardcast`` the run starts a local origin alone, so remote
+workers can join the same way). They run up to ``async_level`` steps ahead of the trainer, so
 ``collect`` mostly finds their files already written, and the flow ingests (collect, validate,
 record) step ``n + 1`` in a second thread while step ``n`` trains: the
 pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process
@@ -33,10 +36,9 @@ from pydantic import BaseModel
 from flows.artifacts import BackgroundArtifacts, artifact_key
 from flows.events import emit_rejections
 from flows.progress import progress_bar
-from intellect.pretrain import CHECKPOINTS
 from intellect.rl.config import RLRunConfig
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
-from intellect.rl.rollouts import list_submissions, parse_submission_path
+from intellect.rl.step import recorded_steps
 from tasks import rl as T
 
 
@@ -94,15 +96,12 @@ def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
 def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> T.RecordReport:
     """``validate`` (the files of every worker that sent some) ``-> record`` (called inside a flow)."""
     t = time.perf_counter()
-    storage = T.session(cfg).storage
-    by_worker: dict[str, list[str]] = {}
-    for rel in list_submissions(storage, step):  # every file, also from workers this run did not start
-        by_worker.setdefault(parse_submission_path(rel)[1], []).append(rel)
+    by_worker = T.step_files(cfg, step)  # every file, also from workers this run did not start
     reports = T.validate(quote(cfg), step, by_worker)
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    rec = T.record(quote(cfg), step, [r.verdicts for r in reports])
+    rec = T.record(quote(cfg), step, [(r.verdicts, r.mac) for r in reports])
     timings["record"] = time.perf_counter() - t
     emit_rejections(cfg.run_name, step, {r.worker: (r.accepted, r.rejected) for r in reports},
                     cfg.alert_rejection_rate)
@@ -113,7 +112,8 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
     """``grpo-update -> broadcast -> commit-step`` of an ingested step (called inside a flow)."""
     t0 = time.perf_counter()
     step, results, rec, timings = ing.step, ing.results, ing.record, dict(ing.timings)
-    policies = sorted({r.policy_step for r in results if r.policy_step is not None})
+    # what the workers this run started say; a remote worker's done record is its own claim
+    policies = sorted({r.policy_step for r in results if r.policy_step is not None and r.worker in cfg.workers.names})
     upd = train_broadcast_commit(cfg, step, policies[0] if policies else step, timings)
     return StepSummary(
         step=step, policy_steps=policies, accepted=rec.accepted, rejected=rec.rejected, reasons=rec.reasons,
@@ -202,12 +202,14 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
         logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
     progress = create_progress_artifact(progress=100.0 * info.first_step / cfg.steps,
                                         description=f"RL {cfg.run_name}: steps committed")
-    relays = None
-    if cfg.shardcast is not None and info.first_step < cfg.steps:
+    relays, url, pids = None, None, {}
+    if info.first_step < cfg.steps:
         relays = T.start_shardcast(cfg)
-        T.publish_weights(cfg, max(storage.complete_steps(CHECKPOINTS)))
+        T.publish_weights(cfg, max(recorded_steps(storage, T.session(cfg).ledger)))
         logger.info("SHARDCAST: workers download from %s", relays)
-    pids = T.start_workers(cfg, info.first_step, relays) if info.first_step < cfg.steps else {}
+        url = T.start_service(cfg, info.first_step)
+        logger.info("submission service: %s (trainer key %s)", url, T.session(cfg).key.public.hex)
+        pids = T.start_workers(cfg, url)
     t0 = time.perf_counter()
     eval_seconds = 0.0
     codes: dict[str, int | None] = {}
@@ -245,6 +247,8 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
         ahead.shutdown(wait=True, cancel_futures=True)
         if pids:
             codes = T.stop_workers(pids)
+        if url is not None:
+            T.stop_service(cfg)
         if relays is not None:
             T.stop_shardcast(cfg)
         artifacts.close()

@@ -6,9 +6,12 @@
   signature once the body's sha256 is known (the body is hashed as it streams in, never held whole);
 * :func:`parse_request`, :func:`parse_json`: a request's route, integers, query and JSON body read
   strictly, with a :class:`Refusal` for anything off-contract;
-* :class:`RateLimiter`: token buckets per client address for open registration;
+* :class:`RateLimiter`: token buckets per client address (an IPv6 client by its /64,
+  :func:`address_bucket`) for open registration;
 * :class:`Registry`: admitted workers, stored submissions and done records, persisted as an
-  append-only, fsync'd JSON-lines file in a folder only the trainer writes, and reloaded on restart.
+  append-only, fsync'd JSON-lines file in a folder only the trainer writes, and reloaded on restart;
+  a key that stored nothing within ``expire_after`` seconds of its admission gives its place up to
+  a new one once the registry is full, so a registration flood cannot close a run for good.
 
 A worker id is :func:`~intellect.trust.keys.key_id` of its public key; the service never takes a
 name from a worker.
@@ -18,10 +21,13 @@ name from a worker.
 ([True, True, False], True)
 >>> limiter.allow("10.0.0.1", now=30.0)  # one token back after half a minute
 True
+>>> address_bucket("2001:db8::1") == address_bucket("2001:db8::ffff:2"), address_bucket("::ffff:10.0.0.1")
+(True, '10.0.0.1')
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -45,7 +51,10 @@ Reason = Literal[
     # admission
     "not_registered", "not_allowed", "rate_limited", "full",
     # the request itself
-    "bad_request", "not_found", "method", "too_large", "out_of_range", "too_far_ahead", "wrong_mode",
+    "bad_request", "not_found", "method", "too_large", "out_of_range", "too_far_ahead", "wrong_mode", "closed",
+    "length_required", "too_slow", "sha256_mismatch",
+    # budgets: the worker's bytes per step, the service's disk
+    "quota", "disk_full",
     # the registry
     "exists", "unknown_file", "finished", "conflict",
     # the service's own failure (never the worker's doing)
@@ -195,6 +204,22 @@ def query_ints(req: Request, *names: str) -> list[int]:
 # --------------------------------------------------------------------- open registration
 
 
+def address_bucket(address: str) -> str:
+    """The unit a client address is counted in: an IPv4 address as is (also when IPv4-mapped), an
+    IPv6 address by its /64, the smallest block one subscriber is routinely given; anything else
+    (a Unix socket, ``unknown``) as is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+
 class RateLimiter:
     """Token buckets of ``per_minute`` tokens per address, refilled continuously.
 
@@ -265,7 +290,15 @@ class WorkerRecord:
     time: float
 
 
-_TYPES = {"worker": WorkerRecord, "submission": SubmissionRecord, "done": DoneRecord}
+@dataclass(frozen=True)
+class ExpiredRecord:
+    """An admitted key removed because it stored nothing in time (it may register again)."""
+
+    worker: str
+    time: float
+
+
+_TYPES = {"worker": WorkerRecord, "submission": SubmissionRecord, "done": DoneRecord, "expired": ExpiredRecord}
 
 
 def _record_from(doc: dict):
@@ -280,6 +313,8 @@ def _record_from(doc: dict):
 class _State:
     keys: dict[str, VerifyKey] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
+    admitted: dict[str, float] = field(default_factory=dict)
+    active: set[str] = field(default_factory=set)  # workers with a submission or done record
     subs: dict[int, list[SubmissionRecord]] = field(default_factory=dict)
     by_name: dict[tuple[int, str, int], SubmissionRecord] = field(default_factory=dict)
     done: dict[int, dict[str, DoneRecord]] = field(default_factory=dict)
@@ -328,10 +363,17 @@ class Registry:
             if rec.worker not in s.keys:
                 s.keys[rec.worker] = key
                 s.order.append(rec.worker)
+                s.admitted[rec.worker] = rec.time
+        elif isinstance(rec, ExpiredRecord):
+            if rec.worker in s.keys and rec.worker not in s.active:
+                del s.keys[rec.worker], s.admitted[rec.worker]
+                s.order.remove(rec.worker)
         elif isinstance(rec, SubmissionRecord):
             s.subs.setdefault(rec.step, []).append(rec)
             s.by_name[(rec.step, rec.worker, rec.k)] = rec
+            s.active.add(rec.worker)
         else:
+            s.active.add(rec.worker)
             s.done.setdefault(rec.step, {})[rec.worker] = DoneRecord(rec.worker, rec.step, list(rec.files),
                                                                     rec.policy_step, rec.time)
 
@@ -356,15 +398,23 @@ class Registry:
         with self._lock:
             return list(self._s.order)
 
-    def admit(self, key: VerifyKey, max_workers: int | None = None) -> bool:
+    def admit(self, key: VerifyKey, max_workers: int | None = None, expire_after: float | None = None,
+              now: float | None = None) -> bool:
         """Admit ``key`` (True), or say it was admitted before (False); :class:`Refusal` ``full`` when
-        ``max_workers`` are admitted already."""
+        ``max_workers`` are admitted already, after expiring the keys admitted more than
+        ``expire_after`` seconds ago that never stored anything (oldest first, as many as it takes)."""
+        now = time.time() if now is None else now
         with self._lock:
-            if key.id in self._s.keys:
+            s = self._s
+            if key.id in s.keys:
                 return False
-            if max_workers is not None and len(self._s.order) >= max_workers:
+            if max_workers is not None and len(s.order) >= max_workers and expire_after is not None:
+                idle = [w for w in s.order if w not in s.active and s.admitted[w] < now - expire_after]
+                for w in idle[:len(s.order) - max_workers + 1]:
+                    self._append(ExpiredRecord(w, now))
+            if max_workers is not None and len(s.order) >= max_workers:
                 raise Refusal(503, "full", f"{max_workers} workers are admitted already")
-            self._append(WorkerRecord(key.id, key.hex, time.time()))
+            self._append(WorkerRecord(key.id, key.hex, now))
             return True
 
     # ---------------------------------------------------------------- submissions
@@ -372,6 +422,11 @@ class Registry:
     def submission(self, step: int, worker: str, k: int) -> SubmissionRecord | None:
         with self._lock:
             return self._s.by_name.get((step, worker, k))
+
+    def stored_bytes(self, step: int, worker: str) -> int:
+        """The bytes of ``worker``'s submissions at ``step`` (stored, or declared for S3)."""
+        with self._lock:
+            return sum(r.size for r in self._s.subs.get(step, []) if r.worker == worker)
 
     def submissions(self, step: int, worker: str | None = None) -> list[SubmissionRecord]:
         """The records of ``step`` in arrival order (only ``worker``'s, if given)."""

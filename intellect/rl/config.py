@@ -12,15 +12,17 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from intellect.config import DataConfig, DispatchConfig, StorageConfig, StrictModel
 from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
 from intellect.rl.rollouts import RolloutLimits
+from intellect.rl.service import ServiceConfig
 from intellect.rl.submission import SubmissionConfig
 from intellect.rl.trainer import RLTrainerConfig
 from intellect.shardcast.config import ShardcastConfig
 from intellect.toploc.proofs import ToplocConfig
+from intellect.trust.keys import is_key_id
 
 RUN_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 
@@ -57,11 +59,19 @@ class TaskPoolConfig(StrictModel):
 
 
 class WorkersConfig(StrictModel):
-    """The inference workers the flow starts (local processes) and how long the trainer waits for them."""
+    """The inference workers the flow starts (local ``intellect worker`` processes) and how long the
+    trainer waits for them."""
 
     names: list[str] = Field(
         default_factory=lambda: ["worker-a", "worker-b"], min_length=1, max_length=256,
-        description="Worker ids (one process each); prompts are assigned per id.",
+        description="Local workers (one process and one key file each). rl-train's workers are known by their "
+        "key ids, from keys/<name>.key of the local run folder; rl-step and rl-generate use the names as ids.",
+    )
+    remote: list[str] = Field(
+        default_factory=list, max_length=4096,
+        description="Key ids of remote `intellect worker`s whose done the trainer also waits for each step (up to "
+        "submission_timeout), e.g. the allowlisted ones. Submissions of workers not listed count when they "
+        "arrive before their step is validated.",
     )
     threads: int = Field(1, ge=1, le=256, description="torch threads of each worker process.")
     min_signal_samples: int = Field(
@@ -78,6 +88,15 @@ class WorkersConfig(StrictModel):
         600.0, gt=0, le=86400,
         description="The trainer waits this long for a worker's submissions of a step, then goes on without it.",
     )
+
+
+    @field_validator("remote")
+    @classmethod
+    def _key_ids(cls, ids: list[str]) -> list[str]:
+        bad = [i for i in ids if not is_key_id(i)]
+        if bad:
+            raise ValueError(f"not worker key ids (k + 20 hex digits): {bad[:4]}")
+        return ids
 
 
 class EvalConfig(StrictModel):
@@ -108,8 +127,13 @@ class RLRunConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     seed: int = Field(0, ge=0, description="Seed of the trainer's torch RNG.")
     toploc: ToplocConfig | None = Field(
-        None, description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
-        "with one prefill per checkpoint (k must not exceed the model's hidden size). None: off.",
+        default_factory=ToplocConfig,
+        description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
+        "with one prefill per checkpoint (k must not exceed the model's hidden size). On by default: without "
+        "it a worker may hand-write completions. Off (None; `toploc = false` in TOML) needs trusted_workers = true.",
+    )
+    trusted_workers: bool = Field(
+        False, description="Every inference worker is the operator's own: only then may toploc be None.",
     )
     alert_rejection_rate: float = Field(
         0.5, ge=0, le=1,
@@ -121,11 +145,39 @@ class RLRunConfig(StrictModel):
         description="rl-orchestrate: run the stage flows (rl-generate, rl-validate, rl-update) in this process "
         "or as flow runs of their deployments on their work pools.",
     )
-    shardcast: ShardcastConfig | None = Field(
-        None, description="SHARDCAST weight broadcast: the trainer publishes each checkpoint to an origin, "
-        "workers download it from relays (by default an origin and two relays the run starts on this "
-        "machine). None: workers read checkpoints from run storage.",
+    service: ServiceConfig = Field(
+        default_factory=ServiceConfig,
+        description="The submission service rl-train starts beside the trainer: the one door of `intellect worker` "
+        "processes into the run (listen address, admission, body caps). Its `ahead` is set from async_level, its "
+        "max_submissions_per_step from workers.max_submissions.",
     )
+    shardcast: ShardcastConfig | None = Field(
+        None, description="SHARDCAST weight broadcast: the trainer publishes each signed checkpoint to an "
+        "origin, workers download it from relays (by default an origin and two relays the run starts on this "
+        "machine). None: rl-train still starts a local origin, without relays, which its workers download "
+        "from (they never read run storage); rl-step and the rl-generate stage read run storage.",
+    )
+
+    @field_validator("toploc", mode="before")
+    @classmethod
+    def _false_is_off(cls, value):
+        return None if value is False else value  # TOML has no null
+
+    @model_validator(mode="after")
+    def _toploc_or_trusted(self) -> "RLRunConfig":
+        if self.toploc is None and not self.trusted_workers:
+            raise ValueError("toploc is off: set trusted_workers = true to run without TOPLOC proofs "
+                             "(only when every inference worker is the operator's own)")
+        return self
+
+    def weights_broadcast(self) -> ShardcastConfig:
+        """The SHARDCAST settings rl-train's workers get weights with: ``shardcast``, or a local origin
+        without relays.
+
+        >>> RLRunConfig().weights_broadcast().local_relays
+        0
+        """
+        return self.shardcast if self.shardcast is not None else ShardcastConfig(local_relays=0)
 
 
 class FilterConfig(StrictModel):

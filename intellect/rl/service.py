@@ -6,9 +6,11 @@ key (:mod:`intellect.trust.requests`, audience = the run name); the worker id is
 :func:`~intellect.trust.keys.key_id` of that key, never a name the worker sends. Routes::
 
     GET  /v1/health                     {"ok": true} (unsigned: for readiness probes)
-    POST /v1/register                   admit the key: allowlist, or open with a per-address rate limit
+    POST /v1/register                   admit the key: allowlist, or open with rate limits per address
+                                        and in total
     GET  /v1/run                        the run's description (``run_info()``, served as is)
-    GET  /v1/assignment?step=N&k=K      the tasks of submission K at step N, in group order
+    GET  /v1/assignment?step=N&k=K      the tasks of submission K at an open step N, in group order, with
+                                        their reference answers (see below)
     PUT  /v1/submissions/N/K            local storage: the body is the Parquet file; the service writes
                                         ``rollouts/step_N/<id>-K.parquet`` itself, once
     POST /v1/uploads/N/K                S3: {"sha256", "size"} -> a presigned POST for that one key and
@@ -17,17 +19,35 @@ key (:mod:`intellect.trust.requests`, audience = the run name); the worker id is
     GET  /v1/status?step=N              {"submissions": [K, ...], "done": bool} of the calling worker
 
 Every refusal is a 4xx (5xx only for the service's own trouble) with
-``{"reason": ..., "detail": ...}``, the reason one of :data:`~intellect.rl.admission.REASONS`. Bodies
-are capped while they stream in (Content-Length is checked first but never trusted alone), hashed
-as they arrive and kept in memory only up to 1 MiB, so an upload costs no more memory than that,
-whatever its size. What was stored is in :class:`~intellect.rl.admission.Registry` under
-``state_dir``, which only the trainer writes; a restarted service reloads it and still refuses to
-write any name twice. Its replay guard lives in memory, so a request captured in the last
-``request_window`` seconds could be sent again after a restart: every route is idempotent (a stored
-name answers its record, a done record its equal), so such a replay changes nothing. Each refusal
-is logged and kept (:meth:`SubmissionService.refusals`). Workers hold no storage credentials: the service writes local files, and on
-S3 hands out presigned POSTs that real S3 limits to the one key and the exact size (its policy
-conditions); the validator compares each file with the sha256 recorded here.
+``{"reason": ..., "detail": ...}``, the reason one of :data:`~intellect.rl.admission.REASONS`.
+
+A request's signature is checked before its body is read: the signed message covers the body's
+sha256, which the client also sends in ``x-intellect-content-sha256``, so a request signed by
+anyone but the key's holder costs no body read and holds no upload slot; the body must then hash
+to that digest (``sha256_mismatch``). Bodies are capped while they stream in, hashed as they arrive
+and kept in memory only up to 1 MiB, so an upload costs no more memory than that, whatever its
+size. An upload must declare its Content-Length. At most one upload of each key and
+``max_uploads_per_address`` of each address are read at once; a worker stores at most
+``max_worker_step_bytes`` per step; uploads being read hold at most ``max_spool_bytes`` together
+and must leave ``min_free_bytes`` on disk. A body slower than ``min_body_rate`` after
+``body_grace`` seconds is refused (``too_slow``) and its connection closed; a request head must
+arrive within ``header_timeout``; an address (an IPv6 one by its /64, as everywhere here) holds at
+most ``max_connections_per_address`` connections. So a slow or flooding client holds nothing for
+long. Steps are open from the one after the newest committed step to ``ahead`` past it: a committed
+step is ``closed`` to uploads, done records and assignments.
+
+Assignments carry each task's reference answer, which a worker needs to compute the rewards it
+claims (the validator recomputes them): answers are public to every admitted worker, so the task
+file of a run must never hold an evaluation split meant to stay held out.
+
+What was stored is in :class:`~intellect.rl.admission.Registry` under ``state_dir``, which only the
+trainer writes; a restarted service reloads it and still refuses to write any name twice. Its
+replay guard lives in memory, so a request captured in the last ``request_window`` seconds could be
+sent again after a restart: every route is idempotent (a stored name answers its record, a done
+record its equal), so such a replay changes nothing. Each refusal is logged and kept
+(:meth:`SubmissionService.refusals`). Workers hold no storage credentials: the service writes local
+files, and on S3 hands out presigned POSTs that real S3 limits to the one key and the exact size
+(its policy conditions); the validator compares each file with the sha256 recorded here.
 """
 
 from __future__ import annotations
@@ -38,6 +58,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import tempfile
 import threading
 import time
@@ -46,19 +68,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
+import h11
 import uvicorn
 from pydantic import Field, field_validator
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from intellect.config import StrictModel
 from intellect.rl.admission import (
-    DoneBody, DoneRecord, Empty, RateLimiter, Refusal, Registry, Request, SubmissionRecord, UploadBody, parse_json,
-    parse_request, precheck, query_ints, verify_digest,
+    DoneBody, DoneRecord, Empty, RateLimiter, Refusal, Registry, Request, SubmissionRecord, UploadBody, address_bucket,
+    parse_json, parse_request, precheck, query_ints, verify_digest,
 )
 from intellect.rl.assignment import assign_prompts
 from intellect.rl.rollouts import submission_path
 from intellect.shardcast.server import bind
 from intellect.trust.keys import VerifyKey
-from intellect.trust.requests import AuthError, RequestVerifier
+from intellect.trust.requests import CONTENT_HEADER, AuthError, ReplayGuard, RequestVerifier
 
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask
@@ -69,6 +93,7 @@ __all__ = ["DoneRecord", "ServiceConfig", "SubmissionRecord", "SubmissionService
 log = logging.getLogger("intellect.rl.service")
 
 _SPILL = 1 << 20  # bodies past this go to a spool file: memory per upload stays bounded
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class ServiceConfig(StrictModel):
@@ -81,14 +106,37 @@ class ServiceConfig(StrictModel):
         "open", description="allowlist: only the keys in `allowlist`; open: any key, registrations rate-limited.")
     allowlist: list[str] = Field(default_factory=list, max_length=1 << 16,
                                  description="Hex Ed25519 public keys admitted in allowlist mode.")
-    registrations_per_minute: int = Field(10, ge=1, le=1 << 20,
-                                          description="New keys admitted per client address per minute (open).")
+    registrations_per_minute: int = Field(
+        10, ge=1, le=1 << 20, description="New keys admitted per client address (IPv6: per /64) per minute (open).")
+    registrations_per_minute_total: int = Field(120, ge=1, le=1 << 24,
+                                                description="New keys admitted per minute from all addresses (open).")
     max_workers: int = Field(10_000, ge=1, le=1 << 24, description="Most admitted workers.")
+    worker_expiry: float = Field(3600.0, ge=1, le=365 * 86400,
+                                 description="Seconds after which an admitted key that stored nothing may be "
+                                             "dropped to admit a new one when `max_workers` are admitted.")
     max_body_bytes: int = Field(64 << 20, ge=1024, le=1 << 40, description="Largest upload (one Parquet file).")
     max_json_bytes: int = Field(64 << 10, ge=1024, le=_SPILL, description="Largest JSON body.")
     max_concurrent_uploads: int = Field(16, ge=1, le=4096,
-                                        description="Uploads read at once; more are refused as busy.")
+                                        description="Uploads read at once (one per key); more are refused as busy.")
+    max_uploads_per_address: int = Field(8, ge=1, le=4096,
+                                         description="Uploads read at once from one client address (IPv6: per /64).")
+    max_worker_step_bytes: int = Field(512 << 20, ge=1024, le=1 << 44,
+                                       description="Bytes one worker may store (or declare, S3) per step.")
+    max_spool_bytes: int = Field(1 << 30, ge=1024, le=1 << 44,
+                                 description="Declared bytes of the uploads being read at once.")
+    min_free_bytes: int = Field(256 << 20, ge=0, le=1 << 44,
+                                description="Free disk an upload must leave in the spool and local run storage.")
+    min_body_rate: int = Field(64 << 10, ge=1, le=1 << 34,
+                               description="Bytes per second a body must average after `body_grace`.")
+    body_grace: float = Field(10.0, gt=0, le=3600, description="Seconds a body may take before its rate counts.")
+    header_timeout: float = Field(10.0, gt=0, le=3600,
+                                  description="Seconds a request head (line and headers) may take to arrive.")
     max_connections: int = Field(1024, ge=8, le=1 << 16, description="Open connections; more get 503.")
+    max_connections_per_address: int = Field(64, ge=1, le=1 << 16,
+                                             description="Open connections per client address (IPv6: per /64).")
+    replay_per_key: int = Field(4096, ge=16, le=1 << 20,
+                                description="Signed requests of one key remembered by the replay guard "
+                                            "(2 x request_window); more are refused as busy.")
     request_window: float = Field(30.0, ge=1, le=3600,
                                   description="Seconds a signed request's timestamp may be off the service's clock.")
     max_submissions_per_step: int = Field(64, ge=1, le=1 << 16, description="Submissions per worker per step.")
@@ -144,12 +192,66 @@ async def _send(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _guarded(per_address: int, header_timeout: float, open_: collections.Counter,
+             refuse: Callable[[str, str, str], None]) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with at most ``per_address`` connections per address bucket (counted
+    in ``open_``) and ``header_timeout`` seconds for each request head; ``refuse(client, reason,
+    detail)`` records a connection it ends. A body is timed by the app, which knows its length."""
+
+    class Guarded(H11Protocol):
+        _bucket: str | None = None
+        _timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            client = (self.client or ("unknown",))[0]
+            bucket = address_bucket(client)
+            if open_[bucket] >= per_address:
+                refuse(client, "busy", f"{per_address} connections from this address are open")
+                transport.close()
+                return
+            open_[bucket] += 1
+            self._bucket = bucket
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self._bucket is not None:
+                open_[self._bucket] -= 1
+                if open_[self._bucket] <= 0:
+                    del open_[self._bucket]
+                self._bucket = None
+            if self._timer is not None:
+                self._timer.cancel()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request head has its own deadline
+
+        def _arm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_later(header_timeout, self._late)
+
+        def _late(self) -> None:
+            self._timer = None
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing():
+                if self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0]:  # a head began
+                    refuse((self.client or ("unknown",))[0], "too_slow",
+                           f"no complete request head within {header_timeout:g} s")
+                self.transport.close()
+
+    return Guarded
+
+
 class SubmissionService:
     """The service of one run (see the module docstring); :meth:`start` serves it in a thread."""
 
     def __init__(self, cfg: ServiceConfig, *, run: str, storage: RunStorage, state_dir: str | os.PathLike,
                  run_info: Callable[[], dict], tasks: Sequence[MathTask], prompts_per_submission: int,
-                 committed: int = 0):
+                 committed: int = -1):
         if not 1 <= prompts_per_submission <= len(tasks):
             raise ValueError(f"cannot assign {prompts_per_submission} prompts from {len(tasks)} tasks")
         self.cfg, self.run, self.storage = cfg, run, storage
@@ -160,12 +262,18 @@ class SubmissionService:
         self.spool.mkdir(mode=0o700, exist_ok=True)
         for stale in self.spool.glob("body-*"):  # bodies of requests a crash cut short
             stale.unlink()
-        self.verifier = RequestVerifier(run, window=cfg.request_window)
+        self.verifier = RequestVerifier(run, window=cfg.request_window,
+                                        guard=ReplayGuard(cfg.request_window, per_key=cfg.replay_per_key))
         self.limiter = RateLimiter(cfg.registrations_per_minute)
+        self.limiter_total = RateLimiter(cfg.registrations_per_minute_total, max_addresses=1)
         self._allow = set(cfg.allowlist)
         self._committed = committed
         self._refusals: collections.deque[dict] = collections.deque(maxlen=1000)
-        self._reading = 0  # uploads being read (only the event loop's thread touches it)
+        # uploads being read, their keys and declared bytes; connections per address (only the event
+        # loop's thread touches these)
+        self._reading, self._uploading, self._spooled = 0, set(), 0
+        self._uploads_from: collections.Counter[str] = collections.Counter()
+        self._connections: collections.Counter[str] = collections.Counter()
         self._s3 = self._presigner() if storage.scheme == "s3" else None
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="submission-io")
         self._server: uvicorn.Server | None = None
@@ -185,7 +293,8 @@ class SubmissionService:
         return self._reading
 
     def set_committed(self, step: int) -> None:
-        """The newest committed step: workers may work on steps up to ``step + cfg.ahead``."""
+        """The newest committed step (-1: none): workers may work on steps ``step + 1`` to
+        ``step + cfg.ahead``; ``step`` and those before it are closed."""
         self._committed = step
 
     def submissions(self, step: int) -> list[SubmissionRecord]:
@@ -214,9 +323,13 @@ class SubmissionService:
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any local client as the
         # client's address, and a flood from 127.0.0.1 could name a fresh address per registration
-        config = uvicorn.Config(self.app, interface="asgi3", http="h11", loop="asyncio", lifespan="off",
-                                log_level="warning", access_log=False, proxy_headers=False, timeout_keep_alive=30,
-                                limit_concurrency=self.cfg.max_connections)
+        cfg = self.cfg
+        protocol = _guarded(cfg.max_connections_per_address, cfg.header_timeout, self._connections,
+                            self._refused_connection)
+        config = uvicorn.Config(self.app, interface="asgi3", http=protocol, loop="asyncio", lifespan="off",
+                                log_level="warning", access_log=False, proxy_headers=False,
+                                timeout_keep_alive=min(5, int(cfg.header_timeout) or 1),
+                                limit_concurrency=cfg.max_connections, h11_max_incomplete_event_size=32 << 10)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name=f"submission-service-{port}")
@@ -268,9 +381,15 @@ class SubmissionService:
         log.info("refused %s %s from %s: %s %s (%s)", entry["method"], entry["path"], entry["client"], r.status,
                  r.reason, r.detail)
 
+    def _refused_connection(self, client: str, reason: str, detail: str) -> None:
+        self._refusals.append({"time": time.time(), "client": client, "key": "", "method": None, "path": "",
+                               "status": 0, "reason": reason, "detail": detail})
+        log.info("closed a connection from %s: %s (%s)", client, reason, detail)
+
     def refusals(self) -> list[dict]:
         """The latest refused requests (at most 1,000), oldest first: time, client address, the key they
-        named (unproven), method, path, status, reason and detail."""
+        named (unproven), method, path, status, reason and detail; a connection the service closed
+        before a request was read (too many from its address, a late head) has status 0."""
         return list(self._refusals)
 
     async def _handle(self, scope, receive) -> tuple[int, dict]:
@@ -282,26 +401,80 @@ class SubmissionService:
         except AuthError as e:
             raise Refusal.auth(e) from None
         self._admitted(req, key)
-        upload = req.name == "submissions"
-        if upload:
-            if self._s3 is not None:
-                raise Refusal(400, "wrong_mode", "S3 storage: ask POST /v1/uploads/N/K for a presigned POST")
-            if self._reading >= self.cfg.max_concurrent_uploads:
-                raise Refusal(503, "busy", "too many uploads at once; retry")
-            self._reading += 1
+        digest = req.headers.get(CONTENT_HEADER)
+        if digest is None:
+            raise Refusal(401, "unsigned", f"missing {CONTENT_HEADER}")
+        if not _HEX64.fullmatch(digest):
+            raise Refusal(400, "malformed", f"{CONTENT_HEADER} must be 64 lowercase hex digits")
+        try:  # proved before a byte of the body is read: only the key's holder can hold a slot
+            verify_digest(self.verifier, req.method, req.signed_path, digest, req.headers)
+        except AuthError as e:
+            raise Refusal.auth(e) from None
+        if req.name == "submissions":
+            return await self._upload(req, key, receive, digest)
+        body = await self._read(req, receive, self.cfg.max_json_bytes, digest)
         try:
-            body = await self._read(req, receive, self.cfg.max_body_bytes if upload else self.cfg.max_json_bytes)
+            return await getattr(self, "_" + req.name)(req, key, body)
+        finally:
+            body.close()
+
+    async def _upload(self, req: Request, key: VerifyKey, receive, digest: str) -> tuple[int, dict]:
+        cfg = self.cfg
+        if self._s3 is not None:
+            raise Refusal(400, "wrong_mode", "S3 storage: ask POST /v1/uploads/N/K for a presigned POST")
+        query_ints(req)
+        k, step = self._k(req.args[1]), self._step(req.args[0])
+        declared = req.headers.get("content-length")
+        if declared is None:
+            raise Refusal(411, "length_required", "an upload must declare its Content-Length")
+        if not (declared.isascii() and declared.isdigit() and int(declared) <= cfg.max_body_bytes):
+            raise Refusal(413, "too_large", f"body of {declared[:20]} bytes declared, at most {cfg.max_body_bytes}")
+        size = int(declared)
+        if size == 0:
+            raise Refusal(400, "bad_request", "an empty submission")
+        self._quota(key.id, step, k, size)
+        if key.id in self._uploading:
+            raise Refusal(503, "busy", "another upload of this key is being read; retry")
+        over = self._spooled and self._spooled + size > cfg.max_spool_bytes  # alone, a body may take all of it
+        if self._reading >= cfg.max_concurrent_uploads or over:
+            raise Refusal(503, "busy", "too many uploads at once; retry")
+        source = address_bucket(req.client)  # many keys of one address share its uploads
+        if self._uploads_from[source] >= cfg.max_uploads_per_address:
+            raise Refusal(503, "busy", "too many uploads from this address at once; retry")
+        self._disk(size)
+        self._reading, self._spooled = self._reading + 1, self._spooled + size
+        self._uploading.add(key.id)
+        self._uploads_from[source] += 1
+        try:
+            body = await self._read(req, receive, cfg.max_body_bytes, digest)
             try:
-                try:
-                    verify_digest(self.verifier, req.method, req.signed_path, body.sha.hexdigest(), req.headers)
-                except AuthError as e:
-                    raise Refusal.auth(e) from None
-                return await getattr(self, "_" + req.name)(req, key, body)
+                return await self._submissions(req, key, body)
             finally:
                 body.close()
         finally:
-            if upload:
-                self._reading -= 1
+            self._reading, self._spooled = self._reading - 1, self._spooled - size
+            self._uploading.discard(key.id)
+            self._uploads_from[source] -= 1
+            if self._uploads_from[source] <= 0:
+                del self._uploads_from[source]
+
+    def _quota(self, worker: str, step: int, k: int, size: int) -> None:
+        if self.registry.submission(step, worker, k) is not None:
+            return  # a retry of a stored name adds nothing
+        held = self.registry.stored_bytes(step, worker)
+        if held + size > self.cfg.max_worker_step_bytes:
+            raise Refusal(413, "quota", f"{held} bytes stored at step {step}, {size} more would pass "
+                          f"the {self.cfg.max_worker_step_bytes} bytes a worker may store per step")
+
+    def _disk(self, size: int) -> None:
+        paths = [self.spool, self.storage.local_path("")]
+        for path in filter(None, paths):
+            while not path.exists() and path != path.parent:
+                path = path.parent
+            free = shutil.disk_usage(path).free
+            if free - 2 * size < self.cfg.min_free_bytes:  # spooled, then stored
+                raise Refusal(507, "disk_full", f"{free} bytes free: an upload of {size} would leave "
+                              f"less than {self.cfg.min_free_bytes}")
 
     def _admitted(self, req: Request, key: VerifyKey) -> None:
         if self.cfg.admission == "allowlist" and key.hex not in self._allow:
@@ -309,15 +482,23 @@ class SubmissionService:
         if req.name != "register" and self.registry.key(key.id) is None:
             raise Refusal(403, "not_registered", f"key {key.id} is not registered: POST /v1/register first")
 
-    async def _read(self, req: Request, receive, cap: int) -> _Body:
+    async def _read(self, req: Request, receive, cap: int, digest: str) -> _Body:
+        """The body, capped at ``cap`` bytes, arriving at ``min_body_rate`` after ``body_grace``
+        seconds, and hashing to ``digest``; :class:`Refusal` otherwise (the connection is closed)."""
         declared = req.headers.get("content-length")
         if declared is not None and not (declared.isascii() and declared.isdigit() and int(declared) <= cap):
             raise Refusal(413, "too_large", f"body of {declared[:20]} bytes declared, at most {cap}")
-        body = _Body(self.spool)
+        grace, rate = self.cfg.body_grace, self.cfg.min_body_rate
+        body, start = _Body(self.spool), time.monotonic()
         try:
             more = True
             while more:
-                msg = await receive()
+                left = start + grace + body.size / rate - time.monotonic()
+                try:
+                    msg = await asyncio.wait_for(receive(), max(left, 1e-3))
+                except TimeoutError:
+                    raise Refusal(408, "too_slow", f"{body.size} bytes in {time.monotonic() - start:.1f} s: a body "
+                                  f"must arrive at {rate} bytes/s after {grace:g} s") from None
                 if msg["type"] == "http.disconnect":
                     raise Refusal(400, "bad_request", "the client went away mid-body")
                 chunk = msg.get("body", b"")
@@ -325,6 +506,9 @@ class SubmissionService:
                 if body.size + len(chunk) > cap:
                     raise Refusal(413, "too_large", f"body over {cap} bytes")
                 body.add(chunk)
+            if body.sha.hexdigest() != digest:
+                raise Refusal(400, "sha256_mismatch", f"the body's sha256 is {body.sha.hexdigest()}, "
+                              f"the signed {CONTENT_HEADER} {digest}")
         except BaseException:
             body.close()
             raise
@@ -333,7 +517,9 @@ class SubmissionService:
     async def _io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _step(self, step: int) -> int:
+    def _step(self, step: int, closed_ok: bool = False) -> int:
+        if step <= self._committed and not closed_ok:
+            raise Refusal(409, "closed", f"step {step} is closed: the newest committed step is {self._committed}")
         if step > self._committed + self.cfg.ahead:
             raise Refusal(409, "too_far_ahead", f"step {step}: the newest committed step is {self._committed}, "
                           f"and workers may be at most {self.cfg.ahead} ahead")
@@ -351,10 +537,13 @@ class SubmissionService:
         parse_json(Empty, bytes(body.buf))
         new = False
         if self.registry.key(key.id) is None:
-            if self.cfg.admission == "open" and not self.limiter.allow(req.client):
+            if self.cfg.admission == "open" and not self.limiter.allow(address_bucket(req.client)):
                 raise Refusal(429, "rate_limited", f"at most {self.cfg.registrations_per_minute} new keys "
                               "per address per minute")
-            new = await self._io(self.registry.admit, key, self.cfg.max_workers)
+            if self.cfg.admission == "open" and not self.limiter_total.allow("*"):
+                raise Refusal(429, "rate_limited", f"at most {self.cfg.registrations_per_minute_total} new keys "
+                              "per minute")
+            new = await self._io(self.registry.admit, key, self.cfg.max_workers, self.cfg.worker_expiry)
             if new:
                 log.info("admitted worker %s from %s", key.id, req.client)
         return (201 if new else 200), {"worker": key.id, "upload": "presigned" if self._s3 else "body"}
@@ -365,15 +554,15 @@ class SubmissionService:
 
     async def _assignment(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
         step, k = query_ints(req, "step", "k")
-        self._step(step)
         self._k(k)
+        self._step(step)
         idx = assign_prompts(len(self.tasks), key.id, step, k, self.prompts_per_submission)
         tasks = [{"id": self.tasks[i].id, "prompt": self.tasks[i].prompt, "answer": self.tasks[i].answer} for i in idx]
         return 200, {"step": step, "k": k, "tasks": tasks}
 
     async def _status(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
         (step,) = query_ints(req, "step")
-        self._step(step)
+        self._step(step, closed_ok=True)  # a read: a restarted worker may ask what it left at a closed step
         held = sorted(r.k for r in self.registry.submissions(step, key.id))
         return 200, {"step": step, "submissions": held, "done": key.id in self.registry.done(step)}
 
@@ -423,6 +612,7 @@ class SubmissionService:
         want = parse_json(UploadBody, bytes(body.buf))
         if want.size > self.cfg.max_body_bytes:
             raise Refusal(413, "too_large", f"{want.size} bytes declared, at most {self.cfg.max_body_bytes}")
+        self._quota(key.id, step, k, want.size)
         return await self._io(self._presign, key.id, step, k, want)
 
     def _presign(self, worker: str, step: int, k: int, want: UploadBody) -> tuple[int, dict]:

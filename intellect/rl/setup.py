@@ -1,22 +1,33 @@
-"""What an RL or filter run needs before its first step: storage, ledger file, checkpoint 0, prompts.
+"""What an RL or filter run needs before its first step: storage, ledger file, checkpoint 0, prompts,
+and the trainer's own secrets.
 
 Every function here is idempotent: a rerun of a crashed run finds what the first attempt made
-and keeps it (checkpoint 0 is never overwritten once ``STABLE``).
+and keeps it (checkpoint 0 is never overwritten once its digest is in the ledger).
+
+The trainer's secrets live in ``trainer/`` of the local run folder (:func:`trainer_dir`), never
+handed to a worker: ``secret`` (32 random bytes, mode 0600: the key of the verdict files' MACs,
+:mod:`intellect.rl.verdicts`) and ``trainer.key`` (the Ed25519 key that signs every SHARDCAST
+version; workers pin its public half).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from intellect.data.arithmetic import heldout_problems, train_stream
 from intellect.data.loaders import load_math_tasks
 from intellect.model.checkpoint import load_checkpoint
-from intellect.pretrain import CHECKPOINTS, fetch_checkpoint, publish_checkpoint
+from intellect.pretrain import CHECKPOINTS, checkpoint_digest, fetch_checkpoint, publish_checkpoint
 from intellect.storage import RunStorage
+from intellect.trust.keys import SigningKey
+from intellect.trust.mac import SECRET_BYTES, new_secret
 
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask
+    from intellect.ledger import Ledger
     from intellect.rl.config import FilterRunConfig, InitConfig, RLRunConfig, TaskPoolConfig
 
 
@@ -35,6 +46,44 @@ def ledger_path(cfg: RLRunConfig | FilterRunConfig) -> Path:
     if cfg.ledger:
         return Path(cfg.ledger).expanduser()
     return local_run_dir(cfg) / "ledger.duckdb"
+
+
+def trainer_dir(cfg: RLRunConfig) -> Path:
+    """``trainer/`` of the local run folder: what only the trainer may read (see the module docstring)."""
+    return local_run_dir(cfg) / "trainer"
+
+
+def trainer_secret(cfg: RLRunConfig) -> bytes:
+    """The run's secret (created on first use, mode 0600); ``PermissionError`` if others can read it."""
+    path = trainer_dir(cfg) / "secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.write(fd, new_secret().hex().encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        raise PermissionError(f"{path} is accessible by others: chmod 600 it")
+    text = path.read_text().strip()
+    if len(text) != 2 * SECRET_BYTES:
+        raise ValueError(f"{path} is not a run secret ({2 * SECRET_BYTES} hex digits)")
+    return bytes.fromhex(text)
+
+
+def trainer_key(cfg: RLRunConfig) -> SigningKey:
+    """The trainer's signing key (``trainer/trainer.key``, created on first use, mode 0600)."""
+    path = trainer_dir(cfg) / "trainer.key"
+    if not path.exists():
+        try:
+            SigningKey.generate().save(path)
+        except FileExistsError:  # another process of the run made it first
+            pass
+    return SigningKey.load(path)
 
 
 def initial_weights(init: InitConfig, cfg: RLRunConfig | FilterRunConfig):
@@ -59,12 +108,18 @@ def initial_weights(init: InitConfig, cfg: RLRunConfig | FilterRunConfig):
     return model, tok, source.uri(source.step_path(step, CHECKPOINTS))
 
 
-def seed_checkpoint(cfg: RLRunConfig, storage: RunStorage) -> str:
-    """Publish the initial weights as checkpoint 0 of the run unless it exists; returns their origin."""
-    if storage.is_stable(0, CHECKPOINTS):
-        return storage.uri(storage.step_path(0, CHECKPOINTS))
+def seed_checkpoint(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger) -> str:
+    """Publish the initial weights as checkpoint 0 of the run and record its digest in ``ledger``;
+    returns their origin. A checkpoint 0 whose digest the ledger holds is kept; one it does not hold
+    (a crash before the record, or a folder the trainer did not write) is replaced."""
+    rel = storage.step_path(0, CHECKPOINTS)
+    if ledger.checkpoint(0) is not None:
+        return storage.uri(rel)
+    if storage.exists(rel):
+        storage.delete(rel, recursive=True)
     model, tok, origin = initial_weights(cfg.init, cfg)
     publish_checkpoint(model.eval(), tok, storage, 0, {"origin.json": {"origin": origin}})
+    ledger.record_checkpoint(0, storage.uri(rel), checkpoint_digest(storage, 0))
     return origin
 
 

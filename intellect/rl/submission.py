@@ -108,12 +108,32 @@ def generate_submission(
     """Submission ``k`` of ``worker`` for ``step``, sampled by checkpoint ``policy_step``, every column
     filled; with ``proofs``, each row carries the TOPLOC proofs of its hidden states (the engine
     must capture them)."""
+    assigned = assign_prompts(len(tasks), canonical_worker(worker), step, k, cfg.prompts_per_submission)
+    return generate_assigned(engine, tokenizer, [tasks[t] for t in assigned], worker, step, k, policy_step, cfg,
+                             run=run, reward_fn=reward_fn, proofs=proofs)
+
+
+def generate_assigned(
+    engine: InferenceEngine,
+    tokenizer,
+    assigned: Sequence[MathTask],
+    worker: str,
+    step: int,
+    k: int,
+    policy_step: int,
+    cfg: SubmissionConfig,
+    *,
+    run: str,
+    reward_fn: RewardFn = math_task_reward,
+    proofs: ToplocConfig | None = None,
+) -> list[Rollout]:
+    """:func:`generate_submission` with its assigned tasks given, group ``j`` answering ``assigned[j]``
+    (a worker of the submission service gets them from the service)."""
     worker = canonical_worker(worker)
-    assigned = assign_prompts(len(tasks), worker, step, k, cfg.prompts_per_submission)
     plan = []  # (group, i, task, prompt ids, seed), in row order
-    for j, t in enumerate(assigned):
-        ids = prompt_tokens(tokenizer, tasks[t])
-        plan += [(j, i, tasks[t], ids, sample_seed(worker, step, k, j, i)) for i in range(cfg.group_size)]
+    for j, task in enumerate(assigned):
+        ids = prompt_tokens(tokenizer, task)
+        plan += [(j, i, task, ids, sample_seed(worker, step, k, j, i)) for i in range(cfg.group_size)]
     completions = engine.generate([Request(ids, seed) for _, _, _, ids, seed in plan], cfg.sampling())
     rewards = [float(reward_fn(completion_text(tokenizer, c.tokens), task)) for (_, _, task, _, _), c in
                zip(plan, completions)]

@@ -2,16 +2,22 @@
 
 Checks, in order (the first failing one is the recorded reason):
 
-1. **The file** (:func:`~intellect.rl.rollouts.load_submission`): unreadable, too large, wrong schema
+1. **The file** (:func:`~intellect.rl.rollouts.load_submission`): with a service record, a file
+   whose worker is not the key id the service recorded for it (``identity``) or whose bytes do not
+   hash as recorded; unreadable, too large, wrong schema
    or version, NaN, out-of-range values, an identity or step that disagrees with its path, or a
    policy step outside the lag bound (``stale``): one file-level verdict (``row = -1``) with the
    :class:`~intellect.rl.rollouts.RolloutRejected` reason.
 2. **The assignment** (:func:`~intellect.rl.assignment.check_assignment`, with group sizes and
    prompt tokens): every row of a file that answers other prompts than its assigned ones is
    rejected as ``assignment``.
-3. **Extra checks** (``extra_checks``: e.g. TOPLOC proofs, or :func:`seed_check`): each returns one
+3. **The length** (:func:`length_check`): a completion longer than the submission's ``max_tokens``
+   is ``too_long``; one whose ``finish_reason`` does not match its tokens (``stop`` without a final
+   EOS, ``length`` short of ``max_tokens`` or ending in EOS, an EOS before the last token) is
+   ``finish_reason``.
+4. **Extra checks** (``extra_checks``: e.g. TOPLOC proofs, or :func:`seed_check`): each returns one
    reason or ``None`` per row.
-4. **The reward**: the validator decodes each output and recomputes its reward with the same
+5. **The reward**: the validator decodes each output and recomputes its reward with the same
    :data:`~intellect.rl.submission.RewardFn` as the workers; a row whose claimed ``task_reward`` or
    ``reward`` differs, or that claims a length penalty (no length shaping here yet), is rejected as
    ``reward_mismatch``.
@@ -46,6 +52,7 @@ from intellect.rl.submission import (
     prompt_tokens,
     sample_seed,
 )
+from intellect.trust.keys import is_key_id
 
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask
@@ -59,6 +66,37 @@ RowCheck = Callable[[Sequence[Rollout]], Sequence["str | None"]]
 ASSIGNMENT = "assignment"
 REWARD_MISMATCH = "reward_mismatch"
 SEED = "seed"
+TOO_LONG = "too_long"
+IDENTITY = "identity"
+FINISH_REASON = "finish_reason"
+
+
+def length_check(max_tokens: int, eos_ids: Sequence[int]) -> RowCheck:
+    """``too_long`` / ``finish_reason`` per row, as the sampler bounds a completion (module docstring).
+
+    >>> from intellect.rl.rollouts import Rollout
+    >>> row = lambda out, why: Rollout("r", 0, 0, "w", 0, 1, "p", 0, (1,), out, why, 0.0, 0.0, 0.0, 0.0)
+    >>> length_check(3, [2])([row((5, 2), "stop"), row((5, 6, 7), "length"), row((5, 6, 7, 8), "length"),
+    ...                       row((5, 6), "length"), row((2, 6, 2), "stop"), row((5, 6, 2), "length")])
+    [None, None, 'too_long', 'finish_reason', 'finish_reason', 'finish_reason']
+    """
+    eos = frozenset(eos_ids)
+
+    def check(rows: Sequence[Rollout]) -> list[str | None]:
+        out: list[str | None] = []
+        for r in rows:
+            toks = r.output_tokens
+            ends_eos = bool(toks) and toks[-1] in eos
+            if len(toks) > max_tokens:
+                out.append(TOO_LONG)
+            elif any(t in eos for t in toks[:-1]) or (
+                    not ends_eos if r.finish_reason == "stop" else ends_eos or len(toks) != max_tokens):
+                out.append(FINISH_REASON)
+            else:
+                out.append(None)
+        return out
+
+    return check
 
 
 def seed_check(rows: Sequence[Rollout]) -> list[str | None]:
@@ -94,17 +132,26 @@ def validate_submission(
     run: str | None = None,
     reward_fn: RewardFn = math_task_reward,
     extra_checks: Sequence[RowCheck] = (),
+    worker: str | None = None,
+    sha256: str | None = None,
+    size: int | None = None,
 ) -> list[Verdict]:
     """Verdicts on every sample of the submission at ``rel_path`` of ``step`` (see the module docstring).
 
-    ``rel_path`` is the caller's (from :func:`~intellect.rl.rollouts.list_submissions`): one that is
-    not a submission path of ``step`` is a ``ValueError``. Nothing in the file's content raises.
+    ``rel_path`` is the caller's (from the submission service's records, or
+    :func:`~intellect.rl.rollouts.list_submissions` for operator-owned generation): one that is not a
+    submission path of ``step`` is a ``ValueError``. ``worker``, ``sha256`` and ``size``, when given,
+    are what the service recorded for the file. Nothing in the file's content raises.
     """
-    file_step, worker, k = parse_submission_path(rel_path)
+    file_step, file_worker, k = parse_submission_path(rel_path)
     if file_step != step:
         raise ValueError(f"{rel_path} is not a submission of step {step}")
+    if worker is not None and not (is_key_id(worker) and worker == file_worker):
+        log.info("rejected %s: the service recorded it for %r", rel_path, worker)
+        return [Verdict.file_rejected(rel_path, step, file_worker, k, IDENTITY)]
+    worker = file_worker
     try:
-        rows = load_submission(storage, rel_path, limits, run=run, async_level=async_level)
+        rows = load_submission(storage, rel_path, limits, run=run, async_level=async_level, sha256=sha256, size=size)
     except RolloutRejected as e:
         log.info("rejected %s: %s", rel_path, e)
         return [Verdict.file_rejected(rel_path, step, worker, k, e.reason)]
@@ -118,7 +165,8 @@ def validate_submission(
         log.info("rejected %s: assignment: %s", rel_path, why)
         return [Verdict.of(r, rel_path, i, ASSIGNMENT) for i, r in enumerate(rows)]
 
-    reasons: list[str | None] = [None] * len(rows)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    reasons: list[str | None] = list(length_check(cfg.max_tokens, eos)(rows))
     for check in extra_checks:
         got = list(check(rows))
         if len(got) != len(rows):

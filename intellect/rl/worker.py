@@ -1,62 +1,107 @@
-"""An inference worker of an RL run: a process that turns published checkpoints into submissions.
+"""``intellect worker``: the permissionless inference worker of an RL run, as INTELLECT-2 ran it.
 
-For each step ``n`` from ``first`` to ``cfg.steps - 1`` the worker waits until a checkpoint the lag
-rule allows for ``n`` is complete (in run storage, or on the SHARDCAST relays when ``cfg.shardcast``
-is set: :mod:`intellect.rl.weights`) (:func:`~intellect.rl.lag.policy_for`: the newest of
-``n - async_level .. n``), loads it if it is newer than the one it holds, and writes its
-submissions and done marker (:func:`~intellect.rl.step.worker_step`). With ``async_level = 2`` the
-worker runs up to two steps ahead of the trainer; with 0 it waits for every update. A step whose
-done marker exists is skipped, so a restarted worker resumes where it stopped.
+A worker is an Ed25519 key pair (``intellect worker keygen --out PATH``); its id is the key's
+:func:`~intellect.trust.keys.key_id`, so it cannot pick a name that collides with or sorts before
+another's. It needs the run's URL (the submission service), its key file and the trainer's public
+key, and nothing else: no Prefect API, no storage credentials, no shared file system.
 
-It talks to the trainer only through run storage, as an untrusted machine would: nothing it writes
-is believed before the validator has checked it.
+    intellect worker --run-url http://trainer:8750 --key worker.key --trainer-key <hex> [--cache DIR]
 
-    python -m intellect.rl.worker --config run.json --worker worker-a --first 0
+It registers, reads the run's description (:class:`WorkerRunInfo`: steps, lag bound, sampling,
+TOPLOC, the SHARDCAST relays), and for each step from the first uncommitted one to the last: waits
+until a checkpoint the lag rule allows is on the relays (:func:`~intellect.rl.lag.policy_for`),
+downloads it (every version signed by the trainer's key, which the worker pins), asks the service
+for its assignment, generates with TOPLOC proofs, submits each file, and says it is done. A step
+the service already holds as done is skipped, and one it holds submissions of is finished with
+them, so a restarted worker resumes where it stopped (:meth:`ServiceClient.status`).
+Nothing it sends is believed before the validator has checked it.
 
-exits 0 after the last step, 3 when no fresh checkpoint appears within
-``workers.checkpoint_timeout``, 4 when the relays cannot deliver one, and on its own when the process that started it dies (so a killed
-flow leaves no generator behind).
+Exit codes: 0 after the last step, 3 when no fresh checkpoint appears within the run's
+``checkpoint_timeout``, 4 when the relays cannot deliver one, 5 when the service refuses the worker
+(not admitted, or unreachable past its retries).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+import httpx
 import torch
+from pydantic import Field
 
-from intellect.rl.assignment import canonical_worker
-from intellect.rl.config import RLRunConfig
+from intellect.config import StrictModel
+from intellect.data.loaders import MathTask
+from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.rl.lag import policy_for
-from intellect.rl.rollouts import RolloutLimits
-from intellect.rl.setup import local_run_dir, run_storage, task_pool
-from intellect.rl.step import EngineFactory, done_marker, worker_engines, worker_step
-from intellect.rl.submission import RewardFn, math_task_reward
-from intellect.rl.weights import WeightSource, weight_source
-from intellect.shardcast.client import ShardcastError
+from intellect.rl.rollouts import RolloutLimits, encode_submission, submission_path
+from intellect.rl.service_client import ServiceClient, ServiceError
+from intellect.rl.step import _signal_samples, torch_engine
+from intellect.rl.submission import RewardFn, SubmissionConfig, generate_assigned, math_task_reward
+from intellect.shardcast.client import ShardcastClient, ShardcastError
+from intellect.shardcast.config import ClientConfig, ClientTuning
+from intellect.toploc.proofs import ToplocConfig
+from intellect.trust.keys import SigningKey, VerifyKey
+
+if TYPE_CHECKING:
+    from intellect.rl.config import RLRunConfig
 
 log = logging.getLogger("intellect.rl.worker")
 
 EXIT_NO_CHECKPOINT = 3
 EXIT_NO_WEIGHTS = 4
+EXIT_REFUSED = 5
+_HEALTH_BYTES = 4096
+_RETRY = frozenset({"too_far_ahead", "busy", "unreachable"})  # the service says: not now
 
 
 class CheckpointTimeout(TimeoutError):
     pass
 
 
-def wait_for_policy(weights: WeightSource, step: int, async_level: int, timeout: float, poll: float,
-                    stop: Callable[[], bool] = lambda: False) -> int | None:
+class WorkerRunInfo(StrictModel):
+    """What the submission service tells a worker about the run (``GET /v1/run``): nothing secret."""
+
+    run: str = Field(description="The run's name: the audience of every signed request.")
+    steps: int = Field(ge=1, description="RL steps of the run (0 .. steps - 1 are generated).")
+    committed: int = Field(ge=-1, description="The newest committed step (-1: none); a worker starts after it.")
+    async_level: int = Field(ge=0, description="Most policy lag of a sample.")
+    submission: SubmissionConfig
+    toploc: ToplocConfig | None = Field(description="TOPLOC proofs the validator checks (None: off).")
+    limits: RolloutLimits | None = Field(description="Bounds the validator applies; None: defaults.")
+    min_signal_samples: int = Field(ge=0, description="Online filter (see WorkersConfig).")
+    max_submissions: int = Field(ge=1, description="Most submissions per step.")
+    relays: list[str] = Field(min_length=1, description="SHARDCAST relays to download checkpoints from.")
+    client: ClientTuning = Field(default_factory=ClientTuning, description="SHARDCAST client settings.")
+    poll_interval: float = Field(gt=0, description="Seconds between looks for a new checkpoint.")
+    checkpoint_timeout: float = Field(gt=0, description="Give up after waiting this long for a checkpoint.")
+
+    @classmethod
+    def of(cls, cfg: RLRunConfig, committed: int, relays: list[str]) -> WorkerRunInfo:
+        """What a run of ``cfg`` tells its workers, ``committed`` its newest committed step."""
+        return cls(
+            run=cfg.run_name, steps=cfg.steps, committed=committed, async_level=cfg.async_level,
+            submission=cfg.submission, toploc=cfg.toploc, limits=cfg.limits,
+            min_signal_samples=cfg.workers.min_signal_samples, max_submissions=cfg.workers.max_submissions,
+            relays=relays, client=cfg.weights_broadcast().client, poll_interval=cfg.workers.poll_interval,
+            checkpoint_timeout=cfg.workers.checkpoint_timeout,
+        )
+
+
+def wait_for_policy(complete_steps: Callable[[], list[int]], step: int, async_level: int, timeout: float,
+                    poll: float, stop: Callable[[], bool] = lambda: False) -> int | None:
     """The checkpoint to generate ``step`` with, once one is complete (None when ``stop()`` says so)."""
     deadline = time.monotonic() + timeout
     while True:
-        policy = policy_for(step, async_level, weights.complete_steps())
+        policy = policy_for(step, async_level, complete_steps())
         if policy is not None:
             return policy
         if stop():
@@ -66,85 +111,186 @@ def wait_for_policy(weights: WeightSource, step: int, async_level: int, timeout:
         time.sleep(poll)
 
 
+class RelayWeights:
+    """Checkpoints downloaded from the relays into ``cache`` (the newest ``keep`` stay on disk)."""
+
+    def __init__(self, info: WorkerRunInfo, trainer_key: VerifyKey, cache: Path):
+        # the key pinned on the command line, never one the service names
+        pinned = ClientConfig(**info.client.model_dump(), trainer_key=trainer_key.hex)
+        self.client = ShardcastClient(info.relays, pinned)
+        self.cache, self.keep = cache, info.async_level + 2
+        self.cache.mkdir(parents=True, exist_ok=True)
+
+    def complete_steps(self) -> list[int]:
+        return self.client.complete_versions()
+
+    def load(self, step: int):
+        dest = self.cache / f"step_{step}"
+        self.client.fetch(step, dest)
+        model, tok = load_checkpoint_copy(dest)
+        held = sorted((int(p.name[5:]), p) for p in self.cache.glob("step_*") if p.name[5:].isdigit())
+        for _, p in held[:-self.keep]:
+            shutil.rmtree(p, ignore_errors=True)
+        return model, tok
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _call(fn: Callable, *args, deadline: float, poll: float):
+    """``fn(*args)``, retried while the service says "not now" (ahead of the trainer, busy, unreachable)."""
+    while True:
+        try:
+            return fn(*args)
+        except ServiceError as e:
+            if e.reason not in _RETRY or time.monotonic() > deadline:
+                raise
+        time.sleep(poll)
+
+
+def run_name(url: str, timeout: float = 30.0) -> str:
+    """The run's name from the service's unsigned health answer (read with a byte cap): the audience
+    the worker signs for. A wrong name only makes every signed request fail."""
+    with httpx.Client(timeout=timeout) as http, http.stream("GET", url.rstrip("/") + "/v1/health") as r:
+        body = b""
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > _HEALTH_BYTES:
+                raise ServiceError(0, "bad_answer", "health answer too large")
+    try:
+        name = json.loads(body)["run"]
+    except (ValueError, KeyError, TypeError):
+        raise ServiceError(r.status_code, "bad_answer", f"not a health answer: {body[:200]!r}") from None
+    if not isinstance(name, str):
+        raise ServiceError(r.status_code, "bad_answer", "no run name")
+    return name
+
+
 def run_worker(
-    cfg: RLRunConfig,
-    worker: str,
-    first: int = 0,
+    url: str,
+    key: SigningKey,
+    trainer_key: VerifyKey,
+    cache: str | os.PathLike,
     *,
-    engine_factory: EngineFactory | None = None,
     reward_fn: RewardFn = math_task_reward,
     stop: Callable[[], bool] = lambda: False,
+    timeout: float = 30.0,
 ) -> list[dict]:
-    """Generate steps ``first .. cfg.steps - 1`` as ``worker``; returns one record per step it generated."""
-    storage = run_storage(cfg)
-    tasks = task_pool(cfg.tasks, storage)
-    weights = weight_source(cfg, storage, local_run_dir(cfg) / "weights" / canonical_worker(worker))
-    held, engine, tok, limits = None, None, None, None
-    out = []
+    """Work for the run at ``url`` until its last step (see the module docstring); one record per step."""
     try:
-        for step in range(first, cfg.steps):
+        run = run_name(url, timeout)
+    except httpx.HTTPError as e:
+        raise ServiceError(0, "unreachable", str(e)) from None
+    client = ServiceClient(url, key, audience=run, timeout=timeout)
+    out: list[dict] = []
+    weights = None
+    try:
+        client.register()
+        info = WorkerRunInfo.model_validate(client.run_info())
+        weights = RelayWeights(info, trainer_key, Path(cache))
+        held, engine, tok, limits = None, None, None, None
+        for step in range(info.committed + 1, info.steps):
             if stop():
                 break
-            if storage.exists(done_marker(step, worker)):
+            wait = time.monotonic() + info.checkpoint_timeout
+            status = _call(client.status, step, deadline=wait, poll=info.poll_interval)
+            if status["done"]:
                 continue
             t0 = time.perf_counter()
-            policy = wait_for_policy(weights, step, cfg.async_level, cfg.workers.checkpoint_timeout,
-                                     cfg.workers.poll_interval, stop)
+            policy = wait_for_policy(weights.complete_steps, step, info.async_level, info.checkpoint_timeout,
+                                     info.poll_interval, stop)
             if policy is None:
                 break
-            waited = time.perf_counter() - t0
-            loaded = 0.0
             if policy != held:
-                t = time.perf_counter()
                 model, tok = weights.load(policy)
-                loaded = time.perf_counter() - t
-                engine, held = (engine_factory or worker_engines(cfg))(model, tok), policy
-                limits = cfg.limits or RolloutLimits(vocab_size=len(tok))
-            t1 = time.perf_counter()
-            files, written = worker_step(cfg, storage, step, worker, tasks, engine, tok, policy, limits=limits,
-                                         reward_fn=reward_fn)
-            rec = {"step": step, "policy_step": policy, "files": len(files), "written": len(written),
-                   "waited": round(waited, 3), "load_seconds": round(loaded, 3),
-                   "seconds": round(time.perf_counter() - t1, 3)}
-            log.info("worker %s %s", worker, rec)
+                engine, held = torch_engine(model, tok, capture_hidden=info.toploc is not None), policy
+                limits = info.limits or RolloutLimits(vocab_size=len(tok))
+            files, signal = [], 0
+            if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
+                files = [submission_path(step, client.worker, k) for k in status["submissions"]]
+            for k in range(info.max_submissions if not files else 0):
+                tasks = [MathTask(t["id"], t["prompt"], t["answer"]) for t in
+                         _call(client.assignment, step, k, deadline=wait, poll=info.poll_interval)]
+                rows = generate_assigned(engine, tok, tasks, client.worker, step, k, policy, info.submission,
+                                         run=info.run, reward_fn=reward_fn, proofs=info.toploc)
+                rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,
+                            poll=info.poll_interval)
+                files.append(rec.path)
+                signal += _signal_samples(rows)
+                if signal >= info.min_signal_samples:
+                    break
+            _call(client.finish, step, files, policy, deadline=wait, poll=info.poll_interval)
+            rec = {"step": step, "policy_step": policy, "files": len(files),
+                   "seconds": round(time.perf_counter() - t0, 3)}
+            log.info("worker %s %s", client.worker, rec)
             out.append(rec)
     finally:
-        weights.close()
+        if weights is not None:
+            weights.close()
+        client.close()
     return out
 
 
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
+def _exit_with_parent(parent: int) -> None:
     def watch() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
-                os._exit(1)  # orphaned: the flow that started us is gone
+                os._exit(1)  # orphaned: the run that started us is gone
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m intellect.rl.worker", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="RLRunConfig as JSON (written by the flow).")
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--first", type=int, default=0, help="First step to generate.")
+def keygen(out: str | os.PathLike) -> SigningKey:
+    """A new worker key written to ``out`` (mode 0600; an existing file is never overwritten)."""
+    key = SigningKey.generate()
+    key.save(out)
+    return key
+
+
+def main(argv: list[str] | None = None, prog: str = "intellect worker") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        kp = argparse.ArgumentParser(prog=f"{prog} keygen", description="Write a new worker key file (mode 0600).")
+        kp.add_argument("--out", required=True, help="Key file to create (never overwritten).")
+        args = kp.parse_args(argv[1:])
+        try:
+            key = keygen(args.out)
+        except FileExistsError:
+            print(f"{prog}: {args.out} exists; a key is never overwritten", file=sys.stderr)
+            return 2
+        print(f"worker id: {key.public.id}\npublic key: {key.public.hex}\nkey file: {args.out}")
+        return 0
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-url", required=True, help="Base URL of the run's submission service.")
+    ap.add_argument("--key", required=True, help="This worker's key file (`intellect worker keygen`).")
+    ap.add_argument("--trainer-key", required=True, help="The trainer's public key (64 hex digits), pinned.")
+    ap.add_argument("--cache", default=None, help="Folder for downloaded checkpoints (default ./worker-cache).")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads.")
+    ap.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)  # exit when this PID is gone
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per shard request otherwise
-    _exit_with_parent()
-    cfg = RLRunConfig.model_validate_json(Path(args.config).read_text())
-    torch.set_num_threads(cfg.workers.threads)
+    if args.parent is not None:
+        _exit_with_parent(args.parent)
     try:
-        run_worker(cfg, args.worker, args.first)
+        key = SigningKey.load(args.key)
+        trainer = VerifyKey.from_hex(args.trainer_key)
+    except (OSError, ValueError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    try:
+        run_worker(args.run_url, key, trainer, args.cache or "worker-cache")
     except CheckpointTimeout as e:
-        log.error("worker %s: %s", args.worker, e)
+        log.error("worker %s: %s", key.public.id, e)
         return EXIT_NO_CHECKPOINT
     except ShardcastError as e:
-        log.error("worker %s: %s", args.worker, e)
+        log.error("worker %s: %s", key.public.id, e)
         return EXIT_NO_WEIGHTS
+    except ServiceError as e:
+        log.error("worker %s: the service refused: %s", key.public.id, e)
+        return EXIT_REFUSED
     return 0
 
 

@@ -48,6 +48,7 @@ def rl_cfg(root, **over) -> RLRunConfig:
         "submission": {"prompts_per_submission": PROMPTS, "group_size": GROUP, "max_tokens": 4},
         "trainer": {"lr": 1e-2, "warmup_steps": 0, "steps_per_rollout": 1},
         "eval": {"every": 2, "size": 16}, "trainer_threads": 1,
+        "toploc": {"k": 16},  # on, as by default; the tiny model's hidden size is 32
     }
     for k, v in over.items():
         data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v

@@ -7,7 +7,7 @@ from intellect.config import ModelConfig
 from intellect.data.arithmetic import Problem
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import CHECKPOINTS, publish_checkpoint
+from intellect.pretrain import CHECKPOINTS, checkpoint_digest, publish_checkpoint
 from intellect.rl.rollouts import list_submissions
 from intellect.rl.config import RLRunConfig
 from intellect.rl.step import run_rl_step
@@ -24,6 +24,7 @@ CFG = RLRunConfig(
     run_name="t",
     submission=SubmissionConfig(prompts_per_submission=2, group_size=4, max_tokens=4),
     trainer=RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2),
+    toploc=None, trusted_workers=True,
 )
 PER_STEP = len(WORKERS) * 2 * 4
 
@@ -37,8 +38,9 @@ def parity_reward(completion, task):
 def run(tmp_path):
     storage = RunStorage(f"file://{tmp_path}/run")
     model, tok = build_model(TINY)
-    publish_checkpoint(model, tok, storage, 0)
+    uri = publish_checkpoint(model, tok, storage, 0)
     with Ledger(tmp_path / "ledger.duckdb") as ledger:
+        ledger.record_checkpoint(0, uri, checkpoint_digest(storage, 0))  # as the run's seeding does
         yield storage, ledger
 
 
@@ -122,3 +124,31 @@ def test_steps_with_toploc_accept_honest_workers_and_reject_a_forger(run):
     reasons = {r["reason"] for r in ledger.summary() if r["step"] == 2 and r["status"] == "rejected"}
     assert report.accepted == PER_STEP and report.rejected == len(fake)
     assert reasons and all(x.startswith("toploc_") for x in reasons)
+
+
+def test_the_trainer_adopts_only_checkpoints_it_recorded(run):
+    """A ``STABLE`` checkpoint ``step + 1`` that the ledger does not hold (published by someone else, or
+    by a crash between publish and record) is deleted and trained again; readers verify digests."""
+    from intellect.pretrain import CheckpointMismatch
+    from intellect.rl.step import fetch_recorded
+
+    storage, ledger = run
+    forged, tok = build_model(TINY.model_copy(update={"init_seed": TINY.init_seed + 3}))
+    publish_checkpoint(forged, tok, storage, 1, {"rl_step.json": {"policy_step": 0, "trained_samples": 999,
+                                                                    "loss": -1e6, "clip_fraction": 0.0}})
+    report = step(storage, ledger, 0)
+    assert report.trained and report.trained_samples != 999
+    assert checkpoint_digest(storage, 1) == ledger.checkpoint(1)[1]
+
+    # a crash between publishing checkpoint 2 and recording it: the rerun retrains, it does not adopt
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Ledger, "record_checkpoint", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError, match="killed"):
+            step(storage, ledger, 1)
+    assert storage.is_stable(2, CHECKPOINTS) and ledger.checkpoint(2) is None
+    assert step(storage, ledger, 1).trained
+    # a recorded checkpoint rewritten in place is refused by every reader
+    rel = f"{storage.step_path(1, CHECKPOINTS)}/model.safetensors"
+    storage.write_bytes(rel, storage.read_bytes(rel)[:-4] + b"\0\0\0\0")
+    with pytest.raises(CheckpointMismatch):
+        fetch_recorded(storage, ledger, 1)

@@ -46,9 +46,11 @@ def test_task_pool_never_holds_heldout_and_is_distinct():
 
 
 def test_missing_init_checkpoint_says_what_to_run(tmp_path):
+    from intellect.ledger import Ledger
+
     cfg = RLRunConfig(storage={"url": f"file://{tmp_path}"}, init={"from_run": "nothing"})
-    with pytest.raises(FileNotFoundError, match="intellect smoke"):
-        setup.seed_checkpoint(cfg, setup.run_storage(cfg))
+    with Ledger(tmp_path / "l.duckdb") as ledger, pytest.raises(FileNotFoundError, match="intellect smoke"):
+        setup.seed_checkpoint(cfg, setup.run_storage(cfg), ledger)
     with pytest.raises(FileNotFoundError, match="init.path"):
         setup.initial_weights(InitConfig(path=str(tmp_path)), cfg)
 
@@ -72,3 +74,26 @@ def test_solve_counts_do_not_depend_on_chunking():
     assert F.kept_tasks_jsonl(table).count("\n") == sum(cfg.keeps(n) for n in whole)
     with pytest.raises(ValueError, match="not a filter score file"):
         F.from_parquet(F.to_parquet(table.drop(["kept"])))
+
+
+def test_toploc_is_on_unless_workers_are_trusted():
+    assert RLRunConfig().toploc is not None and not RLRunConfig().trusted_workers
+    with pytest.raises(ConfigError, match="trusted_workers"):
+        load_config(RLRunConfig, overrides=["toploc=false"], environ={})
+    off = load_config(RLRunConfig, overrides=["toploc=false", "trusted_workers=true"], environ={})
+    assert off.toploc is None
+    assert load_config(RLRunConfig, "configs/rl-tiny.toml", environ={}).toploc is not None
+
+
+def test_the_trainer_secret_and_key_are_private_and_stable(tmp_path):
+    import stat
+
+    cfg = RLRunConfig(storage={"url": f"file://{tmp_path}"})
+    secret, key = setup.trainer_secret(cfg), setup.trainer_key(cfg)
+    assert setup.trainer_secret(cfg) == secret and len(secret) == 32
+    assert setup.trainer_key(cfg).public == key.public
+    for f in ("secret", "trainer.key"):
+        assert stat.S_IMODE((setup.trainer_dir(cfg) / f).stat().st_mode) == 0o600
+    (setup.trainer_dir(cfg) / "secret").chmod(0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        setup.trainer_secret(cfg)

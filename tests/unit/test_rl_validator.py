@@ -215,3 +215,43 @@ def test_revalidating_a_file_records_nothing_twice(env):
     first = env.validate(0, [rel])
     assert env.validate(0, [rel]) == first
     assert len(env.ledger.accepted(0)) == len(first[rel])
+
+
+def test_the_service_record_binds_a_file_to_its_key_id_and_bytes(env):
+    """A file is validated as the worker the service recorded it for (a key id), with the bytes it
+    recorded: a named squatter, a record for another worker, and changed bytes are refused."""
+    import hashlib
+
+    from intellect.trust.keys import SigningKey
+
+    wid = SigningKey.from_seed(b"w" * 32).public.id
+    rel = write_submission(env.storage, 0, wid, 0, env.rows(wid))
+    data = env.storage.read_bytes(rel)
+    sha = hashlib.sha256(data).hexdigest()
+    other = SigningKey.from_seed(b"o" * 32).public.id
+    named = write_submission(env.storage, 0, "alice", 0, env.rows("alice"))
+    got = env.validate(0, [rel], worker=wid, sha256=sha, size=len(data))
+    assert all_accepted(got[rel])
+    got = env.validate(0, [named], worker="alice")  # a chosen name is not an identity
+    assert got[named] == [(-1, "rejected", "identity")]
+    forged = env.raw(0, wid, 1, data)
+    got = env.validate(0, [forged], worker=other)  # recorded for another worker than its path says
+    assert got[forged] == [(-1, "rejected", "identity")]
+    changed = env.raw(0, wid, 2, data)
+    got = env.validate(0, [changed], worker=wid, sha256="0" * 64, size=len(data))
+    assert got[changed] == [(-1, "rejected", "sha256_mismatch")]
+
+
+def test_outputs_past_max_tokens_or_with_a_false_finish_reason_are_rejected(env):
+    rows = env.rows("lengthy")
+    eos = env.tok.eos_token_id
+    long = [dataclasses.replace(r, output_tokens=tuple(r.output_tokens) + (5,) * 3, finish_reason="length")
+            for r in rows]
+    rel = write_submission(env.storage, 0, "lengthy", 0, long)
+    assert {reason for _, _, reason in env.validate(0, [rel])[rel]} == {"too_long"}
+    short = [dataclasses.replace(r, output_tokens=(5,), finish_reason="length") for r in env.rows("lengthy", k=1)]
+    rel = write_submission(env.storage, 0, "lengthy", 1, short)
+    assert {reason for _, _, reason in env.validate(0, [rel])[rel]} == {"finish_reason"}
+    early = [dataclasses.replace(r, output_tokens=(eos, 5), finish_reason="stop") for r in env.rows("lengthy", k=2)]
+    rel = write_submission(env.storage, 0, "lengthy", 2, early)
+    assert {reason for _, _, reason in env.validate(0, [rel])[rel]} == {"finish_reason"}
