@@ -31,7 +31,9 @@ from intellect.config import DataConfig, SmokeConfig, load_config  # noqa: E402
 from intellect.data.arithmetic import heldout_problems, train_stream  # noqa: E402
 from intellect.ledger import Ledger  # noqa: E402
 from intellect.model.checkpoint import load_checkpoint  # noqa: E402
-from intellect.pretrain import fetch_checkpoint, init_checkpoint, pretrain, publish_checkpoint  # noqa: E402
+from intellect.pretrain import (  # noqa: E402
+    checkpoint_digest, fetch_checkpoint, init_checkpoint, pretrain, publish_checkpoint,
+)
 from intellect.rl.loss import GRPOLossConfig  # noqa: E402
 from intellect.rl.config import RLRunConfig  # noqa: E402
 from intellect.rl.step import run_rl_step  # noqa: E402
@@ -105,11 +107,14 @@ def main() -> None:
     storage = RunStorage(f"file://{run_dir / 'storage'}")
     publish_checkpoint(model.eval(), tok, storage, 0)
     ledger = Ledger(run_dir / "ledger.duckdb")
+    # readers adopt only checkpoints whose digest the ledger holds
+    ledger.record_checkpoint(0, storage.uri(storage.step_path(0, "checkpoints")), checkpoint_digest(storage, 0))
 
     loss_kw = {"normalization": args.normalization} if args.normalization else {}
     cfg = RLRunConfig(
         run_name=args.tag.replace("/", "-")[:64],
         async_level=0,
+        toploc=None, trusted_workers=True,  # one process plays every role: the learning figure, not the checks
         submission=SubmissionConfig(prompts_per_submission=args.prompts, group_size=args.group_size,
                                     temperature=args.temperature, max_tokens=args.max_tokens),
         trainer=RLTrainerConfig(lr=args.lr, warmup_steps=args.warmup, steps_per_rollout=args.steps_per_rollout,

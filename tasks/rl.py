@@ -416,7 +416,7 @@ def validate(cfg: RLRunConfig, step: int, files: dict[str, list[str]]) -> list[V
 
     if not files:
         return []
-    with ThreadPoolExecutor(len(files)) as pool:
+    with ThreadPoolExecutor(min(len(files), cfg.workers.validate_parallel)) as pool:
         return list(pool.map(one, sorted(files)))
 
 

@@ -74,6 +74,11 @@ class WorkersConfig(StrictModel):
         "arrive before their step is validated.",
     )
     threads: int = Field(1, ge=1, le=256, description="torch threads of each worker process.")
+    validate_parallel: int = Field(
+        4, ge=1, le=256,
+        description="Workers' files the validator checks at once: however many keys submit, the trusted "
+        "process holds at most this many files in memory.",
+    )
     min_signal_samples: int = Field(
         0, ge=0, le=1 << 20,
         description="Online filter: a worker adds submissions for a step until its samples in groups with "

@@ -29,7 +29,7 @@ from intellect.inference.protocol import Request
 from intellect.inference.sampling import MAX_SEED, SamplingParams
 from intellect.rl.advantages import group_advantages
 from intellect.rl.assignment import assign_prompts, assignment_seed, canonical_worker
-from intellect.rl.rewards.math import math_reward
+from intellect.rl.rewards.math import math_reward, math_rewards
 from intellect.rl.rollouts import Rollout
 from intellect.toploc.check import completion_proofs
 from intellect.toploc.proofs import ToplocConfig
@@ -47,6 +47,15 @@ RewardFn = Callable[[str, "MathTask"], float]
 def math_task_reward(completion: str, task: MathTask) -> float:
     """The default task reward: :func:`~intellect.rl.rewards.math.math_reward` against ``task.answer``."""
     return math_reward(completion, task.answer).reward
+
+
+def task_rewards(reward_fn: RewardFn, completions: Sequence[str], tasks: Sequence[MathTask]) -> list[float]:
+    """``reward_fn`` of each completion against its task, as one file's rows: the default math reward
+    is scored in one :func:`~intellect.rl.rewards.math.math_rewards` call, so that the file's total
+    time budget holds however many hard answers it carries."""
+    if reward_fn is math_task_reward:
+        return [r.reward for r in math_rewards(completions, [t.answer for t in tasks])]
+    return [float(reward_fn(c, t)) for c, t in zip(completions, tasks)]
 
 
 class SubmissionConfig(StrictModel):
@@ -135,8 +144,8 @@ def generate_assigned(
         ids = prompt_tokens(tokenizer, task)
         plan += [(j, i, task, ids, sample_seed(worker, step, k, j, i)) for i in range(cfg.group_size)]
     completions = engine.generate([Request(ids, seed) for _, _, _, ids, seed in plan], cfg.sampling())
-    rewards = [float(reward_fn(completion_text(tokenizer, c.tokens), task)) for (_, _, task, _, _), c in
-               zip(plan, completions)]
+    rewards = task_rewards(reward_fn, [completion_text(tokenizer, c.tokens) for c in completions],
+                           [task for _, _, task, _, _ in plan])
     advantages = advantages_of(rewards, [j for j, *_ in plan])
     blobs = completion_proofs(completions, proofs) if proofs is not None else [b""] * len(completions)
     return [

@@ -49,6 +49,7 @@ from intellect.rl.submission import (
     advantages_of,
     completion_text,
     math_task_reward,
+    task_rewards,
     prompt_tokens,
     sample_seed,
 )
@@ -174,14 +175,16 @@ def validate_submission(
         reasons = [old or new for old, new in zip(reasons, got)]
     believed = [reason is None for reason in reasons]
 
-    rewards = [float(reward_fn(completion_text(tokenizer, r.output_tokens), by_id[r.prompt_id])) for r in rows]
-    for i, (r, truth) in enumerate(zip(rows, rewards)):
-        if reasons[i] is None and not (
-            _same(r.task_reward, truth) and _same(r.reward, truth) and r.length_penalty == 0
-        ):
+    # Only rows the checks believe are scored (a rejected row's reward is never used), and a file's
+    # rows are scored in one call, so the reward's per-file time budget bounds what one file costs.
+    kept = [i for i in range(len(rows)) if believed[i]]
+    rewards = dict(zip(kept, task_rewards(reward_fn, [completion_text(tokenizer, rows[i].output_tokens) for i in kept],
+                                          [by_id[rows[i].prompt_id] for i in kept])))
+    for i in kept:
+        r, truth = rows[i], rewards[i]
+        if not (_same(r.task_reward, truth) and _same(r.reward, truth) and r.length_penalty == 0):
             reasons[i] = REWARD_MISMATCH
 
-    kept = [i for i in range(len(rows)) if believed[i]]
     advantages = dict(zip(kept, advantages_of([rewards[i] for i in kept], [rows[i].group_id for i in kept])))
     verdicts = []
     for i, r in enumerate(rows):

@@ -16,7 +16,15 @@ from intellect.rl.rewards.length import (
     parse_budget,
     sample_target,
 )
-from intellect.rl.rewards.math import MathRewardConfig, equivalent, extract_answer, math_reward, normalize_answer
+from intellect.rl.rewards.math import (
+    MathRewardConfig,
+    equivalent,
+    extract_answer,
+    math_reward,
+    math_rewards,
+    normalize_answer,
+    warm_checkers,
+)
 from intellect.rl.rewards.sandbox import (
     RunResult,
     SandboxConfig,
@@ -45,7 +53,9 @@ __all__ = [
     "extract_code",
     "length_reward",
     "math_reward",
+    "math_rewards",
     "normalize_answer",
+    "warm_checkers",
     "parse_budget",
     "run_python",
     "sample_target",
