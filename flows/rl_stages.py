@@ -75,6 +75,7 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
                 "here" if cfg.dispatch.mode == "local" else "to their deployments")
     if info.first_step == 0 and not any(e["step"] == 0 for e in load_evals(T.session(cfg).storage)):
         logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
+        T.release_ledger(cfg)  # evaluating reads the checkpoint's digest; the stages write the ledger next
     rows = []
     for n in range(info.first_step, cfg.steps):
         t0 = time.perf_counter()
@@ -94,6 +95,7 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
         logger.info("step %d: %s", n, row)
         if eval_due(cfg, n + 1):
             logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
+            T.release_ledger(cfg)
     evals = load_evals(T.session(cfg).storage)
     lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "", *eval_table(evals)]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
