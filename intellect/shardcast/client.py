@@ -24,7 +24,8 @@ every JSON answer is read with a byte cap before it is parsed. A relay that serv
 unsigned, mis-signed, of another version, oversized or malformed, or shard bytes that do not match
 the signed hashes, is marked bad for the rest of the fetch (the reason is kept in
 :attr:`ShardcastClient.bad`), and the shards come from the others; when every relay is bad the fetch
-fails at once.
+fails at once. Nor is a relay's pace: every answer has a deadline (:func:`~intellect.shardcast.wire.answer_budget`),
+the relays are asked at once, and one that misses its deadline counts as a failure in the relay choice.
 """
 
 from __future__ import annotations
@@ -43,16 +44,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 from intellect.shardcast import chain
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
 from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import preallocate, write_at
-from intellect.shardcast.wire import (ShardConnections, ShardMismatch, download_shard, fetch_delta, http_client,
-                                      list_versions)
+from intellect.shardcast.wire import (DeadlineMissed, ShardConnections, ShardMismatch, WireError, answer_budget,
+                                      ask_each, download_shard, fetch_delta, in_thread, list_versions)
 from intellect.storage import STABLE
 
 log = logging.getLogger("intellect.shardcast.client")
@@ -133,13 +132,10 @@ class ShardcastClient:
         self.bad: dict[str, str] = {}
         self.scores = {r: RelayScore() for r in self.relays}
         self.rng = random.Random(self.cfg.seed)
-        self._timeout = httpx.Timeout(self.cfg.read_timeout, connect=self.cfg.connect_timeout)
-        self._http = http_client(len(self.relays))
         self._conns = ShardConnections(self.cfg.connect_timeout, self.cfg.read_timeout, self.cfg.parallel)
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._http.close()
         self._conns.close()
 
     def __enter__(self) -> "ShardcastClient":
@@ -151,17 +147,29 @@ class ShardcastClient:
     # ------------------------------------------------------------------ discovery
 
     def versions(self) -> dict[int, bool]:
-        """Version -> complete on some relay, over every relay that answers (silent ones are skipped)."""
+        """Version -> complete on some relay, over every relay that answers (silent ones are skipped).
+
+        The relays are asked at once, and the call returns once each has answered or missed the
+        listing's deadline: ``deadline``, or less, ``read_timeout`` + ``max_versions_bytes`` / ``min_rate``."""
+        cfg = self.cfg
+        deadline = time.monotonic() + min(cfg.deadline, answer_budget(cfg.read_timeout, cfg.max_versions_bytes,
+                                                                      cfg.min_rate))
+        answers = ask_each({relay: (lambda relay=relay: list_versions(self._conns, relay, self.verifier,
+                                                                      cfg.max_versions_bytes, deadline))
+                            for relay in self.relays}, deadline)
         out: dict[int, bool] = {}
-        for relay in self.relays:
-            try:
-                listed = list_versions(self._http, relay, self._timeout, self.verifier, self.cfg.max_versions_bytes)
-            except Untrusted as e:
-                self._distrust(relay, f"/versions: {e}")
+        for relay, listed in answers.items():
+            if isinstance(listed, Untrusted):
+                self._distrust(relay, f"/versions: {listed}")
                 continue
-            except (httpx.HTTPError, ValueError) as e:
-                log.debug("relay %s: %s", relay, e)
+            if isinstance(listed, DeadlineMissed):
+                self._missed(relay, f"/versions: {listed}")
                 continue
+            if isinstance(listed, (WireError, ValueError)):
+                log.debug("relay %s: %s", relay, listed)
+                continue
+            if isinstance(listed, BaseException):
+                raise listed
             for v, complete in listed:
                 out[v] = out.get(v, False) or complete
         return out
@@ -213,7 +221,7 @@ class ShardcastClient:
         heard: list[ShardEntry] = []  # listed since ref was last made
         told_total = False
         unheard, first_heard = set(self.relays), 0.0
-        watch = {_in_thread(self._watch, relay, version, view.query(relay), 0.0, 0.0, deadline): relay
+        watch = {in_thread(self._watch, relay, version, view.query(relay), 0.0, 0.0, deadline): relay
                  for relay in self.relays}
         hasher = _OrderedHasher(asm)
         try:
@@ -311,14 +319,23 @@ class ShardcastClient:
                deadline: float) -> ManifestDelta:
         """``relay``'s answer to ``query`` about ``version`` after ``delay`` s, held up to ``hold`` s until
         it has news (a long poll)."""
+        cfg = self.cfg
         if delay > 0:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        return fetch_delta(self._http, relay, version, query, max(0.0, min(hold, deadline - time.monotonic())),
-                           self._timeout, self.cfg.max_manifest_bytes)
+        hold = max(0.0, min(hold, deadline - time.monotonic()))
+        until = min(deadline, time.monotonic() + answer_budget(cfg.read_timeout, cfg.max_manifest_bytes, cfg.min_rate,
+                                                               hold))
+        return fetch_delta(self._conns, relay, version, query, hold, cfg.max_manifest_bytes, until)
 
     def _distrust(self, relay: str, why: str) -> None:
         self.bad[relay] = why
         log.warning("relay %s marked bad: %s", relay, why)
+        with self._lock:
+            observe(self.scores, relay, ok=False, nbytes=0, seconds=0.0, alpha=self.cfg.alpha, heal=self.cfg.heal)
+
+    def _missed(self, relay: str, why: str) -> None:
+        """``relay`` did not answer before a deadline: a failure in the relay choice, not a lie."""
+        log.warning("relay %s too slow: %s", relay, why)
         with self._lock:
             observe(self.scores, relay, ok=False, nbytes=0, seconds=0.0, alpha=self.cfg.alpha, heal=self.cfg.heal)
 
@@ -360,13 +377,15 @@ class ShardcastClient:
             self._mark_bad(relay, f"manifest: {str(err)[:300]}", view, errors, bad)
             return []
         else:
-            if not isinstance(err, (httpx.HTTPError, ValueError)):
+            if not isinstance(err, (WireError, ValueError)):
                 raise err
+            if isinstance(err, DeadlineMissed):
+                self._missed(relay, f"manifest: {err}")
             errors[relay] = f"manifest: {str(err).splitlines()[0][:200]}"
             view.drop(relay)  # not used until it answers again
         if not view.complete_at(relay):
             hold = min(_LONG_POLL, self.cfg.read_timeout / 2) if relay in view.servers() else 0.0
-            watch[_in_thread(self._watch, relay, version, view.query(relay), hold, delay, deadline)] = relay
+            watch[in_thread(self._watch, relay, version, view.query(relay), hold, delay, deadline)] = relay
         return new
 
     @staticmethod
@@ -379,22 +398,6 @@ class ShardcastClient:
             got = f"{len(done)} shards, the version is complete on no relay ({len(ref.shards)} shards listed)"
         detail = "; ".join(f"{r}: {e}" for r, e in sorted(errors.items())) or "no errors recorded"
         return f"{head} ({got}; {detail})"
-
-
-def _in_thread(fn: Callable, *args) -> Future:
-    """``fn(*args)`` on a new daemon thread: a watcher blocked in a long poll when the fetch ends must
-    not hold up the fetch's return or the interpreter's exit (a pool's threads would)."""
-    fut: Future = Future()
-
-    def run() -> None:
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting fetch loop
-                fut.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name="shardcast-watch").start()
-    return fut
 
 
 class _OrderedHasher:

@@ -34,6 +34,10 @@ class ClientTuning(StrictModel):
     poll_interval: float = Field(
         0.05, gt=0, le=60, description="Seconds between looks at the relays' manifests while a version is incomplete."
     )
+    min_rate: float = Field(
+        65536.0, gt=0, le=1e12, description="Bytes/s under which a JSON answer (a listing, a manifest) is abandoned: "
+        "each may take read_timeout + any long poll + its byte cap / min_rate seconds in all (a listing: 46 s by "
+        "default, and no more than deadline), so a relay that sends a byte now and then cannot hold a call.")
     alpha: float = Field(0.3, gt=0, le=1, description="EMA weight of the newest observation (INTELLECT-2: 0.3).")
     heal: float = Field(
         0.01, ge=0, le=1, description="Success-rate points every relay regains per observation, so a failed relay "
@@ -67,7 +71,8 @@ class RelayConfig(StrictModel):
     min_rate: float = Field(
         65536.0, gt=0, le=1e12, description="Bytes/s under which a shard's download is abandoned and fetched again "
         "on a later pass: each may take read_timeout + its size / min_rate seconds in all (16 MiB: 286 s by default), "
-        "so an upstream that sends a byte now and then cannot hold a download thread.")
+        "so an upstream that sends a byte now and then cannot hold a download thread. A JSON answer (a listing, a "
+        "manifest) likewise may take read_timeout + any long poll + its byte cap / min_rate seconds.")
     max_manifest_bytes: int = Field(8 * MIB, ge=4096, le=1 << 30, description=_MANIFEST_BYTES)
     max_versions_bytes: int = Field(MIB, ge=1024, le=64 * MIB, description=_VERSIONS_BYTES)
     distrust_seconds: float = Field(

@@ -21,7 +21,9 @@ so its own readers verify them in turn. An upstream that answers anything unsign
 of another version, oversized or malformed is marked bad (:attr:`Relay.bad`, with the reason) and
 not asked for ``distrust_seconds``: nothing it listed is mirrored, and the versions it lists do not
 count. (Asked again after that, it is marked bad again at its first lie; an honest upstream that
-served a stale version signed otherwise is not shut out for good.)
+served a stale version signed otherwise is not shut out for good.) Every answer has a deadline
+(:func:`~intellect.shardcast.wire.answer_budget`, with ``min_rate``), the upstreams are asked at once,
+and one that misses its deadline counts as a failure in the choice of upstream for shards.
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-
 from intellect.shardcast.choice import RelayScore, observe, pick
 from intellect.shardcast.config import ClientTuning, RelayConfig
 from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before, verify_header
 from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import VersionStore, preallocate, write_at
-from intellect.shardcast.wire import (ShardConnections, ShardError, download_shard, fetch_delta, http_client,
-                                      list_versions)
+from intellect.shardcast.wire import (DeadlineMissed, ShardConnections, ShardError, WireError, answer_budget,
+                                      ask_each, download_shard, fetch_delta, list_versions)
 
 log = logging.getLogger("intellect.shardcast.relay")
 
@@ -59,8 +59,6 @@ class Relay:
         self._bad_until: dict[str, float] = {}  # upstream -> when it may be asked again
         self.scores = {u: RelayScore() for u in self.upstreams}
         self.rng = random.Random(seed)
-        self._timeout = httpx.Timeout(cfg.read_timeout, connect=cfg.connect_timeout)
-        self._http = http_client(len(self.upstreams))
         self._conns = ShardConnections(cfg.connect_timeout, cfg.read_timeout, cfg.parallel)
         self._pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="relay-get")
         self._lock = threading.Lock()
@@ -98,7 +96,6 @@ class Relay:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._http.close()
         self._conns.close()
 
     def sync_once(self) -> bool:
@@ -152,50 +149,78 @@ class Relay:
     # ------------------------------------------------------------------ parts
 
     def _upstream_versions(self, hold: float = 0.0) -> tuple[dict[int, list[str]], bool]:
-        """Which upstreams list which versions. With ``hold``, the first upstream is asked to answer
-        once it lists a version newer than any seen (a long poll); True when it did, or held the
-        request that long."""
+        """Which upstreams list which versions, all asked at once. With ``hold``, the first upstream is
+        asked to answer once it lists a version newer than any seen (a long poll); True when it did, or
+        held the request that long."""
+        cfg, newest = self.cfg, self._newest
+        trusted = [u for u in self.upstreams if self._trusted(u)]
+        t0 = time.monotonic()
+        deadline = t0 + answer_budget(cfg.read_timeout, cfg.max_versions_bytes, cfg.min_rate, hold)
+
+        def ask(u: str, held: bool) -> tuple[list[tuple[int, bool]], float]:
+            if held:
+                return list_versions(self._conns, u, self.verifier, cfg.max_versions_bytes, deadline,
+                                     newer=newest, wait=hold), time.monotonic() - t0
+            return list_versions(self._conns, u, self.verifier, cfg.max_versions_bytes, deadline), 0.0
+
+        answers = ask_each({u: (lambda u=u, i=i: ask(u, i == 0 and bool(hold))) for i, u in enumerate(trusted)},
+                           deadline)
         out: dict[int, list[str]] = {}
         waited = False
-        trusted = [u for u in self.upstreams if self._trusted(u)]
-        for i, u in enumerate(trusted):
-            t0 = time.monotonic()
-            args = (self._http, u, self._timeout, self.verifier, self.cfg.max_versions_bytes)
-            try:
-                if i == 0 and hold:
-                    listed = list_versions(*args, newer=self._newest, wait=hold)
-                    # an answer at once with nothing newer (a server that does not hold) is no wait
-                    waited = any(v > self._newest for v, _ in listed) or time.monotonic() - t0 >= hold / 2
-                else:
-                    listed = list_versions(*args)
-            except Untrusted as e:
-                self._distrust(u, f"/versions: {e}")
+        for i, (u, got) in enumerate(answers.items()):
+            if not self._answered(u, got, "/versions"):
                 continue
-            except (httpx.HTTPError, ValueError) as e:
-                log.debug("upstream %s: %s", u, e)
-                continue
+            listed, took = got
+            if i == 0 and hold:
+                # an answer at once with nothing newer (a server that does not hold) is no wait
+                waited = any(v > newest for v, _ in listed) or took >= hold / 2
             for v, _ in listed:
                 out.setdefault(v, []).append(u)
         self._newest = max([self._newest, *out])
         return out, waited
 
     def _follow(self, view: ManifestView, upstreams: list[str], hold: float) -> list[ShardEntry]:
-        """Ask each upstream listing the version for what ``view`` has not heard from it; the first
-        may hold the answer up to ``hold`` s until it has news. Returns the shards new to the view."""
+        """Ask each upstream listing the version, all at once, for what ``view`` has not heard from it;
+        the first may hold the answer up to ``hold`` s until it has news. Returns the shards new to the view."""
+        cfg = self.cfg
+        asked = [u for u in upstreams if not view.complete_at(u) and self._trusted(u)]
+        held = {u: hold if u == upstreams[0] else 0.0 for u in asked}
+        t0 = time.monotonic()
+        deadline = t0 + answer_budget(cfg.read_timeout, cfg.max_manifest_bytes, cfg.min_rate, hold)
+        answers = ask_each({u: (lambda u=u, q=view.query(u): fetch_delta(self._conns, u, view.version, q, held[u],
+                                                                         cfg.max_manifest_bytes, deadline))
+                            for u in asked}, deadline)
         new: list[ShardEntry] = []
-        for i, u in enumerate(upstreams):
-            if view.complete_at(u) or not self._trusted(u):
-                continue
+        for u, d in answers.items():
             try:
-                d = fetch_delta(self._http, u, view.version, view.query(u), hold if i == 0 else 0.0, self._timeout,
-                                self.cfg.max_manifest_bytes)
-                new += view.apply(u, d)
+                if isinstance(d, Untrusted):
+                    raise d
+                if self._answered(u, d, f"manifest of v{view.version}"):
+                    new += view.apply(u, d)
             except Untrusted as e:
                 view.drop(u)
                 self._distrust(u, f"manifest of v{view.version}: {e}")
-            except (httpx.HTTPError, ValueError) as e:
+            except ValueError as e:
                 log.debug("upstream %s manifest v%d: %s", u, view.version, e)
         return new
+
+    def _answered(self, upstream: str, got: object, what: str) -> bool:
+        """True when ``got`` is ``upstream``'s answer, not the exception its request raised (recorded:
+        a lie marks it bad, a missed deadline counts as a failure in the choice of upstream)."""
+        if isinstance(got, Untrusted):
+            self._distrust(upstream, f"{what}: {got}")
+        elif isinstance(got, DeadlineMissed):
+            log.warning("upstream %s too slow: %s: %s", upstream, what, got)
+            with self._lock:
+                observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_CHOICE.alpha,
+                        heal=_CHOICE.heal)
+        elif isinstance(got, (WireError, ValueError)):
+            log.debug("upstream %s %s: %s", upstream, what, got)
+        elif isinstance(got, BaseException):
+            raise got
+        else:
+            return True
+        return False
 
     def _trusted(self, upstream: str) -> bool:
         return time.monotonic() >= self._bad_until.get(upstream, 0.0)

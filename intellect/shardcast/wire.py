@@ -2,6 +2,12 @@
 checked as it streams in, and JSON answers (listings, manifests) read with a byte cap before they
 are parsed. The client (:mod:`~intellect.shardcast.client`) and relays (:mod:`~intellect.shardcast.relay`)
 both read through here.
+
+Every request, shard or JSON, has an overall deadline besides its per-read timeout, enforced by one
+watchdog thread that shuts the socket down when it passes (:class:`_Deadlines`): a server that sends a
+byte now and then, in the headers or the body, cannot hold a reader past it. A JSON answer's
+deadline allows its byte cap at a minimum rate (:func:`answer_budget`), and readers that ask several
+servers ask them at once (:func:`ask_each`), so one slow server delays nothing beyond its own deadline.
 """
 
 from __future__ import annotations
@@ -15,10 +21,10 @@ import select
 import socket
 import threading
 import time
-from typing import Callable
+from concurrent.futures import Future, wait
+from typing import Callable, Mapping, TypeVar
 from urllib.parse import urlsplit
 
-import httpx
 from pydantic import ValidationError
 
 from intellect.shardcast import chain
@@ -26,7 +32,16 @@ from intellect.shardcast.manifest import ManifestDelta, ShardEntry, VersionList,
 from intellect.shardcast.signing import Untrusted, Verifier
 
 
-class ShardError(Exception):
+class WireError(Exception):
+    """A request failed: the server did not answer, not with 200, or not in full."""
+
+
+class DeadlineMissed(WireError):
+    """A server did not finish its answer before the request's overall deadline (it may have sent
+    every byte within the read timeout, just too few of them)."""
+
+
+class ShardError(WireError):
     """One try of one shard failed."""
 
 
@@ -36,11 +51,11 @@ class ShardMismatch(ShardError):
 
 
 class _Deadlines:
-    """Shuts a download's socket down when its deadline passes: one thread for all of a process's downloads.
+    """Shuts a request's socket down when its deadline passes: one thread for all of a process's requests.
 
-    Read timeouts bound each wait, not a download: a server that sends a byte now and then, in the
+    Read timeouts bound each wait, not a request: a server that sends a byte now and then, in the
     body or the headers, would otherwise hold a download thread (and a client's fetch past its
-    deadline) for days.
+    deadline), or a listing every worker waits on, for days.
     """
 
     def __init__(self):
@@ -49,7 +64,6 @@ class _Deadlines:
         self._armed: set[int] = set()
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
-        self._closed = False
 
     def arm(self, sock: socket.socket, deadline: float) -> int | None:
         if deadline == math.inf:
@@ -69,14 +83,9 @@ class _Deadlines:
             with self._cv:
                 self._armed.discard(key)
 
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-
     def _run(self) -> None:
         with self._cv:
-            while not self._closed:
+            while True:
                 while self._heap and self._heap[0][1] not in self._armed:
                     heapq.heappop(self._heap)  # finished in time
                 if not self._heap:
@@ -95,14 +104,18 @@ class _Deadlines:
                     pass
 
 
+_DEADLINES = _Deadlines()  # the process's one watchdog, shared by every reader (it idles when none is armed)
+
+
 class ShardConnections:
-    """Kept-alive HTTP/1.1 connections for shard bodies, a few per server, and one reused buffer per thread.
+    """Kept-alive HTTP/1.1 connections to servers, a few per server, and one reused buffer per thread.
 
     Shard bodies come through the standard library's ``http.client``, whose ``readinto`` fills the
     buffer straight from the socket; httpx hands a body over as fresh ``bytes`` after h11 has
     copied every byte twice. On loopback, 1 GiB in 16 MiB shards, 4 at once, hashed and written:
     1.1 CPU-s against 1.7 through httpx (the bulk of a relay's and a client's CPU, hashing aside).
-    Listings and manifests, small and JSON, stay on httpx.
+    Listings and manifests come through the same connections, so the socket is at hand to guard
+    with the request's deadline before a byte of the answer, headers included, is read.
     """
 
     BUFFER = 1 << 20  # per download thread; each fill is one hash call and one write
@@ -113,7 +126,7 @@ class ShardConnections:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
-        self.deadlines = _Deadlines()
+        self.deadlines = _DEADLINES
 
     def buffer(self) -> memoryview:
         buf = getattr(self._local, "buf", None)
@@ -121,9 +134,10 @@ class ShardConnections:
             buf = self._local.buf = memoryview(bytearray(self.BUFFER))
         return buf
 
-    def take(self, base: str, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
+    def take(self, base: str, fresh: bool = False,
+             deadline: float = math.inf) -> tuple[http.client.HTTPConnection, bool]:
         """An idle connection to ``base`` (True: reused) or, when there is none or ``fresh``, a new one,
-        connected within the connect timeout."""
+        connected within the connect timeout (and before ``deadline``)."""
         while not fresh:
             with self._lock:
                 idle = self._idle.get(base)
@@ -135,7 +149,10 @@ class ShardConnections:
             conn.close()  # the server closed it (or sent something unasked) while it idled
         url = urlsplit(base)
         cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-        conn = cls(url.hostname, url.port, timeout=self.connect_timeout)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineMissed(f"{base}: deadline passed before a connection was opened")
+        conn = cls(url.hostname, url.port, timeout=min(self.connect_timeout, left))
         conn.connect()
         conn.sock.settimeout(self.read_timeout)
         return conn, False
@@ -152,7 +169,6 @@ class ShardConnections:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
-        self.deadlines.close()
         for conns in idle.values():
             for conn in conns:
                 conn.close()
@@ -165,6 +181,36 @@ def _idle_and_open(conn: http.client.HTTPConnection) -> bool:
     poll = select.poll()
     poll.register(conn.sock, select.POLLIN)
     return not poll.poll(0)
+
+
+def _ask(conns: ShardConnections, base: str, path: str,
+         deadline: float) -> tuple[http.client.HTTPConnection, int | None, http.client.HTTPResponse]:
+    """``GET path`` on a connection to ``base`` guarded by ``deadline``, its answer's headers read;
+    the caller disarms the guard, then gives the connection back or closes it. A kept-alive
+    connection the server closed just as it was reused is replaced once by a new one."""
+    conn, reused = conns.take(base, deadline=deadline)
+    guard = conns.deadlines.arm(conn.sock, deadline)
+    try:
+        try:
+            conn.request("GET", path)
+            return conn, guard, conn.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if not reused or time.monotonic() >= deadline:
+                raise
+            conn.close()
+            conns.deadlines.disarm(guard)
+            conn, _ = conns.take(base, fresh=True, deadline=deadline)
+            guard = conns.deadlines.arm(conn.sock, deadline)
+            conn.request("GET", path)
+            return conn, guard, conn.getresponse()
+    except BaseException:
+        conns.deadlines.disarm(guard)
+        conn.close()
+        raise
+
+
+def _path(base: str, path: str) -> str:
+    return f"{urlsplit(base).path.rstrip('/')}{path}"
 
 
 def download_shard(conns: ShardConnections, base: str, version: int, entry: ShardEntry,
@@ -180,23 +226,9 @@ def download_shard(conns: ShardConnections, base: str, version: int, entry: Shar
     then skip this shard)."""
     chained = chain.AVAILABLE and start is not None and entry.chain is not None
     h = chain.ChainedSha256(start, entry.offset) if chained else hashlib.sha256()
-    path = f"{urlsplit(base).path.rstrip('/')}/v/{version}/shard/{entry.index}"
     conn = guard = None
     try:
-        conn, reused = conns.take(base)
-        guard = conns.deadlines.arm(conn.sock, deadline)
-        try:
-            conn.request("GET", path)
-            r = conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            if not reused or time.monotonic() >= deadline:
-                raise
-            conn.close()  # closed by the server just as it was reused: once more, on a new connection
-            conns.deadlines.disarm(guard)
-            conn, _ = conns.take(base, fresh=True)
-            guard = conns.deadlines.arm(conn.sock, deadline)
-            conn.request("GET", path)
-            r = conn.getresponse()
+        conn, guard, r = _ask(conns, base, _path(base, f"/v/{version}/shard/{entry.index}"), deadline)
         if r.status != 200:
             raise ShardError(f"HTTP {r.status}")
         announced = r.getheader("content-length")
@@ -219,7 +251,7 @@ def download_shard(conns: ShardConnections, base: str, version: int, entry: Shar
         conns.deadlines.disarm(guard)
         if conn is not None:
             conn.close()  # mid-answer: nothing more can be read from it in step
-        if time.monotonic() >= deadline and isinstance(e, (ShardError, http.client.HTTPException, OSError)):
+        if time.monotonic() >= deadline and isinstance(e, (WireError, http.client.HTTPException, OSError)):
             raise ShardError("deadline passed mid-shard") from e
         if isinstance(e, (http.client.HTTPException, OSError)):
             raise ShardError(f"{type(e).__name__}: {e}") from e
@@ -233,42 +265,72 @@ def download_shard(conns: ShardConnections, base: str, version: int, entry: Shar
     return chained
 
 
-def http_client(servers: int) -> httpx.Client:
-    """One client for a process's listings and manifest requests: a kept-alive connection for each
-    server's watcher and one more for listings."""
-    n = 2 * servers
-    return httpx.Client(limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n))
+def answer_budget(read_timeout: float, limit: int, min_rate: float, wait: float = 0.0) -> float:
+    """Seconds a JSON answer of at most ``limit`` bytes may take in all: the server's allowed silence
+    before it answers, any long poll it was asked to hold, and the cap at ``min_rate`` bytes/s.
+
+    >>> answer_budget(30.0, 1 << 20, 65536.0)  # a /versions answer by default
+    46.0
+    >>> answer_budget(1.0, 1 << 20, float(1 << 20), wait=0.5)
+    2.5
+    """
+    return read_timeout + wait + limit / min_rate
 
 
-def get_json(http: httpx.Client, url: str, timeout: httpx.Timeout, limit: int) -> bytes:
-    """The body of a JSON answer of at most ``limit`` bytes, read as it streams in; raises
+def get_json(conns: ShardConnections, base: str, path: str, limit: int, deadline: float) -> bytes:
+    """The body of ``base``'s JSON answer to ``GET path``, of at most ``limit`` bytes, complete before
+    ``deadline`` (a ``time.monotonic()`` value); raises
     :class:`~intellect.shardcast.signing.Untrusted` (``oversized``) as soon as it is longer, having
-    held at most ``limit`` bytes of it, and httpx.HTTPError when the server does not answer 200.
+    held at most ``limit`` bytes of it, :class:`DeadlineMissed` when the deadline passed first (every
+    byte may have come within the read timeout, headers included), and :class:`WireError` when the
+    server does not answer 200 in full.
 
     Bodies come unencoded (``identity``): a compressed one could inflate past any cap in one piece."""
-    with http.stream("GET", url, timeout=timeout, headers={"accept-encoding": "identity"}) as r:
-        r.raise_for_status()
-        if r.headers.get("content-encoding", "identity").lower() != "identity":
-            raise Untrusted("malformed", f"{url}: an encoded answer ({r.headers['content-encoding']!r})")
-        announced = r.headers.get("content-length")
+    url = base + path
+    conn = guard = r = None
+    try:
+        conn, guard, r = _ask(conns, base, _path(base, path), deadline)
+        if r.status != 200:
+            raise WireError(f"{url}: HTTP {r.status}")
+        encoding = r.getheader("content-encoding", "identity")
+        if encoding.lower() != "identity":
+            raise Untrusted("malformed", f"{url}: an encoded answer ({encoding!r})")
+        announced = r.getheader("content-length")
         if announced is not None and (not announced.isdigit() or int(announced) > limit):
             raise Untrusted("oversized", f"{url}: {announced} bytes announced, at most {limit} taken")
-        pieces, n = [], 0
-        for piece in r.iter_raw():
-            n += len(piece)
-            if n > limit:
-                raise Untrusted("oversized", f"{url}: answer over {limit} bytes")
-            pieces.append(piece)
-    return b"".join(pieces)
+        body = r.read(limit + 1)  # chunked or not: at most one byte past the cap is held
+        if len(body) > limit:
+            raise Untrusted("oversized", f"{url}: answer over {limit} bytes")
+        if announced is not None and len(body) != int(announced):
+            if time.monotonic() >= deadline:
+                raise DeadlineMissed(f"{url}: {len(body)} of {announced} bytes by the deadline")
+            raise WireError(f"{url}: {len(body)} of {announced} bytes: the server closed the connection")
+        conns.deadlines.disarm(guard)
+    except BaseException as e:
+        conns.deadlines.disarm(guard)
+        if r is not None:
+            r.close()
+        if conn is not None:
+            conn.close()
+        if isinstance(e, (Untrusted, DeadlineMissed)) or \
+                not isinstance(e, (WireError, http.client.HTTPException, OSError)):
+            raise
+        if time.monotonic() >= deadline:
+            raise DeadlineMissed(f"{url}: no full answer before the deadline ({type(e).__name__}: {e})") from e
+        if isinstance(e, WireError):
+            raise
+        raise WireError(f"{url}: {type(e).__name__}: {e}") from e
+    conns.give_back(base, conn)
+    return body
 
 
-def fetch_delta(http: httpx.Client, base: str, version: int, query: str, wait: float,
-                timeout: httpx.Timeout, limit: int) -> ManifestDelta:
+def fetch_delta(conns: ShardConnections, base: str, version: int, query: str, wait: float, limit: int,
+                deadline: float) -> ManifestDelta:
     """The server's answer to a :meth:`ManifestView.query` about ``version``, held up to ``wait`` s until
-    it has news (its signatures not checked yet: :meth:`ManifestView.apply` does); raises
-    httpx.HTTPError, or :class:`~intellect.shardcast.signing.Untrusted` for an oversized or malformed
-    answer."""
-    body = get_json(http, f"{base}/v/{version}/manifest?{query}&wait={wait:.3f}", timeout, limit)
+    it has news (its signatures not checked yet: :meth:`ManifestView.apply` does), before
+    ``deadline``; raises :class:`WireError`, or :class:`~intellect.shardcast.signing.Untrusted` for an
+    oversized or malformed answer."""
+    body = get_json(conns, base, f"/v/{version}/manifest?{query}&wait={wait:.3f}", limit, deadline)
     try:
         return ManifestDelta.model_validate_json(body)
     except ValidationError as e:
@@ -276,14 +338,14 @@ def fetch_delta(http: httpx.Client, base: str, version: int, query: str, wait: f
                                      f"({e.errors()[0]['loc']}: {e.errors()[0]['msg']})") from None
 
 
-def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout, verifier: Verifier, limit: int,
+def list_versions(conns: ShardConnections, base: str, verifier: Verifier, limit: int, deadline: float,
                   newer: int | None = None, wait: float = 0.0) -> list[tuple[int, bool]]:
     """``(version, complete)`` for each version the server at ``base`` lists (with ``newer``: once it
     lists a newer version, or after ``wait`` s), each header verified, and complete only when the
-    trainer sealed it; raises httpx.HTTPError when the server does not answer, and
-    :class:`~intellect.shardcast.signing.Untrusted` when it answers anything else."""
+    trainer sealed it; raises :class:`WireError` when the server does not answer before ``deadline``,
+    and :class:`~intellect.shardcast.signing.Untrusted` when it answers anything else."""
     query = f"?newer={newer}&wait={wait:.3f}" if newer is not None else ""
-    body = get_json(http, f"{base}/versions{query}", timeout, limit)
+    body = get_json(conns, base, f"/versions{query}", limit, deadline)
     try:
         listed = VersionList.model_validate_json(body).versions
     except ValidationError as e:
@@ -293,3 +355,44 @@ def list_versions(http: httpx.Client, base: str, timeout: httpx.Timeout, verifie
         if v.complete and v.sha256 is None:
             raise Untrusted("unsigned", f"{base}/versions: version {v.version} listed complete, but not sealed")
     return [(v.version, v.complete) for v in listed]
+
+
+def in_thread(fn: Callable, *args) -> Future:
+    """``fn(*args)`` on a new daemon thread: a request blocked until its deadline when its asker has
+    moved on must not hold up the asker's return or the interpreter's exit (a pool's threads would)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting asker
+                fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="shardcast-ask").start()
+    return fut
+
+
+K = TypeVar("K")
+_SLACK = 1.0  # seconds past a deadline a request's thread may take to notice that its socket was shut
+
+
+def ask_each(jobs: Mapping[K, Callable[[], object]], deadline: float) -> dict[K, object]:
+    """Run every job at once, each on its own thread and each bounded by ``deadline`` itself (a request
+    of this module); returns each one's result or the exception it raised, a
+    :class:`DeadlineMissed` for one still running shortly after ``deadline``."""
+    if len(jobs) == 1:  # nothing to overlap with: no thread
+        [(key, job)] = jobs.items()
+        try:
+            return {key: job()}
+        except Exception as e:  # noqa: BLE001 - handed over as the others' are
+            return {key: e}
+    futs = {key: in_thread(job) for key, job in jobs.items()}
+    wait(futs.values(), timeout=max(0.0, deadline - time.monotonic()) + _SLACK)
+    out: dict[K, object] = {}
+    for key, fut in futs.items():
+        if not fut.done():
+            out[key] = DeadlineMissed(f"{key}: no answer {_SLACK:g} s past the deadline")
+        else:
+            out[key] = fut.exception() or fut.result()
+    return out

@@ -643,3 +643,124 @@ def test_the_intellect_command_runs_the_shardcast_client(capsys, tmp_path):
                  "--deadline", "1", *RELAY]) == 1
     assert "holds a complete version" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+class _DrippingJson:
+    """A server on 127.0.0.1 that answers every request (listings, manifests) a byte every 0.2 s, its
+    headers (``head``) or its body: each read comes well within any read timeout, the answer never ends."""
+
+    def __init__(self, head: bool):
+        self.head, self.stop = head, threading.Event()
+        self.listener = bind("127.0.0.1", 0)
+        self.url = "http://%s:%d" % self.listener.getsockname()[:2]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        with conn:
+            try:
+                conn.recv(65536)
+                if not self.head:
+                    conn.sendall(head)
+                for byte in (head if self.head else b" " * 1000):
+                    if self.stop.wait(0.2):
+                        return
+                    conn.sendall(bytes([byte]))
+            except OSError:  # the reader gave up
+                pass
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.fixture(params=[False, True], ids=["body", "headers"])
+def dripping_json(request):
+    d = _DrippingJson(head=request.param)
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def honest(tmp_path):
+    """An origin holding version 1 (1 MiB), served in this process; its files."""
+    files = checkpoint(tmp_path / "ckpt", 1)
+    store = VersionStore(tmp_path / "origin")
+    publish_folder(store, 1, tmp_path / "ckpt", shard_size=MIB // 4, keep=5, key=KEY)
+    server = Server(store, bind("127.0.0.1", 0)).start()
+    yield server, files
+    server.stop()
+
+
+def test_a_relay_dripping_its_answers_delays_a_listing_only_to_its_deadline(dripping_json, honest, tmp_path):
+    server, files = honest
+    # a listing may take min(deadline, read_timeout + 1 MiB / min_rate) = 1 s + 1 s here
+    with ShardcastClient([dripping_json.url, server.url], fast(read_timeout=1.0, min_rate=MIB, deadline=20.0)) as c:
+        t0 = time.monotonic()
+        assert c.versions() == {1: True}  # the honest relay's answer, though the other one never finishes
+        assert 1.5 < time.monotonic() - t0 < 2.0 + 1.0
+        assert c.scores[dripping_json.url].failures == 1 and c.scores[server.url].failures == 0
+        stats = c.fetch(1, tmp_path / "out")
+    assert set(stats.by_relay) == {server.url}
+    assert_same(tmp_path / "out", files)
+
+
+@pytest.mark.slow
+def test_alone_a_dripping_relay_fails_each_call_within_its_deadline(dripping_json, tmp_path):
+    from intellect.shardcast.signing import Verifier
+    from intellect.shardcast.wire import DeadlineMissed, ShardConnections, list_versions
+
+    conns = ShardConnections(connect_timeout=1.0, read_timeout=1.0, per_server=1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineMissed, match="/versions: .*deadline"):  # each read came within 1 s
+            list_versions(conns, dripping_json.url, Verifier(KEY.public.hex), MIB, time.monotonic() + 1.5)
+        assert time.monotonic() - t0 < 1.5 + 0.5
+    finally:
+        conns.close()
+    with ShardcastClient([dripping_json.url], fast(read_timeout=1.0, deadline=2.0)) as c:
+        t0 = time.monotonic()
+        assert c.versions() == {}  # within the client's deadline, the listing's cap here
+        assert time.monotonic() - t0 < 2.0 + 1.0
+        t0 = time.monotonic()
+        with pytest.raises(ShardcastError, match="not fetched within 2 s .*manifest: .*deadline"):
+            c.fetch(1, tmp_path / "out" / "step_1")
+        assert time.monotonic() - t0 < 2.0 + 1.0
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_relay_lists_its_honest_upstream_despite_a_dripping_one(dripping_json, honest, tmp_path):
+    from intellect.shardcast.config import RelayConfig
+    from intellect.shardcast.relay import Relay
+
+    server, files = honest
+    store = VersionStore(tmp_path / "relay")
+    relay = Relay(store, RelayConfig(upstreams=[dripping_json.url, server.url], read_timeout=1.0, min_rate=MIB,
+                                     trainer_key=KEY.public.hex), seed=0)
+    try:
+        t0 = time.monotonic()
+        relay.sync_once()  # both upstreams asked at once: the dripping one costs its 1 s + 1 s deadline
+        assert time.monotonic() - t0 < 2.0 + 1.0
+        assert relay.scores[dripping_json.url].failures >= 1
+        deadline = time.monotonic() + 30
+        while not ((m := store.manifest(1)) is not None and m.complete):
+            assert time.monotonic() < deadline, "the relay did not mirror the version"
+            relay.sync_once()
+    finally:
+        relay.close()
+    relay_server = Server(store, bind("127.0.0.1", 0)).start()
+    try:
+        with ShardcastClient([relay_server.url], fast()) as c:
+            c.fetch(1, tmp_path / "out")
+        assert_same(tmp_path / "out", files)
+    finally:
+        relay_server.stop()

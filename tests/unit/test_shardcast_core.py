@@ -8,7 +8,7 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from intellect.shardcast import chain, choice, manifest, signing, store
+from intellect.shardcast import chain, choice, manifest, signing, store, wire
 from intellect.shardcast.choice import RelayScore, observe, pick, weights
 from intellect.shardcast.manifest import FileEntry, Manifest, ManifestDelta, ManifestView, ShardEntry
 from intellect.shardcast.signing import Untrusted, Verifier, VersionSigner
@@ -18,7 +18,7 @@ from intellect.trust.keys import SigningKey
 KEY = SigningKey.from_seed(b"\1" * 32)  # the trainer's
 
 
-@pytest.mark.parametrize("mod", [chain, choice, manifest, signing, store])
+@pytest.mark.parametrize("mod", [chain, choice, manifest, signing, store, wire])
 def test_doctests(mod):
     assert doctest.testmod(mod).failed == 0
 
