@@ -1,11 +1,13 @@
 """The worker's side of the submission service (:mod:`intellect.rl.service`): signed HTTP calls.
 
-Every request is signed with the worker's key for the run (``audience``); the worker id is the
-key's id, so a client cannot speak for any other worker. Transport errors and ``busy`` answers are
-retried with a fresh signature (each try has its own nonce) a few times with backoff; every call
-is idempotent on the service's side (a repeated upload of the same bytes, a repeated done record,
-a repeated registration answer what is stored), so a retry after a lost answer is safe. Any other
-refusal raises :class:`ServiceError` with the service's reason.
+Every request is signed with the worker's key for the run (``audience``), its body's sha256 named
+in ``x-intellect-content-sha256`` (:func:`~intellect.trust.requests.sign_request`) so the service
+checks the signature before reading the body, and its Content-Length declared; the worker id is the
+key's id, so a client cannot speak for any other worker. Transport errors and ``busy`` or
+``too_slow`` answers are retried with a fresh signature (each try has its own nonce) a few times
+with backoff; every call is idempotent on the service's side (a repeated upload of the same bytes,
+a repeated done record, a repeated registration answer what is stored), so a retry after a lost
+answer is safe. Any other refusal raises :class:`ServiceError` with the service's reason.
 
 >>> from intellect.trust.keys import SigningKey
 >>> ServiceClient("http://127.0.0.1:1", SigningKey.from_seed(bytes(32)), audience="run-a").worker
@@ -25,6 +27,7 @@ from intellect.trust.keys import SigningKey
 from intellect.trust.requests import sign_request
 
 _ANSWER_CAP = 16 << 20
+_RETRIED = frozenset({"busy", "too_slow"})  # the service's "not now": a congested link or a full service
 _RECORD_FIELDS = set(SubmissionRecord.__dataclass_fields__)
 
 
@@ -97,7 +100,7 @@ class ServiceClient:
             if status < 400:
                 return answer
             last = ServiceError(status, str(answer.get("reason", "unknown")), str(answer.get("detail", "")))
-            if status != 503 and last.reason != "busy":
+            if status != 503 and last.reason not in _RETRIED:
                 raise last
         raise last
 

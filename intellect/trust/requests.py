@@ -6,7 +6,9 @@ request signed for one run is refused by another), the method, the path with its
 sha256 of the body, a timestamp in milliseconds and a random nonce. A server accepts a request
 whose timestamp is within ``window`` seconds of its clock and whose ``(key, nonce)`` it has not
 seen within the window (:class:`ReplayGuard`), so a captured request cannot be sent again, and
-an altered method, path or body fails the signature.
+an altered method, path or body fails the signature. The body's sha256 also travels in the
+``x-intellect-content-sha256`` header (:data:`CONTENT_HEADER`), so a server can check the signature
+before it reads a byte of the body, then check that the body hashes to it as it streams in.
 
 >>> from intellect.trust.keys import SigningKey
 >>> key = SigningKey.from_seed(bytes(32))
@@ -38,6 +40,7 @@ KEY_HEADER = "x-intellect-key"
 TIME_HEADER = "x-intellect-time"
 NONCE_HEADER = "x-intellect-nonce"
 SIGNATURE_HEADER = "x-intellect-signature"
+CONTENT_HEADER = "x-intellect-content-sha256"  # a hint, not proof: the signature covers the sha256 it names
 HEADERS = (KEY_HEADER, TIME_HEADER, NONCE_HEADER, SIGNATURE_HEADER)
 _DOMAIN = "intellect/request/v1"
 _NONCE_HEX = 32
@@ -63,20 +66,35 @@ def sign_request(key: SigningKey, method: str, path: str, body: bytes, *, audien
     """The headers that authenticate one request of ``key`` to ``audience``."""
     time_ms = int((time.time() if now is None else now) * 1000)
     nonce = nonce or secrets.token_hex(_NONCE_HEX // 2)
-    msg = request_message(audience, method, path, hashlib.sha256(body).hexdigest(), time_ms, nonce)
+    digest = hashlib.sha256(body).hexdigest()
+    msg = request_message(audience, method, path, digest, time_ms, nonce)
     return {KEY_HEADER: key.public.hex, TIME_HEADER: str(time_ms), NONCE_HEADER: nonce,
-            SIGNATURE_HEADER: key.sign(msg).hex()}
+            SIGNATURE_HEADER: key.sign(msg).hex(), CONTENT_HEADER: digest}
 
 
 class ReplayGuard:
-    """The ``(key, nonce)`` pairs seen in the last ``2 * window`` seconds, at most ``capacity`` of them.
+    """The ``(key, nonce)`` pairs seen in the last ``2 * window`` seconds, at most ``capacity`` of them,
+    and at most ``per_key`` of any one key (``None``: no per-key bound).
 
     A pair is remembered until no timestamp it could carry is fresh any more. When full, new
-    requests are refused (``busy``) rather than forgetting pairs early, which would reopen replays.
+    requests are refused (``busy``) rather than forgetting pairs early, which would reopen replays;
+    the per-key bound keeps one key's flood from filling the guard for every other key.
+
+    >>> g = ReplayGuard(window=10, capacity=4, per_key=2)
+    >>> g.admit(b"a", "n1", now=0.0); g.admit(b"a", "n2", now=0.0)
+    >>> try:
+    ...     g.admit(b"a", "n3", now=0.0)
+    ... except AuthError as e:
+    ...     print(e.reason)
+    busy
+    >>> g.admit(b"b", "n1", now=0.0)  # another key still has room
     """
 
-    def __init__(self, window: float, capacity: int = 1 << 20):
-        self.window, self.capacity = window, capacity
+    def __init__(self, window: float, capacity: int = 1 << 20, per_key: int | None = None):
+        if capacity < 1 or (per_key is not None and per_key < 1):
+            raise ValueError("need capacity >= 1 and per_key >= 1")
+        self.window, self.capacity, self.per_key = window, capacity, per_key
+        self._per: collections.Counter[bytes] = collections.Counter()
         self._seen: set[tuple[bytes, str]] = set()
         self._order: collections.deque[tuple[float, tuple[bytes, str]]] = collections.deque()
         self._lock = threading.Lock()
@@ -87,13 +105,20 @@ class ReplayGuard:
     def admit(self, key: bytes, nonce: str, now: float) -> None:
         with self._lock:
             while self._order and self._order[0][0] <= now:
-                self._seen.discard(self._order.popleft()[1])
+                old = self._order.popleft()[1]
+                self._seen.discard(old)
+                self._per[old[0]] -= 1
+                if self._per[old[0]] <= 0:
+                    del self._per[old[0]]
             item = (key, nonce)
             if item in self._seen:
                 raise AuthError("replay", "nonce already used")
             if len(self._seen) >= self.capacity:
                 raise AuthError("busy", "too many requests in the replay window")
+            if self.per_key is not None and self._per[key] >= self.per_key:
+                raise AuthError("busy", "too many requests of this key in the replay window")
             self._seen.add(item)
+            self._per[key] += 1
             self._order.append((now + 2 * self.window, item))
 
 
@@ -135,7 +160,7 @@ class RequestVerifier:
 
     def __init__(self, audience: str, window: float = 30.0, guard: ReplayGuard | None = None):
         self.audience, self.window = audience, window
-        self.guard = guard or ReplayGuard(window)
+        self.guard = guard if guard is not None else ReplayGuard(window)  # an empty guard is falsy
 
     def verify(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str],
                now: float | None = None, *, body_sha256: str | None = None) -> VerifyKey:

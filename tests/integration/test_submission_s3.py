@@ -169,3 +169,26 @@ def test_declarations_are_write_once(service) -> None:
         c.submit(0, 0, b"x")  # even the declared bytes: the step is finished
     assert e.value.reason == "finished"
     assert len(service.submissions(0)) == 1
+
+
+def test_presigned_uploads_keep_to_open_steps_and_the_byte_quota(bucket: str, tmp_path: Path) -> None:
+    service = SubmissionService(ServiceConfig(max_body_bytes=1 << 20, max_worker_step_bytes=3 << 20), run=RUN,
+                                storage=RunStorage(f"s3://{bucket}/runs/{RUN}"), state_dir=tmp_path / "state",
+                                run_info=lambda: {"run": RUN}, tasks=TASKS, prompts_per_submission=2)
+    service.start()
+    try:
+        c = ServiceClient(service.url, SigningKey.generate(), audience=RUN, retries=0)
+        c.register()
+        sha = hashlib.sha256(b"x").hexdigest()
+        assert _presign(service, c.key, 1, 0, sha, 1 << 20).status_code == 201
+        service.set_committed(1)
+        r = _presign(service, c.key, 1, 1, sha, 1)  # a committed step takes no new declarations
+        assert (r.status_code, r.json()["reason"]) == (409, "closed")
+        for k in range(3):  # declared bytes count like stored ones
+            assert _presign(service, c.key, 2, k, sha, 1 << 20).status_code == 201
+        assert _presign(service, c.key, 2, 0, sha, 1 << 20).status_code == 200  # a repeat is not charged
+        r = _presign(service, c.key, 2, 3, sha, 1)
+        assert (r.status_code, r.json()["reason"]) == (413, "quota")
+        assert [x["reason"] for x in service.refusals()] == ["closed", "quota"]
+    finally:
+        service.stop()

@@ -23,7 +23,7 @@ from intellect.rl.service import ServiceConfig, SubmissionService
 from intellect.rl.service_client import ServiceClient, ServiceError
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
-from intellect.trust.requests import sign_request
+from intellect.trust.requests import CONTENT_HEADER, sign_request
 
 RUN = "run-a"
 TASKS = [MathTask(f"t{i}", f"{i}+1=", str(i + 1)) for i in range(64)]
@@ -34,10 +34,10 @@ INFO = {"run": RUN, "steps": 3, "async_level": 2}
 def make_service(tmp_path: Path):
     started: list[SubmissionService] = []
 
-    def make(run_info=lambda: INFO, **cfg) -> SubmissionService:
+    def make(run_info=lambda: INFO, committed: int = -1, **cfg) -> SubmissionService:
         svc = SubmissionService(ServiceConfig(**cfg), run=RUN, storage=RunStorage(str(tmp_path / "run")),
                                 state_dir=tmp_path / "state", run_info=run_info, tasks=TASKS,
-                                prompts_per_submission=4)
+                                prompts_per_submission=4, committed=committed)
         svc.start()
         started.append(svc)
         return svc
@@ -55,12 +55,14 @@ def _stored(tmp_path: Path) -> list[str]:
 def _raw(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None, *,
          chunks=None) -> tuple[int, dict]:
     """One request on its own connection, ``path`` sent verbatim (httpx would normalize it), the body
-    whole or as ``chunks`` (chunked, stopped once the service answers); the JSON answer. The service
+    whole or as ``chunks`` (chunked unless ``headers`` declare a content-length; stopped once the
+    service answers); the JSON answer. The service
     closes the connection after a refusal, perhaps mid-body: what it answered is read all the same."""
     u = urlsplit(url)
     head = [f"{method} {path} HTTP/1.1", f"host: {u.hostname}", "connection: close",
             *(f"{k}: {v}" for k, v in (headers or {}).items())]
-    if chunks is not None:
+    framed = chunks is not None and "content-length" not in (headers or {})
+    if framed:
         head.append("transfer-encoding: chunked")
     elif "content-length" not in (headers or {}):
         head.append(f"content-length: {len(body)}")
@@ -74,9 +76,10 @@ def _raw(url: str, method: str, path: str, body: bytes = b"", headers: dict | No
                 for c in chunks:
                     if select.select([sock], [], [], 0)[0]:
                         break
-                    sock.sendall(b"%x\r\n" % len(c) + c + b"\r\n")
+                    sock.sendall(b"%x\r\n" % len(c) + c + b"\r\n" if framed else c)
                 else:
-                    sock.sendall(b"0\r\n\r\n")
+                    if framed:
+                        sock.sendall(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass  # the service closed the connection: its answer is still in the receive queue
         answer = b""
@@ -134,7 +137,12 @@ def test_signature_attacks_are_refused_and_store_nothing(make_service, tmp_path:
     put = "/v1/submissions/0/0"
     cases = {
         "unsigned": (_raw(svc.url, "PUT", put, b"x"), 401, "unsigned"),
-        "tampered body": (_signed(svc.url, key, "PUT", put, b"x", send_body=b"y"), 401, "bad_signature"),
+        # the signature covers the digest header: a body that does not hash to it is refused as it ends
+        "tampered body": (_signed(svc.url, key, "PUT", put, b"x", send_body=b"y"), 400, "sha256_mismatch"),
+        "tampered body and digest": (_raw(svc.url, "PUT", put, b"y", sign_request(key, "PUT", put, b"x", audience=RUN)
+                                          | {CONTENT_HEADER: hashlib.sha256(b"y").hexdigest()}), 401, "bad_signature"),
+        "no digest": (_raw(svc.url, "PUT", put, b"x", {k: v for k, v in sign_request(
+            key, "PUT", put, b"x", audience=RUN).items() if k != CONTENT_HEADER}), 401, "unsigned"),
         "tampered path": (_signed(svc.url, key, "PUT", put, b"x", send_path="/v1/submissions/0/1"), 401, "bad_signature"),
         "tampered method": (_signed(svc.url, key, "POST", "/v1/uploads/0/0", b"x", send_method="PUT",
                                     send_path=put), 401, "bad_signature"),
@@ -259,7 +267,12 @@ def test_an_oversized_body_is_refused_as_it_streams(make_service, tmp_path: Path
     headers = sign_request(c.key, "PUT", path, b"", audience=RUN) | {"content-length": str(200 << 20)}
     status, doc = _raw(svc.url, "PUT", path, headers=headers)
     assert (status, doc["reason"]) == (413, "too_large")
-    # undeclared (chunked): 200 MB streamed from one reused buffer, while RSS is sampled
+    # undeclared (chunked): an upload must declare its length, so nothing of it is read
+    status, doc = _raw(svc.url, "PUT", path, headers=sign_request(c.key, "PUT", path, b"", audience=RUN),
+                       chunks=iter([b"x" * 1024] * 4))
+    assert (status, doc["reason"]) == (411, "length_required")
+    # declared at the cap but not the signed digest: 64 MiB streamed from one reused buffer, while RSS
+    # is sampled, then refused as it ends
     peak, stop = [_rss()], threading.Event()
     base = peak[0]
 
@@ -272,20 +285,20 @@ def test_an_oversized_body_is_refused_as_it_streams(make_service, tmp_path: Path
 
     def pieces():
         nonlocal sent
-        for _ in range(200):
+        for _ in range(64):
             yield chunk
             sent += len(chunk)
 
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        status, doc = _raw(svc.url, "PUT", path, headers=sign_request(c.key, "PUT", path, b"", audience=RUN),
-                           chunks=pieces())
+        status, doc = _raw(svc.url, "PUT", path, headers=sign_request(c.key, "PUT", path, b"", audience=RUN)
+                           | {"content-length": str(64 << 20)}, chunks=pieces())
     finally:
         stop.set()
         sampler.join()
-    assert (status, doc["reason"]) == (413, "too_large")
-    assert 64 << 20 <= sent < 200 << 20  # the service stopped reading at its cap
+    assert (status, doc["reason"]) == (400, "sha256_mismatch")
+    assert sent == 64 << 20
     assert peak[0] - base < 32 << 20, f"RSS grew {(peak[0] - base) / 2**20:.1f} MiB"
     assert _stored(tmp_path) == [] and svc.submissions(0) == []
     assert list((tmp_path / "state" / "spool").iterdir()) == []  # the spooled part is gone
@@ -323,7 +336,7 @@ def test_malformed_and_oversized_json_is_refused(make_service) -> None:
 
 
 def test_step_and_k_bounds(make_service) -> None:
-    svc = make_service(max_submissions_per_step=4, ahead=2)
+    svc = make_service(max_submissions_per_step=4, ahead=2, committed=0)
     c = _client(svc)
     for call in (lambda: c.submit(3, 0, b"x"), lambda: c.assignment(3, 0), lambda: c.status(3),
                  lambda: c.finish(3, [], 0)):
@@ -337,10 +350,18 @@ def test_step_and_k_bounds(make_service) -> None:
     assert c.submit(2, 3, b"x").k == 3
     svc.set_committed(5)
     assert c.submit(7, 0, b"x").step == 7 and svc.committed == 5
+    # a committed step is closed: no uploads, assignments or done records for it or any before it
+    for call in (lambda: c.submit(5, 0, b"x"), lambda: c.submit(2, 2, b"x"), lambda: c.assignment(5, 0),
+                 lambda: c.finish(2, [], 0)):
+        with pytest.raises(ServiceError) as e:
+            call()
+        assert (e.value.status, e.value.reason) == (409, "closed")
+    assert c.status(2)["submissions"] == [3]  # what a worker left at a closed step can still be read
+    assert [r["reason"] for r in svc.refusals()][-4:] == ["closed"] * 4
 
 
 def test_double_finish_with_other_content_is_refused(make_service, tmp_path: Path) -> None:
-    svc = make_service()
+    svc = make_service(committed=0)
     c = _client(svc)
     a, b = c.submit(2, 0, b"a"), c.submit(2, 1, b"b")
     c.finish(2, [a.path], 1)
@@ -422,3 +443,171 @@ def test_uploads_read_at_once_are_bounded(make_service, tmp_path: Path) -> None:
     assert slow.recv(1 << 16).startswith(b"HTTP/1.1 201")
     slow.close()
     assert c.submit(0, 1, b"x").k == 1
+
+
+# --------------------------------------------------------------------- the red team's findings
+
+
+def _open_upload(svc: SubmissionService, headers: dict, path: str, length: int, first: bytes = b"x") -> socket.socket:
+    """A PUT whose head and first body bytes are sent, the rest held back."""
+    u = urlsplit(svc.url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=10)
+    sock.sendall(f"PUT {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {length}\r\n".encode()
+                 + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n" + first)
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    try:
+        while piece := sock.recv(1 << 16):
+            data += piece
+    except (ConnectionResetError, TimeoutError):
+        pass
+    sock.close()
+    status, _, rest = data.partition(b"\r\n\r\n")
+    return int(status.split()[1]), json.loads(rest)
+
+
+def test_upload_slots_cannot_be_held_with_a_public_key(make_service) -> None:
+    """A junk signature under an admitted worker's public key is refused before its body is read, so
+    16 such trickling PUTs hold no upload slot and the honest worker's uploads go through."""
+    svc = make_service(max_concurrent_uploads=16)
+    honest = _client(svc)
+    socks = []
+    for i in range(16):
+        headers = {"x-intellect-key": honest.key.public.hex, "x-intellect-time": str(int(time.time() * 1000)),
+                   "x-intellect-nonce": os.urandom(16).hex(), "x-intellect-signature": "00" * 64,
+                   CONTENT_HEADER: "0" * 64}
+        socks.append(_open_upload(svc, headers, f"/v1/submissions/0/{i}", 1_000_000))
+    got = [_answer(s) for s in socks]
+    assert {(status, doc["reason"]) for status, doc in got} == {(401, "bad_signature")}
+    assert svc.uploads_reading == 0
+    assert honest.submit(0, 0, b"honest").size == 6
+    assert [r["reason"] for r in svc.refusals()] == ["bad_signature"] * 16
+
+
+def test_a_slow_body_is_refused_and_frees_its_slot(make_service) -> None:
+    svc = make_service(max_concurrent_uploads=2, body_grace=0.5, min_body_rate=1024)
+    slow, other = _client(svc), _client(svc)
+    path = "/v1/submissions/0/0"
+    body = b"y" * 100_000
+    sock = _open_upload(svc, sign_request(slow.key, "PUT", path, body, audience=RUN), path, len(body))
+    deadline = time.monotonic() + 10
+    while svc.uploads_reading == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ServiceError) as e:  # one upload per key: the slow one holds only its own
+        slow.submit(0, 1, b"x")
+    assert (e.value.status, e.value.reason) == (503, "busy")
+    assert other.submit(0, 0, b"meanwhile").size == 9
+    t0 = time.monotonic()
+    for _ in range(20):  # a byte every 0.2 s: far under 1 KiB/s
+        try:
+            sock.sendall(b"y")
+        except OSError:
+            break
+        time.sleep(0.2)
+        if select.select([sock], [], [], 0)[0]:
+            break
+    status, doc = _answer(sock)
+    assert (status, doc["reason"]) == (408, "too_slow") and time.monotonic() - t0 < 4
+    assert svc.uploads_reading == 0 and svc.submissions(0)[0].worker == other.worker
+    assert slow.submit(0, 1, b"x").k == 1
+
+
+def test_slow_heads_and_connection_floods_are_cut(make_service) -> None:
+    svc = make_service(header_timeout=0.5, max_connections_per_address=3)
+    c = _client(svc)
+    u = urlsplit(svc.url)
+    loris = socket.create_connection((u.hostname, u.port), timeout=10)
+    loris.sendall(b"GET /v1/run HTTP/1.1\r\nhost: x\r\n")  # a head that never ends
+    t0 = time.monotonic()
+    assert loris.recv(1) == b"" and time.monotonic() - t0 < 3  # closed by the service
+    loris.close()
+    held = [socket.create_connection((u.hostname, u.port), timeout=10) for _ in range(3)]
+    extra = socket.create_connection((u.hostname, u.port), timeout=10)
+    assert extra.recv(1) == b""  # over the per-address cap: closed at once
+    extra.close()
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 5
+    while svc._connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.status(0)["done"] is False  # the address is served again
+    reasons = [(r["reason"], r["status"]) for r in svc.refusals()]
+    assert ("too_slow", 0) in reasons and ("busy", 0) in reasons
+
+
+def test_past_steps_and_byte_budgets(make_service, tmp_path: Path) -> None:
+    svc = make_service(committed=50, max_worker_step_bytes=2048)
+    c = _client(svc)
+    for step in (0, 49, 50):
+        with pytest.raises(ServiceError) as e:
+            c.submit(step, 0, b"x" * 1000)
+        assert (e.value.status, e.value.reason) == (409, "closed")
+    a = c.submit(51, 0, b"a" * 1500)
+    with pytest.raises(ServiceError) as e:  # one worker's bytes per step are bounded
+        c.submit(51, 1, b"b" * 1000)
+    assert (e.value.status, e.value.reason) == (413, "quota")
+    assert c.submit(51, 0, b"a" * 1500) == a  # a retry of what is stored is not charged again
+    assert c.submit(52, 0, b"b" * 1000).step == 52  # the next step has its own budget
+    assert _stored(tmp_path) == sorted([a.path, submission_path(52, c.worker, 0)])
+    svc.stop()
+    full = make_service(committed=50, min_free_bytes=1 << 44)  # a disk that cannot take another byte
+    c = _client(full, c.key)
+    with pytest.raises(ServiceError) as e:
+        c.submit(51, 1, b"x")
+    assert (e.value.status, e.value.reason) == (507, "disk_full")
+    assert [r["reason"] for r in full.refusals()] == ["disk_full"]
+
+
+def test_registration_is_bounded_in_total_and_idle_keys_expire(make_service) -> None:
+    svc = make_service(registrations_per_minute_total=2, max_workers=2, worker_expiry=1.0)
+    a, b, late = SigningKey.generate(), SigningKey.generate(), SigningKey.generate()
+    _client(svc, a).submit(0, 0, b"work")
+    _client(svc, b)
+    with pytest.raises(ServiceError) as e:  # the service-wide rate, whatever the address
+        _client(svc, late)
+    assert (e.value.status, e.value.reason) == (429, "rate_limited")
+    svc.limiter_total = type(svc.limiter_total)(60, max_addresses=1)  # a minute later
+    with pytest.raises(ServiceError) as e:
+        _client(svc, late)
+    assert (e.value.status, e.value.reason) == (503, "full")
+    time.sleep(1.1)  # b stored nothing within worker_expiry: its place goes to a new key
+    assert _client(svc, late).worker == late.public.id
+    assert svc.workers() == [a.public.id, late.public.id]
+    with pytest.raises(ServiceError) as e:
+        ServiceClient(svc.url, b, audience=RUN, retries=0).status(0)
+    assert e.value.reason == "not_registered"
+    svc.stop()
+    assert make_service().workers() == [a.public.id, late.public.id]  # the expiry is persisted
+
+
+def test_one_key_cannot_fill_the_replay_guard(make_service) -> None:
+    svc = make_service(replay_per_key=16)
+    flood, honest = _client(svc), _client(svc)
+    got = []
+    for _ in range(20):
+        try:
+            flood.status(0)
+            got.append("ok")
+        except ServiceError as e:
+            got.append(e.reason)
+    assert got[:15] == ["ok"] * 15 and set(got[15:]) == {"busy"}  # its registration was the 16th
+    assert honest.status(0)["done"] is False
+
+
+def test_many_keys_of_one_address_share_its_uploads(make_service) -> None:
+    svc = make_service(max_uploads_per_address=1)
+    first, second = _client(svc), _client(svc)
+    path = "/v1/submissions/0/0"
+    sock = _open_upload(svc, sign_request(first.key, "PUT", path, b"held", audience=RUN), path, 4, b"he")
+    deadline = time.monotonic() + 10
+    while svc.uploads_reading == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ServiceError) as e:
+        second.submit(0, 0, b"x")
+    assert (e.value.status, e.value.reason) == (503, "busy") and "address" in e.value.detail
+    sock.sendall(b"ld")
+    assert _answer(sock)[0] == 201
+    assert second.submit(0, 0, b"x").size == 1

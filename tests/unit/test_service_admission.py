@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from intellect.rl.admission import (
-    DoneRecord, RateLimiter, Refusal, Registry, SubmissionRecord, precheck, verify_digest,
+    DoneRecord, RateLimiter, Refusal, Registry, SubmissionRecord, address_bucket, precheck, verify_digest,
 )
 from intellect.rl.service import ServiceConfig
 from intellect.trust.keys import SigningKey
@@ -93,6 +93,18 @@ def test_rate_limiter_never_forgets_a_live_bucket() -> None:
     assert lim.allow("c", 61.0)  # a and b refilled, so they can go
 
 
+def test_addresses_are_counted_by_what_one_client_controls() -> None:
+    # an IPv6 client is given a /64 at least: every address in it is one bucket
+    net = "2001:db8:1:2::/64"
+    assert address_bucket("2001:db8:1:2::1") == address_bucket("2001:db8:1:2:ffff:ffff:ffff:ffff") == net
+    assert address_bucket("2001:db8:1:3::1") != address_bucket("2001:db8:1:2::1")
+    assert address_bucket("::ffff:192.0.2.7") == address_bucket("192.0.2.7") == "192.0.2.7"
+    assert address_bucket("192.0.2.8") != "192.0.2.7"
+    assert address_bucket("unknown") == "unknown"
+    lim = RateLimiter(per_minute=2)
+    assert [lim.allow(address_bucket(f"2001:db8::{i:x}"), 0.0) for i in range(3)] == [True, True, False]
+
+
 # --------------------------------------------------------------------- the registry
 
 
@@ -173,12 +185,33 @@ def test_registry_bounds_admissions(tmp_path) -> None:
     assert not reg.admit(KEY.public, max_workers=1)
 
 
+def test_registry_expires_only_idle_keys_and_only_when_full(tmp_path) -> None:
+    keys = [SigningKey.from_seed(bytes([i + 2]) * 32).public for i in range(4)]
+    reg = Registry(tmp_path)
+    reg.admit(keys[0], 2, expire_after=60, now=0.0)
+    reg.admit(keys[1], 2, expire_after=60, now=0.0)
+    reg.release(0, keys[0].id, 0, _sub(worker=keys[0].id))  # keys[0] stored something: it stays
+    with pytest.raises(Refusal) as e:  # keys[1] is idle but not long enough
+        reg.admit(keys[2], 2, expire_after=60, now=30.0)
+    assert e.value.reason == "full"
+    assert reg.admit(keys[2], 2, expire_after=60, now=61.0)
+    assert reg.workers() == [keys[0].id, keys[2].id] and reg.key(keys[1].id) is None
+    with pytest.raises(Refusal):  # keys[2] was admitted just now; keys[0] is active
+        reg.admit(keys[3], 2, expire_after=60, now=62.0)
+    reg.close()
+    again = Registry(tmp_path)
+    assert again.workers() == [keys[0].id, keys[2].id]
+    assert again.admit(keys[1], 3, expire_after=60, now=63.0)  # an expired key may come back
+    assert again.stored_bytes(0, keys[0].id) == 10 and again.stored_bytes(0, keys[1].id) == 0
+
+
 # --------------------------------------------------------------------- config
 
 
 def test_service_config_is_strict() -> None:
     assert ServiceConfig(allowlist=[KEY.public.hex.upper()]).allowlist == [KEY.public.hex]
     for bad in ({"allowlist": ["00" * 31]}, {"port": 70000}, {"admission": "anyone"}, {"max_json_bytes": 1 << 30},
-                {"typo": 1}, {"ahead": -1}):
+                {"typo": 1}, {"ahead": -1}, {"min_body_rate": 0}, {"header_timeout": 0},
+                {"max_connections_per_address": 0}, {"replay_per_key": 1}, {"worker_expiry": 0}):
         with pytest.raises(ValidationError):
             ServiceConfig(**bad)

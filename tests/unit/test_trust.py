@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import hashlib
 import os
 import stat
 
@@ -16,7 +17,8 @@ from intellect.trust.canonical import canonical
 from intellect.trust.keys import BadKey, SigningKey, VerifyKey, is_key_id, key_id
 from intellect.trust.mac import check, derive_key, new_secret, tag
 from intellect.trust.requests import (
-    KEY_HEADER, NONCE_HEADER, SIGNATURE_HEADER, TIME_HEADER, AuthError, ReplayGuard, RequestVerifier, sign_request,
+    CONTENT_HEADER, KEY_HEADER, NONCE_HEADER, SIGNATURE_HEADER, TIME_HEADER, AuthError, ReplayGuard, RequestVerifier,
+    sign_request,
 )
 
 
@@ -156,6 +158,32 @@ def test_replay_guard_forgets_only_after_the_window_and_is_bounded():
     with pytest.raises(AuthError) as e:
         g.admit(b"k", "n3", now=20.5)
     assert e.value.reason == "busy" and len(g) == 3
+
+
+def test_replay_guard_bounds_each_key_so_one_key_cannot_fill_it_for_all():
+    g = ReplayGuard(window=10, capacity=8, per_key=3)
+    for i in range(3):
+        g.admit(b"flood", f"n{i}", now=0.0)
+    with pytest.raises(AuthError) as e:
+        g.admit(b"flood", "n3", now=0.0)
+    assert e.value.reason == "busy" and len(g) == 3  # the refused nonce is not remembered
+    for i in range(5):  # every other key still has the rest of the guard
+        g.admit(b"honest-%d" % i, "n0", now=1.0)
+    with pytest.raises(AuthError) as e:
+        g.admit(b"late", "n0", now=1.0)
+    assert e.value.reason == "busy"  # the global bound still holds
+    g.admit(b"flood", "n3", now=20.5)  # its pairs expired: the key's quota is back
+    with pytest.raises(ValueError):
+        ReplayGuard(window=10, per_key=0)
+    given = ReplayGuard(window=10, per_key=1)
+    v = RequestVerifier("run-a", guard=given)  # the guard given is the one used, even while empty
+    v.verify("GET", "/x", b"", sign_request(SigningKey.from_seed(bytes(32)), "GET", "/x", b"", audience="run-a"))
+    assert len(given) == 1
+
+
+def test_signed_headers_name_the_body_digest_the_signature_covers():
+    h = sign_request(SigningKey.from_seed(bytes(32)), "PUT", "/x", b"body", audience="a", now=5.0)
+    assert h[CONTENT_HEADER] == hashlib.sha256(b"body").hexdigest()
 
 
 def test_macs_are_bound_to_key_purpose_and_context():
