@@ -124,7 +124,7 @@ def one_run(shape: dict, steps: int, seed: int) -> dict:
     keys = [SigningKey.generate() for _ in range(shape["workers"])]
     with tempfile.TemporaryDirectory(prefix="submission-overhead-") as tmp:
         direct = RunStorage(f"file://{tmp}/direct")
-        svc = SubmissionService(ServiceConfig(ahead=steps), run=shape["run"], storage=RunStorage(f"file://{tmp}/svc"),
+        svc = SubmissionService(ServiceConfig(ahead=steps + 1), run=shape["run"], storage=RunStorage(f"file://{tmp}/svc"),
                                 state_dir=Path(tmp) / "state", run_info=lambda: {"run": shape["run"]}, tasks=tasks,
                                 prompts_per_submission=shape["prompts"])
         svc.start()

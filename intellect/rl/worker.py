@@ -192,38 +192,44 @@ def run_worker(
         for step in range(info.committed + 1, info.steps):
             if stop():
                 break
-            wait = time.monotonic() + info.checkpoint_timeout
-            status = _call(client.status, step, deadline=wait, poll=info.poll_interval)
-            if status["done"]:
-                continue
-            t0 = time.perf_counter()
-            policy = wait_for_policy(weights.complete_steps, step, info.async_level, info.checkpoint_timeout,
-                                     info.poll_interval, stop)
-            if policy is None:
-                break
-            if policy != held:
-                model, tok = weights.load(policy)
-                engine, held = torch_engine(model, tok, capture_hidden=info.toploc is not None), policy
-                limits = info.limits or RolloutLimits(vocab_size=len(tok))
-            files, signal = [], 0
-            if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
-                files = [submission_path(step, client.worker, k) for k in status["submissions"]]
-            for k in range(info.max_submissions if not files else 0):
-                tasks = [MathTask(t["id"], t["prompt"], t["answer"]) for t in
-                         _call(client.assignment, step, k, deadline=wait, poll=info.poll_interval)]
-                rows = generate_assigned(engine, tok, tasks, client.worker, step, k, policy, info.submission,
-                                         run=info.run, reward_fn=reward_fn, proofs=info.toploc)
-                rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,
-                            poll=info.poll_interval)
-                files.append(rec.path)
-                signal += _signal_samples(rows)
-                if signal >= info.min_signal_samples:
+            try:
+                wait = time.monotonic() + info.checkpoint_timeout
+                status = _call(client.status, step, deadline=wait, poll=info.poll_interval)
+                if status["done"]:
+                    continue
+                t0 = time.perf_counter()
+                policy = wait_for_policy(weights.complete_steps, step, info.async_level, info.checkpoint_timeout,
+                                         info.poll_interval, stop)
+                if policy is None:
                     break
-            _call(client.finish, step, files, policy, deadline=wait, poll=info.poll_interval)
-            rec = {"step": step, "policy_step": policy, "files": len(files),
-                   "seconds": round(time.perf_counter() - t0, 3)}
-            log.info("worker %s %s", client.worker, rec)
-            out.append(rec)
+                if policy != held:
+                    model, tok = weights.load(policy)
+                    engine, held = torch_engine(model, tok, capture_hidden=info.toploc is not None), policy
+                    limits = info.limits or RolloutLimits(vocab_size=len(tok))
+                files, signal = [], 0
+                if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
+                    files = [submission_path(step, client.worker, k) for k in status["submissions"]]
+                for k in range(info.max_submissions if not files else 0):
+                    tasks = [MathTask(t["id"], t["prompt"], t["answer"]) for t in
+                             _call(client.assignment, step, k, deadline=wait, poll=info.poll_interval)]
+                    rows = generate_assigned(engine, tok, tasks, client.worker, step, k, policy, info.submission,
+                                             run=info.run, reward_fn=reward_fn, proofs=info.toploc)
+                    rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,
+                                poll=info.poll_interval)
+                    files.append(rec.path)
+                    signal += _signal_samples(rows)
+                    if signal >= info.min_signal_samples:
+                        break
+                _call(client.finish, step, files, policy, deadline=wait, poll=info.poll_interval)
+                rec = {"step": step, "policy_step": policy, "files": len(files),
+                       "seconds": round(time.perf_counter() - t0, 3)}
+                log.info("worker %s %s", client.worker, rec)
+                out.append(rec)
+            except ServiceError as e:
+                if e.reason != "closed":
+                    raise
+                # the trainer committed this step without us (we were slow or restarted late): on to the next
+                log.info("step %d was committed without worker %s", step, client.worker)
     finally:
         if weights is not None:
             weights.close()
