@@ -215,11 +215,12 @@ class DilocoConfig(StrictModel):
     )
     secret_file: str | None = Field(
         None,
-        description="File holding the run secret (hex, at least 32 digits, mode 0600) that admits a peer to the "
-        "rendezvous and keys the all-reduce MACs. The environment variable INTELLECT_DILOCO_SECRET (hex) takes "
-        "precedence. Unset on the coordinator: it makes a fresh secret and hands it to the workers it starts "
-        "(local: in their environment; deployments: in the flow run's job variables, i.e. to whoever can read "
-        "the Prefect API). Never part of the config itself, which travels as flow-run parameters.",
+        description="File holding the run secret (hex, at least 32 digits, mode 0600), held by the coordinator; "
+        "the environment variable INTELLECT_DILOCO_SECRET (hex) takes precedence. Unset: the coordinator makes a "
+        "fresh secret. Workers it starts never get the secret, only their own rendezvous key and the all-reduce "
+        "root derived from it (local: in their environment; deployments: in the flow run's job variables, i.e. "
+        "to whoever can read the Prefect API). A worker given the secret file itself derives its own keys. "
+        "Never part of the config itself, which travels as flow-run parameters.",
     )
     rendezvous_window: float = Field(
         60.0, ge=5, le=3600,

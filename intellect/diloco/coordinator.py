@@ -10,11 +10,18 @@ A worker process is ``python -m intellect.diloco.coordinator worker ...``;
 it exits 0 when the run's outer steps are done, 3 when the store is lost,
 4 when it failed, 5 when the run banned it (``robust.py``).
 
-The run secret. The coordinator's rendezvous (``rendezvous.py``) admits only requests MAC'd
-with the run secret. It is read from ``$INTELLECT_DILOCO_SECRET`` or ``diloco.secret_file``
-(:func:`~intellect.diloco.rendezvous.load_secret`); without either the coordinator makes a
-fresh one and hands it to the workers it launches in their environment (``env``), never in
-the config, which travels as flow-run parameters.
+The run secret and the workers' keys. Only the coordinator holds the run secret, read from
+``$INTELLECT_DILOCO_SECRET`` or ``diloco.secret_file``
+(:func:`load_secret`), else made fresh. Each worker it launches
+gets, in its environment (``env``, never the config, which travels as flow-run parameters),
+only its own rendezvous key and the all-reduce root
+(:func:`worker_credentials`): it can speak to the rendezvous as
+itself alone, and the rendezvous lets it write only its own keys (``membership.scope``). A
+worker started some other way takes the same two variables; given the run secret instead (its
+``secret_file``), it derives its own keys, but then holds what lets it speak as anyone.
+
+Everything a worker writes is read here defensively: a malformed ``progress`` or metrics
+record is ignored with a logged reason, and no loop runs on a peer-written number unbounded.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -35,13 +43,78 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from intellect.config import DilocoRunConfig
-from intellect.diloco.membership import StoreLost, connect_store
-from intellect.diloco.rendezvous import SECRET_ENV, RendezvousServer, load_secret
+from intellect.diloco.membership import StoreLost, _count, _names, ban_votes, connect_store, scope
+from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, allreduce_root, peer_key
 from intellect.storage import RunStorage
 from intellect.trust.mac import new_secret
 
 EXIT_DONE, EXIT_STORE_LOST, EXIT_FAILED, EXIT_BANNED = 0, 3, 4, 5
 log = logging.getLogger("intellect.diloco")
+
+SECRET_ENV = "INTELLECT_DILOCO_SECRET"  # hex; the run secret, for the coordinator only
+PEER_KEY_ENV = "INTELLECT_DILOCO_PEER_KEY"  # hex; a worker's own rendezvous key (worker_credentials)
+ALLREDUCE_KEY_ENV = "INTELLECT_DILOCO_ALLREDUCE_KEY"  # hex; the root of the all-reduce MAC keys
+
+
+class BadSecret(ValueError):
+    """No usable run secret (missing, too short, or its file is readable by others)."""
+
+
+def load_secret(secret_file: str | None, environ=os.environ) -> bytes | None:
+    """The run secret: ``$INTELLECT_DILOCO_SECRET`` (hex), else ``secret_file`` (hex, mode 0600), else None."""
+    text = environ.get(SECRET_ENV)
+    where = SECRET_ENV
+    if text is None and secret_file:
+        path = Path(secret_file)
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise BadSecret(f"{path}: secret file is accessible by others (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+        text, where = path.read_text()[:4096], str(path)
+    if text is None:
+        return None
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise BadSecret(f"{where}: the run secret is hex digits") from None
+    if len(secret) < 16:
+        raise BadSecret(f"{where}: the run secret needs at least 16 bytes (32 hex digits)")
+    return secret
+
+
+def write_secret(path: str | os.PathLike, secret: bytes) -> Path:
+    """Write ``secret`` as hex to a new file created with mode 0600."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    return path
+
+
+def worker_credentials(secret: bytes, run: str, worker: str) -> dict[str, str]:
+    """The environment the coordinator hands worker ``worker``: its own peer key and the all-reduce
+    root, never the run secret."""
+    if worker == COORDINATOR:
+        raise ValueError(f"no worker may be named {COORDINATOR!r}")
+    return {PEER_KEY_ENV: peer_key(secret, run, worker).hex(), ALLREDUCE_KEY_ENV: allreduce_root(secret, run).hex()}
+
+
+def load_credentials(worker: str, run: str, secret_file: str | None = None,
+                     environ=os.environ) -> tuple[bytes, bytes] | None:
+    """A worker's ``(peer key, all-reduce root)``: from ``$INTELLECT_DILOCO_PEER_KEY`` and
+    ``$INTELLECT_DILOCO_ALLREDUCE_KEY`` (what the coordinator hands the workers it launches),
+    else derived from the run secret (:func:`load_secret`: a worker that holds it can speak as
+    any peer, so give remote workers their :func:`worker_credentials` instead); None: neither."""
+    peer, root = environ.get(PEER_KEY_ENV), environ.get(ALLREDUCE_KEY_ENV)
+    if peer is not None or root is not None:
+        try:
+            keys = bytes.fromhex((peer or "").strip()), bytes.fromhex((root or "").strip())
+        except ValueError:
+            raise BadSecret(f"{PEER_KEY_ENV} and {ALLREDUCE_KEY_ENV} are hex digits") from None
+        if any(len(k) < 16 for k in keys):
+            raise BadSecret(f"both {PEER_KEY_ENV} and {ALLREDUCE_KEY_ENV} are needed, 16 bytes or more")
+        return keys
+    secret = load_secret(secret_file, environ)
+    return None if secret is None else (peer_key(secret, run, worker), allreduce_root(secret, run))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,7 +167,9 @@ class LocalLauncher:
         out = open(self.log_dir / f"{worker}.log", "ab")
         cmd = [sys.executable, "-m", self.module, "worker", "--config", config_path,
                "--worker", worker, "--index", str(index), "--store", store]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+        # the run secret stays with the coordinator even when it came in our own environment
+        inherited = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, PEER_KEY_ENV, ALLREDUCE_KEY_ENV)}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**inherited, **env},
                                 start_new_session=True)
         out.close()
         return LocalProcess(worker, proc)
@@ -111,14 +186,13 @@ class Coordinator:
 
     def __post_init__(self) -> None:
         cfg = self.run.diloco
-        secret = load_secret(cfg.secret_file)
-        if secret is None:  # the workers get it from us
-            secret = new_secret()
-            self.env = {**self.env, SECRET_ENV: secret.hex()}
-        self.server = RendezvousServer(secret, self.run.run_name, cfg.store_host, cfg.store_port,
-                                       window=cfg.rendezvous_window)
+        self._secret = load_secret(cfg.secret_file) or new_secret()
+        self.env = {k: v for k, v in self.env.items() if k != SECRET_ENV}
+        self.server = RendezvousServer(self._secret, self.run.run_name, cfg.store_host, cfg.store_port,
+                                       window=cfg.rendezvous_window, policy=scope)
         self.port = self.server.port
-        self.store = connect_store(cfg.store_host, self.port, 30.0, secret, self.run.run_name, "coordinator")
+        self.store = connect_store(cfg.store_host, self.port, 30.0, self._secret, self.run.run_name, COORDINATOR)
+        self.ignored: dict[str, str] = {}  # key -> why a value read from it was ignored (logged once)
         self.storage = RunStorage.from_config(self.run.storage, self.run.run_name)
         self._tmp = tempfile.TemporaryDirectory(prefix="intellect-diloco-")
         self.config_path = str(Path(self._tmp.name) / "run.json")
@@ -133,21 +207,48 @@ class Coordinator:
         index = self.next_index
         self.next_index += 1
         worker = worker or f"w{index}"
+        env = {**self.env, **worker_credentials(self._secret, self.run.run_name, worker)}  # refuses "coordinator"
         slot = int(self.store.add("launched", 1)) - 1
         self.store.set(f"launched/{slot}", worker)  # founders wait for every launched worker
-        handle = self.launcher.launch(worker, index, self.config_path, self.address, self.env)
+        handle = self.launcher.launch(worker, index, self.config_path, self.address, env)
         self.handles[worker] = handle
         return handle
 
     def start(self) -> None:
         from intellect.diloco.worker import init_run
 
-        init_run(self.run, self.storage)
+        self.store.set("start", json.dumps(init_run(self.run, self.storage)))  # the founders' step
         for _ in range(self.run.diloco.workers):
             self.start_worker()
 
+    def _ignore(self, key: str, why: str) -> None:
+        if key not in self.ignored and len(self.ignored) < 4096:
+            log.warning("coordinator: ignoring the value of %s: %s", key, why)
+        self.ignored.setdefault(key, why)
+
     def progress(self) -> int | None:
-        return int(self.store.get("progress")) if self.store.check(["progress"]) else None
+        """The committed outer steps the leader announced (None: none yet or unreadable), at most the run's."""
+        if not self.store.check(["progress"]):
+            return None
+        value = _count(self.store.get("progress"), 0, self.run.diloco.outer_steps)
+        if value is None:
+            self._ignore("progress", f"not a count of 0-{self.run.diloco.outer_steps} steps")
+        return value
+
+    def promote_bans(self) -> list[str]:
+        """Write ``banned/<w>`` for each admitted worker a majority of an attempt's members recorded a
+        ban of (``membership.ban_votes``); returns the ones newly banned."""
+        names = list(self.handles)
+        records = [f"ban/{w}/{v}" for w in names for v in names if v != w]
+        recorded = {k.split("/")[1] for k, there in zip(records, self.store.check_many(records)) if there}
+        out = []
+        for w in names:
+            if w not in recorded or self.store.check([f"banned/{w}"]):
+                continue
+            if ban_votes(lambda k: self.store.get(k) if self.store.check([k]) else None, w, names):
+                self.store.set(f"banned/{w}", json.dumps({"by": "majority"}))
+                out.append(w)
+        return out
 
     def metrics(self, step: int, wait: float = 0.0) -> list[dict]:
         """Metrics of the members of ``step``, waiting up to ``wait`` s for all of them to report."""
@@ -157,7 +258,14 @@ class Coordinator:
             for w in self.handles:
                 key = f"metrics/{step}/{w}"
                 if self.store.check([key]):
-                    out[w] = json.loads(self.store.get(key))
+                    try:
+                        record = json.loads(self.store.get(key))
+                    except ValueError:
+                        record = None
+                    if isinstance(record, dict) and _names(record.get("members", [])) is not None:
+                        out[w] = record
+                    else:
+                        self._ignore(key, "not a metrics record")
             members = next(iter(out.values()), {}).get("members", [])
             if (members and set(members) <= set(out)) or time.monotonic() >= deadline:
                 return [out[w] for w in members if w in out] or list(out.values())
@@ -169,7 +277,8 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         seen = self.progress() or 0
         while time.monotonic() < deadline:
-            now = self.progress()
+            now = self.progress()  # at most the run's outer steps: the loop below is bounded
+            self.promote_bans()
             while on_commit and now is not None and seen < now:
                 seen += 1
                 # members write their metrics right after the commit; a dead one never will
@@ -215,11 +324,12 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        secret = load_secret(run.diloco.secret_file)
-        if secret is None:
-            log.error("no run secret: set %s or diloco.secret_file", SECRET_ENV)
+        keys = load_credentials(worker, run.run_name, run.diloco.secret_file)
+        if keys is None:
+            log.error("no credentials: set %s and %s (or %s, or diloco.secret_file)", PEER_KEY_ENV,
+                      ALLREDUCE_KEY_ENV, SECRET_ENV)
             return EXIT_FAILED
-        w = DilocoWorker(run, worker, index, host, int(port), secret)
+        w = DilocoWorker(run, worker, index, host, int(port), key=keys[0], allreduce_key=keys[1])
         while not w.done():
             r = step_runner(w) if step_runner else w.outer_step()
             log.info("step %d committed=%s members=%s loss=%.4f bytes=%d algorithm=%s digest=%s",

@@ -1,7 +1,7 @@
 """Elastic membership of DiLoCo workers over the rendezvous store: liveness and agreement.
 
 The store is the authenticated rendezvous the coordinator hosts (:mod:`intellect.diloco.rendezvous`:
-nobody without the run's secret can read or write a key). Keys (all strings):
+nobody without a peer key of the run can read or write a key). Keys (all strings):
 
 ``launched/<i>``      the i-th worker the coordinator admitted (``launched``: how many); the
                       admission order, never the names' sort order, ranks members: the first
@@ -19,7 +19,15 @@ nobody without the run's secret can read or write a key). Keys (all strings):
 ``progress``          newest committed outer step (JSON)
 ``flags/<t>/<a>/<w>``  the members ``w`` found to be outliers in that attempt (JSON list)
 ``blame/<t>/<a>/<w>``  the owners whose results ``w`` refused in that attempt (JSON list)
-``banned/<w>``        ``w`` was an outlier in too many steps: it is never a member again
+``ban/<w>/<by>``      ``by`` counted ``w`` an outlier in too many steps (``{"step", "attempt"}``)
+``banned/<w>``        a majority of an attempt's members recorded ``ban/<w>/``, as the coordinator
+                      found: ``w`` is never a member again (members also count the records themselves)
+``start``             the outer step the founders begin at (the coordinator's newest checkpoint)
+
+Who writes what (:func:`scope`, enforced by the rendezvous for each peer's own key): a worker
+writes only the keys naming it, its per-attempt keys only as a member of that attempt, a decision
+only as one taking part in it, and ``progress`` only as the leader of the commit it names; the
+coordinator alone writes ``launched``, ``banned/`` and ``start``.
 
 Every decision is taken with ``compare_set`` on an empty key, so the first
 proposal wins and every worker reads the same answer: no leader, no split
@@ -38,7 +46,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
-from intellect.diloco.rendezvous import RendezvousStore
+from intellect.diloco.rendezvous import COORDINATOR, RendezvousStore, _unb64, peer_key
 
 
 class StoreLost(RuntimeError):
@@ -49,10 +57,11 @@ class MembershipTimeout(TimeoutError):
     """A bounded wait on other workers ran out."""
 
 
-def connect_store(host: str, port: int, timeout: float, secret: bytes, run: str, peer: str = "") -> RendezvousStore:
-    """A client of the run's rendezvous with bounded waits; :class:`StoreLost` when it does not answer
-    (or refuses our credential)."""
-    store = RendezvousStore(host, port, secret, run, peer=peer, timeout=timedelta(seconds=timeout))
+def connect_store(host: str, port: int, timeout: float, secret: bytes | None, run: str, peer: str = "",
+                  key: bytes | None = None) -> RendezvousStore:
+    """A client of the run's rendezvous as ``peer`` (its ``key``, or one derived from the run
+    ``secret``) with bounded waits; :class:`StoreLost` when it does not answer (or refuses our credential)."""
+    store = RendezvousStore(host, port, secret, run, peer=peer, timeout=timedelta(seconds=timeout), key=key)
     try:
         store.num_keys()
     except Exception as e:  # noqa: BLE001
@@ -68,19 +77,21 @@ class Membership:
         host: str,
         port: int,
         worker: str,
-        secret: bytes,
+        secret: bytes | None,
         run: str,
         heartbeat_interval: float = 2.0,
         heartbeat_timeout: float = 10.0,
         store_timeout: float = 30.0,
         startup_grace: float = 120.0,
+        key: bytes | None = None,
     ):
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
-        self.host, self.port, self.worker, self._secret, self.run = host, port, worker, secret, run
+        self.host, self.port, self.worker, self.run = host, port, worker, run
+        self._key = key if key is not None else peer_key(secret, run, worker)  # our own: never the secret
         self.interval, self.timeout, self.store_timeout = heartbeat_interval, heartbeat_timeout, store_timeout
         self.startup_grace = max(startup_grace, heartbeat_timeout)
-        self.store = connect_store(host, port, store_timeout, secret, run, worker)
+        self.store = connect_store(host, port, store_timeout, None, run, worker, key=self._key)
         self._seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._lost: Exception | None = None
@@ -97,7 +108,7 @@ class Membership:
     def _heartbeat(self) -> None:
         # its own connection: TCPStore clients are not shared across threads
         try:
-            store = connect_store(self.host, self.port, self.store_timeout, self._secret, self.run, self.worker)
+            store = connect_store(self.host, self.port, self.store_timeout, None, self.run, self.worker, key=self._key)
             while not self._stop.wait(self.interval):
                 store.add(f"hb/{self.worker}", 1)
         except Exception as e:  # noqa: BLE001
@@ -205,14 +216,233 @@ class Membership:
         the leader follow it, so a name chosen to sort first gains nothing."""
         return json.loads(self.decide(f"members/{step}/{attempt}", json.dumps(list(dict.fromkeys(workers)))))
 
-    def banned(self, worker: str) -> bool:
-        return self.has(f"banned/{worker}")
+    def banned(self, worker: str, voters: Iterable[str] = ()) -> bool:
+        """Banned by the coordinator (``banned/<w>``) or by a majority of an attempt's members
+        among ``voters`` (:func:`ban_votes`)."""
+        if self.has(f"banned/{worker}"):
+            return True
+        voters = [v for v in voters if v != worker]
+        if not voters:
+            return False
+        keys = [f"ban/{worker}/{v}" for v in voters]
+        present = {k for k, there in zip(keys, self._call(self.store.check_many, keys)) if there}
+        if not present:
+            return False
+
+        def get(key: str) -> bytes | None:
+            if key.startswith("ban/") and key not in present:
+                return None
+            return self._call(self.store.get, key) if self.has(key) else None
+
+        return ban_votes(get, worker, voters)
 
     def progress(self) -> int | None:
+        """The newest committed outer step (None: none yet, or a value that is not a count)."""
         raw = self.decided("progress")
-        return None if raw is None else int(json.loads(raw))
+        return None if raw is None else _count(raw)
 
     def close(self) -> None:
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=self.interval + 1)
+
+
+# ---------------------------------------------------------------------- who may write what
+
+_OWN = {"hb": 1, "dead": 1, "committed": 2, "arrive": 2, "left": 2, "digest": 2, "metrics": 2, "stalled": 2}
+_IN_ATTEMPT = ("ready", "vote", "flags", "blame")  # <family>/<t>/<a>/<w>, w a member of that attempt
+_DECISIONS = {"members": 2, "outcome": 2, "plan": 2, "probe": 1}  # first wins: compare_set on an empty key
+_GLOO = ("pg", "bw")  # gloo's own rendezvous under a group's prefix (and the probe's columns)
+MAX_SCAN = 1024  # attempts of one step looked through when checking a claim about them
+
+
+def _json(raw: bytes | None):
+    try:
+        return None if raw is None else json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _count(raw, lo: int = 0, hi: int = 1 << 40) -> int | None:
+    """``raw`` as an integer in ``[lo, hi]`` (a JSON number or its text), else None: every number a
+    peer writes is read through this, so a malformed one is ignored rather than raised on.
+
+    >>> _count(b"3"), _count("x"), _count(b"1e9"), _count(b"10", hi=5), _count(True)
+    (3, None, None, None, None)
+    """
+    try:
+        v = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
+    except ValueError:
+        return None
+    return v if type(v) is int and lo <= v <= hi else None
+
+
+def _names(raw, cap: int = 4096) -> list[str] | None:
+    """A JSON list of distinct worker names, else None.
+
+    >>> _names(b'["w0", "w1"]'), _names(b'["w0", "w0"]'), _names(b'{"a": 1}'), _names(b"[")
+    (['w0', 'w1'], None, None, None)
+    """
+    v = _json(raw) if isinstance(raw, (bytes, str)) else raw
+    if not (isinstance(v, list) and len(v) <= cap and all(isinstance(w, str) and 0 < len(w) <= 64 for w in v)):
+        return None
+    return v if len(set(v)) == len(v) else None
+
+
+def _member(data: dict, t: str, a: str, peer: str) -> bool:
+    return peer in (_names(data.get(f"members/{t}/{a}")) or [])
+
+
+def _committed_members(data: dict, t: int) -> list[list[str]]:
+    """The members of each attempt of step ``t`` whose outcome is commit."""
+    out, a = [], 0
+    while a < MAX_SCAN and f"members/{t}/{a}" in data:
+        if data.get(f"outcome/{t}/{a}") == b"commit":
+            out.append(_names(data[f"members/{t}/{a}"]) or [])
+        a += 1
+    return out
+
+
+def _step(part: str) -> int | None:
+    return int(part) if part.isdigit() and len(part) < 12 else None
+
+
+def _decision(peer: str, parts: list[str], value: bytes, data: dict) -> str | None:
+    family = parts[0]
+    if any(_step(p) is None for p in parts[1:]):
+        return f"{family}: the step and attempt are numbers"
+    t = int(parts[1])
+    if family == "outcome":
+        if value not in (b"commit", b"abort"):
+            return "an outcome is commit or abort"
+        if not (_member(data, *parts[1:], peer) and f"vote/{'/'.join(parts[1:])}/{peer}" in data):
+            return "only a member that has voted decides an attempt's outcome"
+        return None
+    if family == "probe":
+        if value not in (b"yes", b"no"):
+            return "a probe decision is yes or no"
+        return None if _member(data, parts[1], "0", peer) else "only a member of the step decides its probe"
+    if family == "plan":
+        plan = _json(value)
+        order = plan.get("order") if isinstance(plan, dict) else 0
+        if not (isinstance(plan, dict) and isinstance(plan.get("algorithm"), str)
+                and isinstance(plan.get("estimates"), dict)
+                and (order is None or (isinstance(order, list) and all(type(i) is int for i in order)
+                                       and len(set(order)) == len(order)))):
+            return "a plan is an object with an algorithm, an order and estimates"
+        return None if _member(data, *parts[1:], peer) else "only a member of the attempt decides its plan"
+    proposal, a = _names(value), int(parts[2])
+    if not proposal:
+        return "a membership is a non-empty JSON list of distinct names"
+    if a > 0:
+        before = _names(data.get(f"members/{t}/{a - 1}"))
+        if before is None or peer not in before or not set(proposal) <= set(before):
+            return "a retry is proposed by a member of the attempt before, from its members"
+        return None
+    if f"arrive/{t}/{peer}" not in data or not all(f"arrive/{t}/{w}" in data for w in proposal):
+        return "a step's members are proposed by one that arrived, from those that arrived"
+    if "progress" not in data:  # founders: the run's first step under this coordinator
+        start = _count(data.get("start"))
+        return None if start is None or t == start else f"the founders' step is {start}, not {t}"
+    if not any(peer in m for m in _committed_members(data, t - 1)):
+        return f"only a member of step {t - 1}'s commit proposes the members of step {t}"
+    return None
+
+
+def scope(peer: str, op: str, req: dict, data: dict) -> str | None:
+    """The rendezvous write policy (``RendezvousServer(policy=scope)``): None when ``peer`` may make
+    the write ``op`` (body ``req``) on the table ``data``, else why not.
+
+    The coordinator writes anything; a worker only its own keys (``hb/<me>``, ``arrive/<t>/<me>``,
+    ...), its per-attempt keys only as a member of that attempt, the decisions it takes part in
+    (first wins, values checked), ``progress`` only as the leader of the commit it names, and
+    gloo's keys under a group prefix; ``launched``, ``banned/`` and ``start`` are the coordinator's.
+
+    >>> data = {"members/0/0": b'["a", "b"]', "arrive/0/a": b"1", "vote/0/0/a": b"ok"}
+    >>> scope("a", "set", {"key": "hb/a"}, data), scope("a", "set", {"key": "hb/b"}, data)
+    (None, 'a worker writes only its own hb/ key')
+    >>> scope("a", "set", {"key": "banned/b", "value": "MQ=="}, data)
+    "banned/ is the coordinator's"
+    >>> import base64
+    >>> cs = lambda k, v: {"key": k, "expected": "", "desired": base64.b64encode(v).decode()}
+    >>> scope("a", "compare_set", cs("outcome/0/0", b"commit"), data)
+    >>> scope("b", "compare_set", cs("outcome/0/0", b"abort"), data)  # b has not voted
+    "only a member that has voted decides an attempt's outcome"
+    >>> scope("a", "compare_set", cs("outcome/0/1", b"abort"), data)  # an attempt nobody agreed on yet
+    "only a member that has voted decides an attempt's outcome"
+    """
+    if peer == COORDINATOR:
+        return None
+    key = req.get("key")
+    if not isinstance(key, str):
+        return None  # malformed: the table refuses it
+    parts = key.split("/")
+    family = parts[0]
+    if op == "add" and req.get("amount") == 0:
+        return None  # reads a counter and creates nothing
+    if family in _GLOO and len(parts) > 1:
+        return None
+    if family in _OWN:
+        if len(parts) != _OWN[family] + 1 or parts[-1] != peer or any(_step(p) is None for p in parts[1:-1]):
+            return f"a worker writes only its own {family}/ key"
+        if op == "add" and family != "hb" or op == "compare_set":
+            return f"{family}/ is written with set"
+        if family == "committed" and op == "set" and _count(_unb64(req.get("value", "")), 0, int(parts[1])) is None:
+            return "committed/<t>/<w> is a number of steps, at most t"
+        return None
+    if family in _IN_ATTEMPT:
+        if len(parts) != 4 or parts[3] != peer or any(_step(p) is None for p in parts[1:3]):
+            return f"a worker writes only its own {family}/ key"
+        if op != "set":
+            return f"{family}/ is written with set"
+        if not _member(data, parts[1], parts[2], peer):
+            return f"only a member of attempt {parts[1]}/{parts[2]} writes its {family}/ keys"
+        value = _unb64(req.get("value", ""))
+        if family == "vote" and value not in (b"ok", b"fail"):
+            return "a vote is ok or fail"
+        if family in ("flags", "blame") and _names(value) is None:
+            return f"{family} is a JSON list of names"
+        return None
+    if family in _DECISIONS:
+        if len(parts) != _DECISIONS[family] + 1:
+            return f"{family}/ has {_DECISIONS[family]} numbers"
+        if op != "compare_set" or req.get("expected") != "":
+            return f"{family}/ is decided once, with compare_set on an empty key"
+        if key in data:
+            return None  # decided already: the answer is the decision, nothing is written
+        return _decision(peer, parts, _unb64(req.get("desired", "")), data)
+    if family == "ban":
+        if len(parts) != 3 or parts[2] != peer or op != "set":
+            return "a worker writes only its own ban/<w>/<me> record, with set"
+        record = _json(_unb64(req.get("value", "")))
+        if not (isinstance(record, dict) and _count(record.get("step")) is not None
+                and _count(record.get("attempt")) is not None):
+            return "a ban record is {step, attempt}"
+        return None
+    if key == "progress":
+        v = _count(_unb64(req.get("value", ""))) if op == "set" else None
+        if v is None or v < 1:
+            return "progress is set to a positive number of committed steps"
+        now = _count(data.get("progress"))
+        if now is not None and v < now:
+            return f"progress does not go back ({now} to {v})"
+        if not any(m and m[0] == peer for m in _committed_members(data, v - 1)):
+            return f"only the leader of step {v - 1}'s commit sets progress to {v}"
+        return None
+    return f"{family}/ is the coordinator's"
+
+
+def ban_votes(get: Callable[[str], bytes | None], worker: str, voters: Iterable[str]) -> bool:
+    """Whether a majority of the members of some attempt recorded a ban of ``worker``
+    (``ban/<worker>/<voter>``, ``{"step", "attempt"}``); ``get(key)`` reads a key (None: absent).
+    A record counts only from a member of the attempt it names, so one peer bans nobody."""
+    by_attempt: dict[tuple[int, int], set[str]] = {}
+    for v in voters:
+        record = _json(get(f"ban/{worker}/{v}")) if v != worker else None
+        if isinstance(record, dict) and _count(record.get("step")) is not None and _count(record.get("attempt")) is not None:
+            by_attempt.setdefault((record["step"], record["attempt"]), set()).add(v)
+    for (t, a), who in by_attempt.items():
+        members = _names(get(f"members/{t}/{a}")) or []
+        if worker in members and 2 * len(who & set(members)) > len(members):
+            return True
+    return False

@@ -17,24 +17,35 @@ as on a TCPStore (``transport.new_group``).
 Protocol. ``POST /v1/<op>`` with a JSON body; ops are TCPStore's: ``set``, ``get`` (waits up
 to a timeout for the key, as gloo's rendezvous needs), ``add``, ``compare_set``, ``check``,
 ``delete``, ``wait``, ``num_keys``, plus ``check_many`` (one round trip for the liveness polls).
-A request carries ``x-intellect-time`` (ms), ``x-intellect-nonce`` and ``x-intellect-mac``:
-an HMAC (:mod:`intellect.trust.mac`) under ``derive_key(secret, "rendezvous", run)`` over the
-op, the body, the time, the nonce and the peer's name. The server refuses, with a recorded
-reason (:attr:`RendezvousServer.refusals`), a request that is unsigned, malformed, stale
-(outside ``window`` seconds of its clock: hosts need NTP), mis-MAC'd or replayed (its nonce
-was seen within the window), or too large. Answers carry a MAC over the request's nonce and
-the answer, so a process that takes over the port (or a forged answer on the wire) cannot
-tell a worker anything either.
+A request carries ``x-intellect-peer`` (who it claims to be), ``x-intellect-time`` (ms),
+``x-intellect-nonce`` and ``x-intellect-mac``: an HMAC (:mod:`intellect.trust.mac`) over the op,
+the body, the time, the nonce and the peer's name under that *peer's own key*,
+:func:`peer_key` ``= derive_key(secret, "peer", run, name)``. Only the server (the coordinator)
+holds the run secret and derives any peer's key from it; a worker holds its own key only
+(``coordinator.worker_credentials``), so it can speak as nobody else. The server refuses, with a
+recorded reason (:attr:`RendezvousServer.refusals`), a request that is unsigned, malformed,
+stale (outside ``window`` seconds of its clock: hosts need NTP), mis-MAC'd, replayed (its
+nonce was seen within the window), too large, or (``scope``) a write its ``policy`` does not
+allow that peer (``membership.scope``: a worker writes only its own keys and the decisions it
+takes part in). Answers carry a MAC under the same peer key over the request's nonce and the
+answer, so a process that takes over the port (or a forged answer on the wire) cannot tell a
+worker anything either.
 
-What it does not do. The secret is shared: every admitted worker can write every key, so
-an admitted liar is bounded elsewhere (``robust.py``, the vote). Values and gloo's traffic
-travel in clear: run it on a private network (WireGuard) or behind TLS.
+Connections. At most ``max_connections`` at once (and a quarter of the process's file descriptors); past that a new connection evicts the oldest
+one that has sent nothing yet, so a flood of idle sockets cannot hold the server's file
+descriptors, and a connection that has not begun a request within ``header_timeout`` s is
+closed. A refused request closes its connection, and every request has a deadline.
 
->>> key = request_key(b"0" * 32, "run-a")
+What it does not do. Values and gloo's traffic travel in clear: run it on a private network
+(WireGuard) or behind TLS. Reads are open to every admitted peer.
+
+>>> key = peer_key(b"0" * 32, "run-a", "w0")
 >>> t = request_tag(key, "set", b'{"key":"k"}', 1000, "ab" * 16, "w0")
 >>> check_request(key, t, "set", b'{"key":"k"}', 1000, "ab" * 16, "w0")   # the request as MAC'd
 True
 >>> check_request(key, t, "add", b'{"key":"k"}', 1000, "ab" * 16, "w0")   # another op under its MAC
+False
+>>> check_request(peer_key(b"0" * 32, "run-a", "w1"), t, "set", b'{"key":"k"}', 1000, "ab" * 16, "w0")
 False
 """
 
@@ -47,12 +58,10 @@ import datetime
 import http.client
 import json
 import logging
-import os
+import resource
 import secrets
-import stat
 import threading
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 import uvicorn
@@ -60,6 +69,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from intellect.shardcast.server import bind
 from intellect.trust.mac import check, derive_key, tag
@@ -67,7 +77,7 @@ from intellect.trust.requests import AuthError, ReplayGuard
 
 log = logging.getLogger("intellect.diloco")
 
-SECRET_ENV = "INTELLECT_DILOCO_SECRET"  # hex; how the coordinator hands the secret to its own subprocesses
+COORDINATOR = "coordinator"  # the peer name the run secret's holder speaks as; no worker may take it
 TIME_HEADER, NONCE_HEADER = "x-intellect-time", "x-intellect-nonce"
 MAC_HEADER, PEER_HEADER = "x-intellect-mac", "x-intellect-peer"
 _REQUEST, _ANSWER = "intellect/rendezvous/request/v1", "intellect/rendezvous/answer/v1"
@@ -76,44 +86,22 @@ MAX_KEY = 512
 MAX_KEYS = 1 << 20
 MAX_WAIT = 600.0
 OPS = ("set", "get", "add", "compare_set", "check", "check_many", "delete", "wait", "num_keys")
+WRITES = ("set", "add", "compare_set", "delete")
+MAX_CONNECTIONS = 512
+HEADER_TIMEOUT = 10.0  # s for a new connection to begin its request
+KEEP_ALIVE = 30.0  # s between requests; a client reconnects once on a closed kept-alive connection
+ACCEPT_BATCH = 64  # connections accepted per wake-up (and the listen queue)
 
 
-class BadSecret(ValueError):
-    """No usable run secret (missing, too short, or its file is readable by others)."""
+def peer_key(secret: bytes, run: str, peer: str) -> bytes:
+    """The key that MACs ``peer``'s rendezvous requests (and the server's answers to them)."""
+    return derive_key(secret, "peer", run, peer)
 
 
-def load_secret(secret_file: str | None, environ=os.environ) -> bytes | None:
-    """The run secret: ``$INTELLECT_DILOCO_SECRET`` (hex), else ``secret_file`` (hex, mode 0600), else None."""
-    text = environ.get(SECRET_ENV)
-    where = SECRET_ENV
-    if text is None and secret_file:
-        path = Path(secret_file)
-        mode = path.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise BadSecret(f"{path}: secret file is accessible by others (mode {stat.S_IMODE(mode):o}); chmod 600 it")
-        text, where = path.read_text()[:4096], str(path)
-    if text is None:
-        return None
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError:
-        raise BadSecret(f"{where}: the run secret is hex digits") from None
-    if len(secret) < 16:
-        raise BadSecret(f"{where}: the run secret needs at least 16 bytes (32 hex digits)")
-    return secret
-
-
-def write_secret(path: str | os.PathLike, secret: bytes) -> Path:
-    """Write ``secret`` as hex to a new file created with mode 0600."""
-    path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.hex() + "\n")
-    return path
-
-
-def request_key(secret: bytes, run: str) -> bytes:
-    return derive_key(secret, "rendezvous", run)
+def allreduce_root(secret: bytes, run: str) -> bytes:
+    """The root of the all-reduce MAC keys: every member holds it (a member must check the others'
+    messages), so it is derived apart from the run secret, which opens the rendezvous as anyone."""
+    return derive_key(secret, "allreduce-root", run)
 
 
 def request_tag(key: bytes, op: str, body: bytes, time_ms: int, nonce: str, peer: str) -> bytes:
@@ -192,6 +180,8 @@ class _Table:
             amount = req["amount"]
             if type(amount) is not int or abs(amount) > 1 << 62:
                 raise ValueError("amount is an integer")
+            if amount == 0 and key not in self.data:  # a read of a counter: it creates nothing
+                return {"value": 0}
             self._room(key)
             value = int(self.data.get(key, b"0")) + amount
             self.data[key] = str(value).encode()
@@ -219,15 +209,65 @@ class _Table:
         raise ValueError(f"unknown op {op!r}")
 
 
+class _Guarded(H11Protocol):
+    """uvicorn's h11 protocol under :class:`RendezvousServer`'s connection bounds (``owner``)."""
+
+    owner: "RendezvousServer"
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        o = self.owner
+        self._began = False
+        o._fresh[self] = None
+        if len(self.connections) > o.max_connections:
+            # the oldest connection that never sent a byte goes (this one, when all others have spoken)
+            victim = next(iter(o._fresh))
+            o._count("too_many_connections")
+            victim._drop()
+        self._deadline = self.loop.call_later(o.header_timeout, self._idle_check)
+
+    def data_received(self, data: bytes) -> None:
+        self.owner._fresh.pop(self, None)
+        super().data_received(data)
+        if self.cycle is not None:
+            self._began = True
+
+    def _idle_check(self) -> None:
+        if not self._began:
+            self.owner._count("header_timeout")
+            self._drop()
+
+    def _drop(self) -> None:
+        self.owner._fresh.pop(self, None)
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self.owner._fresh.pop(self, None)
+        self._deadline.cancel()
+        super().connection_lost(exc)
+
+
 class RendezvousServer:
     """The coordinator's store: uvicorn on ``host:port`` (0: a free port) in a daemon thread.
 
-    ``refusals`` counts refused requests by reason; ``refused`` keeps the last 256 of them
-    as ``(time, client address, peer name, reason, detail)``.
+    ``policy(peer, op, request, data)`` says whether ``peer`` may make the write ``op``
+    (``request``: its decoded body; ``data``: the table, read-only): None when it may, else
+    the reason, refused as ``scope``. None: every authenticated peer writes every key.
+    ``refusals`` counts refused requests (and dropped connections) by reason; ``refused``
+    keeps the last 256 refused requests as ``(time, client address, peer name, reason, detail)``.
     """
 
-    def __init__(self, secret: bytes, run: str, host: str = "127.0.0.1", port: int = 0, window: float = 60.0):
-        self.key, self.window = request_key(secret, run), window
+    def __init__(self, secret: bytes, run: str, host: str = "127.0.0.1", port: int = 0, window: float = 60.0,
+                 policy=None, max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT):
+        self.secret, self.run, self.window, self.policy = secret, run, window, policy
+        # a quarter of the process's descriptors at most, accepted in batches of ACCEPT_BATCH: a flood
+        # meets eviction before the process runs out of descriptors
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        cap = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, max(16, soft // 4))
+        self.max_connections, self.header_timeout = cap, header_timeout
+        self._keys: dict[str, bytes] = {}
+        self._fresh: dict = {}  # connections that have sent nothing yet, oldest first
         self.guard = ReplayGuard(window)
         self.refusals: collections.Counter[str] = collections.Counter()
         self.refused: collections.deque = collections.deque(maxlen=256)
@@ -235,8 +275,10 @@ class RendezvousServer:
         self._table: _Table | None = None
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(self._app(), http="h11", loop="asyncio", log_level="warning", access_log=False,
-                                timeout_keep_alive=600, lifespan="off")
+        protocol = type("GuardedH11", (_Guarded,), {"owner": self})
+        config = uvicorn.Config(self._app(), http=protocol, loop="asyncio", log_level="warning", access_log=False,
+                                timeout_keep_alive=int(KEEP_ALIVE), lifespan="off", proxy_headers=False,
+                                backlog=ACCEPT_BATCH)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                         name=f"rendezvous-{self.port}")
@@ -251,29 +293,55 @@ class RendezvousServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _refuse(self, request: Request, reason: str, detail: str, status: int = 401) -> Response:
+    def key_of(self, peer: str) -> bytes:
+        key = self._keys.get(peer)
+        if key is None:
+            key = peer_key(self.secret, self.run, peer)
+            if len(self._keys) < 4096:
+                self._keys[peer] = key
+        return key
+
+    def _count(self, reason: str) -> None:
+        self.refusals[reason] += 1
+        if self.refusals[reason] <= 3 or self.refusals[reason] % 1000 == 0:
+            log.warning("rendezvous: dropped a connection: %s (%d so far)", reason, self.refusals[reason])
+
+    def _refuse(self, request: Request, reason: str, detail: str, status: int = 401, close: bool = True) -> Response:
         self.refusals[reason] += 1
         peer = request.headers.get(PEER_HEADER, "")[:64]
         client = request.client.host if request.client else "?"
         self.refused.append((time.time(), client, peer, reason, detail[:200]))
         if self.refusals[reason] <= 3 or self.refusals[reason] % 1000 == 0:
             log.warning("rendezvous: refused a request from %s (%r): %s: %s", client, peer, reason, detail)
-        return Response(json.dumps({"reason": reason, "detail": detail}), status, media_type="application/json")
+        # closed after the answer, so a refused client holds no connection; not while the client may
+        # still be sending a body we did not read: closing under it breaks its send, not its request
+        return Response(json.dumps({"reason": reason, "detail": detail}), status, media_type="application/json",
+                        headers={"connection": "close"} if close else None)
 
     def _app(self) -> Starlette:
         async def handle(request: Request) -> Response:
+            try:  # a request's deadline: its longest wait plus time to read the body
+                return await asyncio.wait_for(serve(request), MAX_WAIT + 30)
+            except asyncio.TimeoutError:
+                return self._refuse(request, "deadline", "the request ran past its deadline", 408)
+
+        async def serve(request: Request) -> Response:
             if self._table is None:
                 self._table = _Table()  # made on the server's own loop
             op = request.path_params["op"]
             if op not in OPS:
                 return self._refuse(request, "malformed", f"unknown op {op[:32]!r}", 404)
-            if int(request.headers.get("content-length") or 0) > MAX_BODY:
-                return self._refuse(request, "too_large", "body over the cap", 413)
+            try:
+                length = int(request.headers.get("content-length") or 0)
+            except ValueError:
+                return self._refuse(request, "malformed", "content-length is not a number", 400)
+            if length > MAX_BODY:
+                return self._refuse(request, "too_large", "body over the cap", 413, close=False)
             body = bytearray()
             async for piece in request.stream():
                 body += piece
                 if len(body) > MAX_BODY:
-                    return self._refuse(request, "too_large", "body over the cap", 413)
+                    return self._refuse(request, "too_large", "body over the cap", 413, close=False)
             body = bytes(body)
             h = request.headers
             time_s, nonce, mac, peer = h.get(TIME_HEADER), h.get(NONCE_HEADER), h.get(MAC_HEADER), h.get(PEER_HEADER, "")
@@ -289,20 +357,28 @@ class RendezvousServer:
             now = time.time()
             if abs(time_ms / 1000 - now) > self.window:
                 return self._refuse(request, "stale", f"timestamp {time_ms / 1000 - now:+.0f} s off")
-            if not check_request(self.key, got, op, body, time_ms, nonce, peer):
-                return self._refuse(request, "bad_mac", "the MAC does not match the request")
+            key = self.key_of(peer)
+            if not check_request(key, got, op, body, time_ms, nonce, peer):
+                return self._refuse(request, "bad_mac", "the MAC does not match the request under that peer's key")
             try:
-                self.guard.admit(b"", nonce, now)
+                self.guard.admit(peer.encode(), nonce, now)
             except AuthError as e:
                 return self._refuse(request, e.reason, e.detail)
             try:
-                answer = await self._table.run(op, json.loads(body))
+                req = json.loads(body)
+                if not isinstance(req, dict):
+                    raise ValueError("the body is a JSON object")
+                # checked and run with no await in between: the table cannot change under the verdict
+                why = self.policy(peer, op, req, self._table.data) if self.policy and op in WRITES else None
+                if why is not None:
+                    return self._refuse(request, "scope", why, 403)
+                answer = await self._table.run(op, req)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 return self._refuse(request, "malformed", f"{type(e).__name__}: {e}", 400)
             self.served += 1
             out = json.dumps(answer, separators=(",", ":")).encode()
             return Response(out, 200, media_type="application/json",
-                            headers={MAC_HEADER: tag(self.key, _ANSWER, nonce, out).hex()})
+                            headers={MAC_HEADER: tag(key, _ANSWER, nonce, out).hex()})
 
         return Starlette(routes=[Route("/v1/{op}", handle, methods=["POST"])])
 
@@ -324,15 +400,18 @@ class StoreError(dist.DistStoreError):
 class RendezvousStore(dist.Store):
     """A ``torch.distributed.Store`` client of :class:`RendezvousServer` (see the module docstring).
 
-    Each thread gets its own kept-alive connection; every request and every answer is MAC'd.
+    Each thread gets its own kept-alive connection; every request and every answer is MAC'd
+    under ``key``, the peer's own (:func:`peer_key`; derived from ``secret`` when not given).
     ``timeout`` bounds ``get`` and ``wait`` (as TCPStore's does) and every round trip.
     """
 
-    def __init__(self, host: str, port: int, secret: bytes, run: str, peer: str = "",
-                 timeout: float | datetime.timedelta = 30.0):
+    def __init__(self, host: str, port: int, secret: bytes | None, run: str, peer: str = "",
+                 timeout: float | datetime.timedelta = 30.0, key: bytes | None = None):
         super().__init__()
         self.host, self.port, self.peer = host, int(port), peer[:64]
-        self.key = request_key(secret, run)
+        if key is None and secret is None:
+            raise ValueError("a rendezvous client needs its peer key or the run secret")
+        self.key = key if key is not None else peer_key(secret, run, self.peer)
         self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         self._local = threading.local()
 

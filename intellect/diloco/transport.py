@@ -16,7 +16,8 @@ gets ``CommError`` and must drop the group: after a failure, half-finished
 messages may still be queued in it.
 
 Sealed channels. A :class:`Channel` given a ``mac_key`` (the worker derives one per outer step
-and attempt: ``derive_key(secret, "allreduce", run, step, attempt)``) prefixes every message
+and attempt from the all-reduce root the coordinator gave it: ``derive_key(root, "allreduce",
+run, step, attempt)``) prefixes every message
 with an HMAC over (sender rank, receiver rank, tag, bytes) and its length; :meth:`Channel.open`
 checks it on the receiving side, so a message forged by anyone without the key, altered on the
 way, or replayed into another slot (another peer, tag, attempt or step) raises ``CommError``

@@ -20,11 +20,14 @@ One outer step ``t`` is four phases, each a method so a Prefect task can wrap it
 4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer
    state to run storage (the first member by admission order does it, every N steps).
 
-Trust. The rendezvous admits only holders of the run secret (``rendezvous.py``); every
-all-reduce message is sealed with ``derive_key(secret, "allreduce", run, step, attempt)``, so a
-forged or altered one fails the attempt like a garbled one; with 3+ contributors each owner
-aggregates its chunk with a centred clip and reports outliers (``robust.py``); a worker that a
-majority reports in ``diloco.exclude_after`` committed steps is banned (``banned/<w>``).
+Trust. A worker holds its own rendezvous key and the all-reduce root, never the run secret
+(``coordinator.worker_credentials``); the rendezvous lets it write only its own keys and the
+decisions it takes part in (``membership.scope``). Every all-reduce message is sealed with
+``derive_key(root, "allreduce", run, step, attempt)``, so a forged or altered one fails the
+attempt like a garbled one; with 3+ contributors each owner aggregates its chunk with a centred
+clip and reports outliers (``robust.py``); a worker that a majority reports in
+``diloco.exclude_after`` committed steps is banned: each member records ``ban/<w>/<me>``, and a
+majority of an attempt's members' records bans it (the coordinator then writes ``banned/<w>``).
 
 Invariant after every commit: all members hold bit-identical ``theta_sync``
 (their SHA-256 is written to ``digest/<t>/<w>`` for anyone to compare).
@@ -48,9 +51,10 @@ from intellect.config import DilocoRunConfig, TrainConfig
 from intellect.data.arithmetic import documents
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
-from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
+from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, _count, _names
 from intellect.diloco.outer import OuterState
 from intellect.diloco.plan import choose_algorithm
+from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group
@@ -174,17 +178,23 @@ def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
 
 class DilocoWorker:
     def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
-                 secret: bytes):
+                 secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None):
+        """``key`` (this worker's rendezvous key) and ``allreduce_key`` (the all-reduce root) are
+        what a worker holds; ``secret``, the run secret, derives both where they are not given."""
         self.run, self.cfg, self.worker, self.index = run, run.diloco, worker, index
         # train.threads 0: the machine's cores split among the run's workers. Left at torch's default
         # (all cores each), two workers on 2 cores spin on each other's threads: measured 6x slower.
         torch.set_num_threads(run.train.threads or max(1, (os.cpu_count() or 1) // run.diloco.workers))
         self.storage = RunStorage.from_config(run.storage, run.run_name)
-        self.secret = secret
+        if (key is None or allreduce_key is None) and secret is None:
+            raise ValueError("a worker needs its credentials (key, allreduce_key) or the run secret")
+        key = key if key is not None else peer_key(secret, run.run_name, worker)
+        self.allreduce_root = allreduce_key if allreduce_key is not None else allreduce_root(secret, run.run_name)
         self.strikes = Strikes(self.cfg.exclude_after)
-        self.m = Membership(store_host, store_port, worker, secret, run.run_name, self.cfg.heartbeat_interval,
+        self.banned_here: set[str] = set()  # whom our own strikes banned: out of our proposals at once
+        self.m = Membership(store_host, store_port, worker, None, run.run_name, self.cfg.heartbeat_interval,
                             self.cfg.heartbeat_timeout, store_timeout=max(30.0, self.cfg.heartbeat_timeout),
-                            startup_grace=self.cfg.boundary_timeout)
+                            startup_grace=self.cfg.boundary_timeout, key=key)
         n = self.storage.latest_step(CHECKPOINTS)
         if n is None:
             raise FileNotFoundError(f"run {self.storage.url} has no outer checkpoint; the coordinator publishes step 0")
@@ -207,11 +217,15 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ helpers
 
+    def admitted(self) -> list[str]:
+        """Workers the coordinator has admitted so far (``launched/<i>``), in admission order."""
+        n = min(self.m.counter("launched"), 1 << 16)  # the coordinator's own count
+        return list(dict.fromkeys(self.m.get(f"launched/{i}") for i in range(n) if self.m.has(f"launched/{i}")))
+
     def launched(self) -> list[str]:
-        """Workers the coordinator has admitted so far (``launched/<i>``), in admission order, banned ones left out."""
-        n = int(self.m.counter("launched"))
-        names = dict.fromkeys(self.m.get(f"launched/{i}") for i in range(n) if self.m.has(f"launched/{i}"))
-        return [w for w in names if not self.m.banned(w)]
+        """:meth:`admitted`, banned ones left out."""
+        names = self.admitted()
+        return [w for w in names if w not in self.banned_here and not self.m.banned(w, names)]
 
     def _group(self, step: int, attempt: int, members: list[str]):
         # a fresh store prefix per membership: a dead member's half-written keys cannot leak in
@@ -232,7 +246,7 @@ class DilocoWorker:
         undecided boundary and is onboarded there.
         """
         me, m = self.worker, self.m
-        if m.banned(me):
+        if m.banned(me, self.admitted()):
             raise Banned(f"{me} was banned from the run for outlying contributions")
         founder = m.progress() is None
         veteran = me in self.prev_members
@@ -266,7 +280,8 @@ class DilocoWorker:
 
     def _onboard(self, members: list[str]) -> bool:
         m = self.m
-        progress = {w: int(m.get(f"committed/{self.step}/{w}")) for w in members}
+        # the rendezvous takes only counts up to the step; one unreadable all the same is taken as behind
+        progress = {w: _count(m.get(f"committed/{self.step}/{w}"), 0, self.step) or 0 for w in members}
         newest = max(progress.values())
         if min(progress.values()) == newest:
             return False
@@ -376,7 +391,7 @@ class DilocoWorker:
                 stats = all_reduce_mean(average, group, order=plan["order"], contribute=contribute,
                                         algorithm=algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
                                         codec=self.cfg.wire_codec, outlier_clip=robust,
-                                        mac_key=derive_key(self.secret, "allreduce", self.run.run_name, t, a))
+                                        mac_key=derive_key(self.allreduce_root, "allreduce", self.run.run_name, t, a))
                 # before the vote: whoever sees the commit can read every member's report
                 m.set(f"flags/{t}/{a}/{me}", json.dumps(reported(stats.outliers, members)))
                 ok = True
@@ -414,26 +429,29 @@ class DilocoWorker:
                 if me == members[0]:
                     m.set("progress", json.dumps(self.committed))
                 return
-            blamed = majority_flagged({w: json.loads(m.get(f"blame/{t}/{a}/{w}")) for w in members
+            blamed = majority_flagged({w: _names(m.get(f"blame/{t}/{a}/{w}")) or [] for w in members
                                        if m.has(f"blame/{t}/{a}/{w}")}, members)
-            self._ban(self.strikes.add(blamed), t)  # strikes for a majority's blame, and out of the retry
+            self._ban(self.strikes.add(blamed), t, a)  # strikes for a majority's blame, and out of the retry
             survivors = [w for w in members if m.alive(w) and m.has(f"vote/{t}/{a}/{w}") and w not in blamed]
             members, a = self._next_attempt(t, a, survivors)
         raise MembershipTimeout(f"outer step {t} did not commit in {self.cfg.max_attempts} attempts")
 
     def _judge(self, t: int, a: int, members: list[str], report: StepReport) -> None:
         """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
-        reports = {w: json.loads(self.m.get(f"flags/{t}/{a}/{w}")) for w in members if self.m.has(f"flags/{t}/{a}/{w}")}
+        reports = {w: _names(self.m.get(f"flags/{t}/{a}/{w}")) or [] for w in members
+                   if self.m.has(f"flags/{t}/{a}/{w}")}
         report.flagged = majority_flagged(reports, members)
         report.banned = self.strikes.add(report.flagged)
-        self._ban(report.banned, t)
+        self._ban(report.banned, t, a)
         if report.flagged:
             log.warning("%s: step %d: outlier contributions from %s", self.worker, t, report.flagged)
 
-    def _ban(self, workers: list[str], t: int) -> None:
+    def _ban(self, workers: list[str], t: int, a: int) -> None:
+        """Record our ban of ``workers``; it takes effect once a majority of attempt ``a``'s members record it."""
         for w in workers:
             log.warning("%s: banning %s: outlying contributions in %d steps", self.worker, w, self.cfg.exclude_after)
-            self.m.set(f"banned/{w}", json.dumps({"step": t, "by": self.worker}))
+            self.banned_here.add(w)
+            self.m.set(f"ban/{w}/{self.worker}", json.dumps({"step": t, "attempt": a}))
 
     def _next_attempt(self, t: int, a: int, candidates: list[str]) -> tuple[list[str], int]:
         members = self.m.propose_members(t, a + 1, candidates)

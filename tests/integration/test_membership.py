@@ -7,7 +7,7 @@ import time
 import pytest
 
 from intellect.diloco.coordinator import free_port
-from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, connect_store
+from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, connect_store, scope
 from intellect.diloco.rendezvous import RendezvousServer
 
 SECRET = bytes(range(32))
@@ -15,7 +15,7 @@ SECRET = bytes(range(32))
 
 @pytest.fixture
 def store():
-    server = RendezvousServer(SECRET, "run")
+    server = RendezvousServer(SECRET, "run", policy=scope)
     yield server.port, server
     server.stop()
 
@@ -51,11 +51,13 @@ def test_heartbeat_deathrattle_and_timeout(store):
 def test_first_proposal_wins_for_everyone(store):
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
+    a.set("arrive/3/a", "1"), b.set("arrive/3/b", "1")  # the rendezvous takes proposals from those that arrived
     # the proposal's order (admission order) is kept, never the names' sort order
     assert a.propose_members(3, 0, ["b", "a", "b"]) == ["b", "a"]
     assert b.propose_members(3, 0, ["a"]) == ["b", "a"]
     assert a.members(3, 0) == b.members(3, 0) == ["b", "a"]
     assert a.members(3, 1) is None
+    a.set("vote/3/0/a", "ok"), b.set("vote/3/0/b", "fail")  # outcomes come from members that voted
     assert b.decide("outcome/3/0", "abort") == "abort" and a.decide("outcome/3/0", "commit") == "abort"
 
 
@@ -63,6 +65,8 @@ def test_waits_are_bounded_and_skip_the_dead_and_the_departed(store):
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
     a.start_heartbeat(), b.start_heartbeat()
+    b.set("arrive/0/b", "1")
+    assert b.propose_members(0, 0, ["b"]) == ["b"]  # ready/ keys come from the attempt's members
     b.set("ready/0/0/b", "1")
     t0 = time.monotonic()
     present, absent = a.wait_for_keys("ready/0/0", ["a", "b", "c"], time.monotonic() + 0.5)
@@ -135,17 +139,17 @@ def test_replayed_stale_and_oversized_requests_are_refused(store):
     import secrets
 
     from intellect.diloco.rendezvous import (MAC_HEADER, MAX_BODY, NONCE_HEADER, PEER_HEADER, TIME_HEADER,
-                                             request_key, request_tag)
+                                             peer_key, request_tag)
 
     port, server = store
-    key = request_key(SECRET, "run")
+    key = peer_key(SECRET, "run", "w0")
 
     def signed(body: bytes, at: float) -> dict:
         ms, nonce = int(at * 1000), secrets.token_hex(16)
         return {TIME_HEADER: str(ms), NONCE_HEADER: nonce, PEER_HEADER: "w0",
                 MAC_HEADER: request_tag(key, "set", body, ms, nonce, "w0").hex()}
 
-    body = _json.dumps({"key": "progress", "value": "MQ=="}).encode()
+    body = _json.dumps({"key": "arrive/0/w0", "value": "MQ=="}).encode()
     headers = signed(body, time.time())
     assert _raw(port, body, headers)[0] == 200
     status, why = _raw(port, body, headers)  # the same request again
