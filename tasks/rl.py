@@ -36,6 +36,7 @@ from intellect.config import StorageConfig
 from intellect.ledger import Ledger
 from intellect.pretrain import CHECKPOINTS, CheckpointMismatch, checkpoint_digest, fetch_checkpoint
 from intellect.rl import step as S
+from intellect.rl.admission import uploads_settled_at
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits
@@ -405,6 +406,11 @@ def validate(cfg: RLRunConfig, step: int, files: dict[str, list[str]]) -> list[V
     recorded of it), one MAC'd verdict file per worker, the workers validated in parallel."""
     s = session(cfg)
     recorded = {r.path: r for r in s.service.submissions(step)} if s.service is not None else None
+    if recorded and s.storage.scheme == "s3":
+        # a presigned POST can be reused until it expires: read each object once it is final
+        settled = uploads_settled_at([recorded[f] for fs in files.values() for f in fs if f in recorded],
+                                     cfg.service.presign_expiry)
+        time.sleep(max(0.0, settled - time.time()))
 
     def one(worker: str) -> ValidationReport:
         verdicts = S.validate_files(cfg, s.storage, step, files[worker], s.tasks, s.tokenizer, limits=s.limits,

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Mapping, get_args
+from typing import Annotated, Iterable, Literal, Mapping, get_args
 from urllib.parse import parse_qs
 
 from pydantic import Field, ValidationError
@@ -270,6 +270,24 @@ class SubmissionRecord:
     sha256: str
     size: int
     time: float
+
+
+#: Seconds allowed between the trainer's clock and the object store's when a presigned POST expires.
+UPLOAD_CLOCK_MARGIN = 5.0
+
+
+def uploads_settled_at(records: Iterable[SubmissionRecord], presign_expiry: float,
+                       margin: float = UPLOAD_CLOCK_MARGIN) -> float:
+    """When no presigned POST handed out for ``records`` can write any more (Unix seconds; 0 for none).
+
+    A presigned POST can be used again until it expires, and every POST for a name expires at the
+    end of the window its first declaration opened, so an S3 object is final from then on: the
+    validator reads it after that, and what it validated is what the trainer later reads.
+
+    >>> uploads_settled_at([SubmissionRecord("w", 1, 0, "p", "0" * 64, 10, 100.0)], 60, margin=5)
+    165.0
+    """
+    return max((r.time + presign_expiry + margin for r in records), default=0.0)
 
 
 @dataclass(frozen=True)

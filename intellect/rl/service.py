@@ -24,17 +24,13 @@ Every refusal is a 4xx (5xx only for the service's own trouble) with
 A request's signature is checked before its body is read: the signed message covers the body's
 sha256, which the client also sends in ``x-intellect-content-sha256``, so a request signed by
 anyone but the key's holder costs no body read and holds no upload slot; the body must then hash
-to that digest (``sha256_mismatch``). Bodies are capped while they stream in, hashed as they arrive
-and kept in memory only up to 1 MiB, so an upload costs no more memory than that, whatever its
-size. An upload must declare its Content-Length. At most one upload of each key and
-``max_uploads_per_address`` of each address are read at once; a worker stores at most
-``max_worker_step_bytes`` per step; uploads being read hold at most ``max_spool_bytes`` together
-and must leave ``min_free_bytes`` on disk. A body slower than ``min_body_rate`` after
-``body_grace`` seconds is refused (``too_slow``) and its connection closed; a request head must
-arrive within ``header_timeout``; an address (an IPv6 one by its /64, as everywhere here) holds at
-most ``max_connections_per_address`` connections. So a slow or flooding client holds nothing for
-long. Steps are open from the one after the newest committed step to ``ahead`` past it: a committed
-step is ``closed`` to uploads, done records and assignments.
+to that digest (``sha256_mismatch``). An upload must declare its Content-Length. At most one
+upload of each key and ``max_uploads_per_address`` of each address are read at once; a worker
+stores at most ``max_worker_step_bytes`` per step; uploads being read hold at most
+``max_spool_bytes`` together and must leave ``min_free_bytes`` on disk. Bodies, connections and
+request heads are held to caps and deadlines by :mod:`intellect.rl.service_http`. So a slow or
+flooding client holds nothing for long. Steps are open from the one after the newest committed step
+to ``ahead`` past it: a committed step is ``closed`` to uploads, done records and assignments.
 
 Assignments carry each task's reference answer, which a worker needs to compute the rewards it
 claims (the validator recomputes them): answers are public to every admitted worker, so the task
@@ -55,12 +51,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import json
 import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,10 +62,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-import h11
 import uvicorn
 from pydantic import Field, field_validator
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from intellect.config import StrictModel
 from intellect.rl.admission import (
@@ -80,6 +72,7 @@ from intellect.rl.admission import (
 )
 from intellect.rl.assignment import assign_prompts
 from intellect.rl.rollouts import submission_path
+from intellect.rl.service_http import SPILL, Body, guarded_server, read_body, respond
 from intellect.shardcast.server import bind
 from intellect.trust.keys import VerifyKey
 from intellect.trust.requests import CONTENT_HEADER, AuthError, ReplayGuard, RequestVerifier
@@ -92,7 +85,6 @@ __all__ = ["DoneRecord", "ServiceConfig", "SubmissionRecord", "SubmissionService
 
 log = logging.getLogger("intellect.rl.service")
 
-_SPILL = 1 << 20  # bodies past this go to a spool file: memory per upload stays bounded
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -115,7 +107,7 @@ class ServiceConfig(StrictModel):
                                  description="Seconds after which an admitted key that stored nothing may be "
                                              "dropped to admit a new one when `max_workers` are admitted.")
     max_body_bytes: int = Field(64 << 20, ge=1024, le=1 << 40, description="Largest upload (one Parquet file).")
-    max_json_bytes: int = Field(64 << 10, ge=1024, le=_SPILL, description="Largest JSON body.")
+    max_json_bytes: int = Field(64 << 10, ge=1024, le=SPILL, description="Largest JSON body.")
     max_concurrent_uploads: int = Field(16, ge=1, le=4096,
                                         description="Uploads read at once (one per key); more are refused as busy.")
     max_uploads_per_address: int = Field(8, ge=1, le=4096,
@@ -142,108 +134,15 @@ class ServiceConfig(StrictModel):
     max_submissions_per_step: int = Field(64, ge=1, le=1 << 16, description="Submissions per worker per step.")
     ahead: int = Field(2, ge=0, le=1 << 20,
                        description="Steps past the newest committed one a worker may submit for.")
-    presign_expiry: int = Field(900, ge=1, le=7 * 86400, description="Seconds a presigned POST stays valid (S3).")
+    presign_expiry: int = Field(
+        120, ge=1, le=86400,
+        description="Seconds a name's presigned POSTs stay valid, from its declaration (S3). The validator reads "
+        "an object only after its window, so this is also the delay before a step's S3 files are validated.")
 
     @field_validator("allowlist")
     @classmethod
     def _keys(cls, keys: list[str]) -> list[str]:
         return [VerifyKey.from_hex(k.lower()).hex for k in keys]
-
-
-class _Body:
-    """A request body as it streams in: hashed, in memory up to :data:`_SPILL` bytes, then on disk."""
-
-    def __init__(self, spool: Path):
-        self.spool, self.sha, self.size = spool, hashlib.sha256(), 0
-        self.buf, self.file, self.path = bytearray(), None, None
-
-    def add(self, chunk: bytes) -> None:
-        self.sha.update(chunk)
-        self.size += len(chunk)
-        if self.file is None and len(self.buf) + len(chunk) > _SPILL:
-            fd, self.path = tempfile.mkstemp(prefix="body-", dir=self.spool)
-            self.file = os.fdopen(fd, "wb")
-            self.file.write(self.buf)
-            self.buf = bytearray()
-        if self.file is not None:
-            self.file.write(chunk)
-        else:
-            self.buf += chunk
-
-    def store(self, storage: RunStorage, rel: str) -> None:
-        if self.file is None:
-            storage.write_bytes(rel, bytes(self.buf))
-        else:
-            self.file.flush()
-            storage.put_file(self.path, rel)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            os.unlink(self.path)
-            self.file = None
-
-
-async def _send(send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status >= 400:  # a refused body may still be arriving: end the connection, do not read it to its end
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _guarded(per_address: int, header_timeout: float, open_: collections.Counter,
-             refuse: Callable[[str, str, str], None]) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with at most ``per_address`` connections per address bucket (counted
-    in ``open_``) and ``header_timeout`` seconds for each request head; ``refuse(client, reason,
-    detail)`` records a connection it ends. A body is timed by the app, which knows its length."""
-
-    class Guarded(H11Protocol):
-        _bucket: str | None = None
-        _timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            client = (self.client or ("unknown",))[0]
-            bucket = address_bucket(client)
-            if open_[bucket] >= per_address:
-                refuse(client, "busy", f"{per_address} connections from this address are open")
-                transport.close()
-                return
-            open_[bucket] += 1
-            self._bucket = bucket
-            self._arm()
-
-        def connection_lost(self, exc) -> None:
-            if self._bucket is not None:
-                open_[self._bucket] -= 1
-                if open_[self._bucket] <= 0:
-                    del open_[self._bucket]
-                self._bucket = None
-            if self._timer is not None:
-                self._timer.cancel()
-            super().connection_lost(exc)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request head has its own deadline
-
-        def _arm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self.loop.call_later(header_timeout, self._late)
-
-        def _late(self) -> None:
-            self._timer = None
-            waiting = self.cycle is None or self.cycle.response_complete
-            if waiting and not self.transport.is_closing():
-                if self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0]:  # a head began
-                    refuse((self.client or ("unknown",))[0], "too_slow",
-                           f"no complete request head within {header_timeout:g} s")
-                self.transport.close()
-
-    return Guarded
 
 
 class SubmissionService:
@@ -321,16 +220,10 @@ class SubmissionService:
         self._sock = bind(self.cfg.host, self.cfg.port)
         host, port = self._sock.getsockname()[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any local client as the
-        # client's address, and a flood from 127.0.0.1 could name a fresh address per registration
         cfg = self.cfg
-        protocol = _guarded(cfg.max_connections_per_address, cfg.header_timeout, self._connections,
-                            self._refused_connection)
-        config = uvicorn.Config(self.app, interface="asgi3", http=protocol, loop="asyncio", lifespan="off",
-                                log_level="warning", access_log=False, proxy_headers=False,
-                                timeout_keep_alive=min(5, int(cfg.header_timeout) or 1),
-                                limit_concurrency=cfg.max_connections, h11_max_incomplete_event_size=32 << 10)
-        self._server = uvicorn.Server(config)
+        self._server = guarded_server(self.app, max_connections=cfg.max_connections,
+                                      per_address=cfg.max_connections_per_address, header_timeout=cfg.header_timeout,
+                                      open_=self._connections, refuse=self._refused_connection)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name=f"submission-service-{port}")
         self._thread.start()
@@ -358,18 +251,7 @@ class SubmissionService:
     # ---------------------------------------------------------------- HTTP
 
     async def app(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        try:
-            status, doc = await self._handle(scope, receive)
-            body = json.dumps(doc).encode()
-        except Refusal as r:
-            self._refused(scope, r)
-            status, body = r.status, json.dumps({"reason": r.reason, "detail": r.detail}).encode()
-        except Exception as e:  # noqa: BLE001 - a request must never take the service down
-            log.exception("submission service: %s %s failed", scope.get("method"), scope.get("path"))
-            status, body = 500, json.dumps({"reason": "internal", "detail": type(e).__name__}).encode()
-        await _send(send, status, body)
+        await respond(scope, receive, send, self._handle, self._refused)
 
     def _refused(self, scope, r: Refusal) -> None:
         headers = dict(scope.get("headers") or [])
@@ -482,37 +364,10 @@ class SubmissionService:
         if req.name != "register" and self.registry.key(key.id) is None:
             raise Refusal(403, "not_registered", f"key {key.id} is not registered: POST /v1/register first")
 
-    async def _read(self, req: Request, receive, cap: int, digest: str) -> _Body:
-        """The body, capped at ``cap`` bytes, arriving at ``min_body_rate`` after ``body_grace``
-        seconds, and hashing to ``digest``; :class:`Refusal` otherwise (the connection is closed)."""
-        declared = req.headers.get("content-length")
-        if declared is not None and not (declared.isascii() and declared.isdigit() and int(declared) <= cap):
-            raise Refusal(413, "too_large", f"body of {declared[:20]} bytes declared, at most {cap}")
-        grace, rate = self.cfg.body_grace, self.cfg.min_body_rate
-        body, start = _Body(self.spool), time.monotonic()
-        try:
-            more = True
-            while more:
-                left = start + grace + body.size / rate - time.monotonic()
-                try:
-                    msg = await asyncio.wait_for(receive(), max(left, 1e-3))
-                except TimeoutError:
-                    raise Refusal(408, "too_slow", f"{body.size} bytes in {time.monotonic() - start:.1f} s: a body "
-                                  f"must arrive at {rate} bytes/s after {grace:g} s") from None
-                if msg["type"] == "http.disconnect":
-                    raise Refusal(400, "bad_request", "the client went away mid-body")
-                chunk = msg.get("body", b"")
-                more = msg.get("more_body", False)
-                if body.size + len(chunk) > cap:
-                    raise Refusal(413, "too_large", f"body over {cap} bytes")
-                body.add(chunk)
-            if body.sha.hexdigest() != digest:
-                raise Refusal(400, "sha256_mismatch", f"the body's sha256 is {body.sha.hexdigest()}, "
-                              f"the signed {CONTENT_HEADER} {digest}")
-        except BaseException:
-            body.close()
-            raise
-        return body
+    async def _read(self, req: Request, receive, cap: int, digest: str) -> Body:
+        """The body of ``req``, at most ``cap`` bytes and hashing to ``digest``, at this run's body rate."""
+        return await read_body(receive, req.headers, cap=cap, digest=digest, spool=self.spool,
+                               grace=self.cfg.body_grace, rate=self.cfg.min_body_rate)
 
     async def _io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -533,7 +388,7 @@ class SubmissionService:
 
     # ---------------------------------------------------------------- routes
 
-    async def _register(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _register(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         parse_json(Empty, bytes(body.buf))
         new = False
         if self.registry.key(key.id) is None:
@@ -548,11 +403,11 @@ class SubmissionService:
                 log.info("admitted worker %s from %s", key.id, req.client)
         return (201 if new else 200), {"worker": key.id, "upload": "presigned" if self._s3 else "body"}
 
-    async def _run(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _run(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
         return 200, self._run_info()
 
-    async def _assignment(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _assignment(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         step, k = query_ints(req, "step", "k")
         self._k(k)
         self._step(step)
@@ -560,13 +415,13 @@ class SubmissionService:
         tasks = [{"id": self.tasks[i].id, "prompt": self.tasks[i].prompt, "answer": self.tasks[i].answer} for i in idx]
         return 200, {"step": step, "k": k, "tasks": tasks}
 
-    async def _status(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _status(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         (step,) = query_ints(req, "step")
         self._step(step, closed_ok=True)  # a read: a restarted worker may ask what it left at a closed step
         held = sorted(r.k for r in self.registry.submissions(step, key.id))
         return 200, {"step": step, "submissions": held, "done": key.id in self.registry.done(step)}
 
-    async def _submissions(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _submissions(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
         step, k = self._step(req.args[0]), self._k(req.args[1])
         if body.size == 0:
@@ -574,7 +429,7 @@ class SubmissionService:
         status, rec = await self._io(self._store, key.id, step, k, body)
         return status, asdict(rec)
 
-    def _store(self, worker: str, step: int, k: int, body: _Body) -> tuple[int, SubmissionRecord]:
+    def _store(self, worker: str, step: int, k: int, body: Body) -> tuple[int, SubmissionRecord]:
         sha, rel = body.sha.hexdigest(), submission_path(step, worker, k)
         old = self.registry.claim(step, worker, k)
         if old is not None:
@@ -604,7 +459,7 @@ class SubmissionService:
                 h.update(block)
         return h.hexdigest() == sha
 
-    async def _uploads(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _uploads(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
         if self._s3 is None:
             raise Refusal(400, "wrong_mode", "local storage: PUT the file to /v1/submissions/N/K")
@@ -622,20 +477,25 @@ class SubmissionService:
             raise Refusal(409, "exists", f"{rel} was declared already, with another sha256 or size")
         if old is not None and worker in self.registry.done(step):
             raise Refusal(409, "finished", f"step {step} is finished: no new uploads")
-        rec = old
+        rec, now = old, time.time()
+        # Every POST for a name expires with the window its declaration opened: the validator reads
+        # the object once that window is over (uploads_settled_at), so a re-upload cannot follow it.
+        left = self.cfg.presign_expiry if old is None else int(old.time + self.cfg.presign_expiry - now)
+        if left < 1:
+            raise Refusal(409, "closed", f"the upload window of {rel} is over")
         try:
             bucket, _, obj = self.storage.uri(rel).removeprefix("s3://").partition("/")
             post = self._s3.generate_presigned_post(
                 Bucket=bucket, Key=obj, Conditions=[["content-length-range", want.size, want.size]],
-                ExpiresIn=self.cfg.presign_expiry)
+                ExpiresIn=left)
             if old is None:
-                rec = SubmissionRecord(worker, step, k, rel, want.sha256, want.size, time.time())
+                rec = SubmissionRecord(worker, step, k, rel, want.sha256, want.size, now)
         finally:
             if old is None:
                 self.registry.release(step, worker, k, rec)
         return (200 if old else 201), {"url": post["url"], "fields": post["fields"], "record": asdict(rec)}
 
-    async def _done(self, req: Request, key: VerifyKey, body: _Body) -> tuple[int, dict]:
+    async def _done(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
         step = self._step(req.args[0])
         got = parse_json(DoneBody, bytes(body.buf))

@@ -57,9 +57,10 @@ from intellect.toploc.check import toploc_check
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask
     from intellect.inference.protocol import InferenceEngine
-    from intellect.ledger import Ledger, Verdict
+    from intellect.ledger import Ledger
     from intellect.rl.config import RLRunConfig
     from intellect.storage import RunStorage
+    from intellect.verdict import Verdict
 
 STEP_REPORT = "rl_step.json"  # saved with each checkpoint, so a rerun that skips training can still commit
 OPTIMIZER = "optimizer.pt"  # the trainer's AdamW state and step count, so a resumed run keeps its moments

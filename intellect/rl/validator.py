@@ -40,7 +40,6 @@ import logging
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from intellect.ledger import Verdict
 from intellect.rl.assignment import check_assignment
 from intellect.rl.rollouts import Rollout, RolloutLimits, RolloutRejected, load_submission, parse_submission_path
 from intellect.rl.submission import (
@@ -54,6 +53,7 @@ from intellect.rl.submission import (
     sample_seed,
 )
 from intellect.trust.keys import is_key_id
+from intellect.verdict import Verdict
 
 if TYPE_CHECKING:
     from intellect.data.loaders import MathTask

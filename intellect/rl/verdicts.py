@@ -1,7 +1,7 @@
 """The validator's verdict files: one Parquet file per validated group of submissions, each with a MAC.
 
 The validator writes its verdicts on a worker's files of step ``n`` to
-``verdicts/step_{n}/{name}.parquet`` (columns :data:`~intellect.ledger.VERDICT_SCHEMA`), and the
+``verdicts/step_{n}/{name}.parquet`` (columns :data:`~intellect.verdict.VERDICT_SCHEMA`), and the
 recorder reads them back into the ledger in one transaction. Between processes, or between
 Prefect tasks, a path travels instead of hundreds of verdict objects: handing 512 verdicts to a
 task as a parameter costs ~40 ms of Python per call, measured, while writing and reading the file
@@ -13,7 +13,7 @@ the sha256 of the bytes. The tag travels with the path, in the validator's repor
 rewritten after validation, or one written by anybody but the validator, fails
 :func:`read_verdicts` before a row of it is read.
 
-    >>> from intellect.ledger import Verdict
+    >>> from intellect.verdict import Verdict
     >>> from intellect.storage import RunStorage
     >>> import tempfile
     >>> storage, secret = RunStorage(f"file://{tempfile.mkdtemp()}"), bytes(32)
@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from intellect.ledger import VERDICT_SCHEMA, verdict_table
 from intellect.rl.assignment import canonical_worker
 from intellect.storage import parse_step
 from intellect.trust import mac
+from intellect.verdict import VERDICT_SCHEMA, verdict_table
 
 if TYPE_CHECKING:
-    from intellect.ledger import Verdict
     from intellect.storage import RunStorage
+    from intellect.verdict import Verdict
 
 KIND = "verdicts"
 _DOMAIN = "intellect/verdict-file/v1"

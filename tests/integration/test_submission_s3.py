@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from intellect.data.loaders import MathTask
+from intellect.rl.admission import uploads_settled_at
 from intellect.rl.rollouts import RolloutLimits, RolloutRejected, load_submission, submission_path
 from intellect.rl.service import ServiceConfig, SubmissionService
 from intellect.rl.service_client import ServiceClient, ServiceError
@@ -192,3 +193,33 @@ def test_presigned_uploads_keep_to_open_steps_and_the_byte_quota(bucket: str, tm
         assert [x["reason"] for x in service.refusals()] == ["closed", "quota"]
     finally:
         service.stop()
+
+
+def test_a_name_cannot_be_uploaded_after_the_window_its_declaration_opened(bucket: str, tmp_path: Path) -> None:
+    """A presigned POST can be reused until it expires; a second ask for the same name must not open
+    a new window, or a worker could rewrite its file after the validator read it."""
+    svc = SubmissionService(ServiceConfig(presign_expiry=3), run=RUN, storage=RunStorage(f"s3://{bucket}/runs/{RUN}"),
+                            state_dir=tmp_path / "state", run_info=lambda: {"run": RUN}, tasks=TASKS,
+                            prompts_per_submission=2)
+    svc.start()
+    try:
+        c = ServiceClient(svc.url, SigningKey.generate(), audience=RUN, retries=0)
+        c.register()
+
+        def expiry(answer: dict) -> float:
+            policy = json.loads(base64.b64decode(answer["fields"]["policy"]))
+            return time.mktime(time.strptime(policy["expiration"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+
+        first = _presign(svc, c.key, 0, 0, "cd" * 32, 10)
+        assert first.status_code == 201
+        time.sleep(1.2)
+        again = _presign(svc, c.key, 0, 0, "cd" * 32, 10)
+        assert again.status_code == 200
+        assert expiry(again.json()) <= expiry(first.json())  # the same window, not a fresh one
+        (rec,) = svc.submissions(0)
+        assert uploads_settled_at([rec], svc.cfg.presign_expiry) >= expiry(first.json())
+        time.sleep(3)
+        late = _presign(svc, c.key, 0, 0, "cd" * 32, 10)
+        assert late.status_code == 409 and late.json()["reason"] == "closed"
+    finally:
+        svc.stop()

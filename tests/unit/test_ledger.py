@@ -11,16 +11,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from intellect.ledger import (
-    LEDGER_SCHEMA_VERSION,
-    Ledger,
-    LedgerError,
-    RecordResult,
-    StepMetrics,
-    Verdict,
-    verdict_table,
-)
+from intellect.ledger import LEDGER_SCHEMA_VERSION, Ledger, RecordResult, StepMetrics
 from intellect.rl.rollouts import Rollout
+from intellect.verdict import LedgerError, Verdict, verdict_table
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,17 +11,9 @@ import pyarrow as pa
 import pytest
 
 import intellect.ledger as ledger_mod
-from intellect.ledger import (
-    MAX_ABS_ADVANTAGE,
-    MAX_GROUP_SIZE,
-    BadVerdictTable,
-    Ledger,
-    LedgerError,
-    RecordResult,
-    Verdict,
-    verdict_table,
-)
+from intellect.ledger import Ledger, RecordResult
 from intellect.rl.submission import advantages_of
+from intellect.verdict import MAX_ABS_ADVANTAGE, MAX_GROUP_SIZE, BadVerdictTable, LedgerError, Verdict, verdict_table
 from test_ledger import counts, verdicts
 
 
@@ -164,3 +156,10 @@ def test_an_honest_validator_table_records(ledger):
     rows = [Verdict.file_rejected("rollouts/step_1/w9-0.parquet", 1, "w9", 0, "too_large")]
     rows += verdicts(8, reject={1, 5})
     assert ledger.record_table(1, verdict_table(rows)).inserted == 9
+
+
+def test_verdict_docstring_examples_hold():
+    import intellect.verdict as verdict_mod
+
+    result = doctest.testmod(verdict_mod)
+    assert result.attempted > 0 and result.failed == 0

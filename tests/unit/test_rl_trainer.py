@@ -193,8 +193,9 @@ def rollout(i, prompt, output, adv):
 
 
 def test_samples_from_rows_and_load_accepted(tmp_path):
-    from intellect.ledger import Ledger, Verdict
+    from intellect.ledger import Ledger
     from intellect.rl.rollouts import RolloutLimits, write_submission
+    from intellect.verdict import Verdict
 
     rows = [rollout(i, [5, 6], [7 + i], float(i) - 0.5) for i in range(2)]
     assert samples_from_rows(rows) == [Sample((5, 6), (7,), -0.5), Sample((5, 6), (8,), 0.5)]

@@ -5,9 +5,9 @@ import doctest
 
 import pytest
 
-from intellect.ledger import Verdict
 from intellect.rl import verdicts as V
 from intellect.rl.verdicts import VerdictTampered, read_verdicts, verdict_path, write_verdicts
+from intellect.verdict import Verdict
 from intellect.storage import RunStorage
 
 SECRET = b"s" * 32
