@@ -8,9 +8,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Iterator
 
+import boto3
 import pytest
 
 
@@ -80,3 +82,26 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         _stop(proc)
+
+
+@pytest.fixture
+def s3_env(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """Dummy credentials and the moto endpoint in the environment (inherited by subprocesses)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    # keep the developer's ~/.aws out of it
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    return moto_server
+
+
+@pytest.fixture
+def bucket(s3_env: str) -> str:
+    """A fresh bucket on the moto server."""
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
+    return name

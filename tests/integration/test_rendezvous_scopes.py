@@ -1,5 +1,5 @@
 """Per-peer credentials and write scopes on the real rendezvous server: what an admitted peer can
-no longer do to the others or to the coordinator, and an idle-connection flood from an outsider."""
+not do to the others or to the coordinator, and an idle-connection flood from an outsider."""
 
 from __future__ import annotations
 
