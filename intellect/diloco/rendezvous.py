@@ -445,6 +445,12 @@ class RendezvousStore(dist.Store):
                 conn.close()
                 self._local.conn = None
                 raise StoreError(f"rendezvous {self.host}:{self.port}: {e}") from e
+            except BaseException:
+                # e.g. SystemExit from a SIGTERM handler mid-request: the connection holds half an
+                # exchange, and the deathrattle that follows must not be sent on it
+                conn.close()
+                self._local.conn = None
+                raise
             break
         if resp.status != 200:
             raise StoreError(f"rendezvous {self.host}:{self.port} refused {op}: {out[:300].decode(errors='replace')}")

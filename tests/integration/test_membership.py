@@ -187,3 +187,29 @@ def test_an_answer_without_the_run_mac_is_not_believed():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_the_deathrattle_goes_out_after_a_request_interrupted_midway(store, monkeypatch):
+    """SIGTERM raises SystemExit wherever the main thread is, possibly between sending a request and
+    reading its answer: the deathrattle that follows must go out on a fresh connection."""
+    import http.client
+
+    port, _ = store
+    a, b = member(port, "a"), member(port, "b")
+    a.store.set("arrive/0/a", "1")  # the thread's kept-alive connection exists
+    real = http.client.HTTPConnection.getresponse
+    calls = {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise SystemExit(1)  # the request went out; its answer is never read
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "getresponse", interrupted)
+    with pytest.raises(SystemExit):
+        a.has("x")
+    a.deathrattle()
+    assert calls["n"] == 2 and b.store.check(["dead/a"])
+    a.close()
+    b.close()
