@@ -27,7 +27,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -40,12 +39,12 @@ from pydantic import Field
 
 from intellect.config import StrictModel
 from intellect.data.loaders import MathTask
-from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits, encode_submission, submission_path
 from intellect.rl.service_client import ServiceClient, ServiceError
 from intellect.rl.step import _signal_samples, torch_engine
 from intellect.rl.submission import RewardFn, SubmissionConfig, generate_assigned, math_task_reward
+from intellect.rl.weights import ShardcastWeights
 from intellect.shardcast.client import ShardcastClient, ShardcastError
 from intellect.shardcast.config import ClientConfig, ClientTuning
 from intellect.toploc.proofs import ToplocConfig
@@ -111,30 +110,11 @@ def wait_for_policy(complete_steps: Callable[[], list[int]], step: int, async_le
         time.sleep(poll)
 
 
-class RelayWeights:
-    """Checkpoints downloaded from the relays into ``cache`` (the newest ``keep`` stay on disk)."""
-
-    def __init__(self, info: WorkerRunInfo, trainer_key: VerifyKey, cache: Path):
-        # the key pinned on the command line, never one the service names
-        pinned = ClientConfig(**info.client.model_dump(), trainer_key=trainer_key.hex)
-        self.client = ShardcastClient(info.relays, pinned)
-        self.cache, self.keep = cache, info.async_level + 2
-        self.cache.mkdir(parents=True, exist_ok=True)
-
-    def complete_steps(self) -> list[int]:
-        return self.client.complete_versions()
-
-    def load(self, step: int):
-        dest = self.cache / f"step_{step}"
-        self.client.fetch(step, dest)
-        model, tok = load_checkpoint_copy(dest)
-        held = sorted((int(p.name[5:]), p) for p in self.cache.glob("step_*") if p.name[5:].isdigit())
-        for _, p in held[:-self.keep]:
-            shutil.rmtree(p, ignore_errors=True)
-        return model, tok
-
-    def close(self) -> None:
-        self.client.close()
+def relay_weights(info: WorkerRunInfo, trainer_key: VerifyKey, cache: Path) -> ShardcastWeights:
+    """Checkpoints downloaded from the run's relays into ``cache``, verified against the trainer's key
+    pinned on the command line, never one the service names."""
+    pinned = ClientConfig(**info.client.model_dump(), trainer_key=trainer_key.hex)
+    return ShardcastWeights(ShardcastClient(info.relays, pinned), cache, keep=info.async_level + 2)
 
 
 def _call(fn: Callable, *args, deadline: float, poll: float):
@@ -187,7 +167,7 @@ def run_worker(
     try:
         client.register()
         info = WorkerRunInfo.model_validate(client.run_info())
-        weights = RelayWeights(info, trainer_key, Path(cache))
+        weights = relay_weights(info, trainer_key, Path(cache))
         held, engine, tok, limits = None, None, None, None
         for step in range(info.committed + 1, info.steps):
             if stop():
