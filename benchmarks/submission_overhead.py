@@ -16,8 +16,9 @@ step is written the direct way and then through the service, so both see the sam
 extra cost of a run is the median over its ``--steps`` steps of (service - direct) of the same
 step, and the figure is the median of ``--runs`` runs.
 
-The overhead is quoted against an RL step of the demo: README's demo table has the RL phase at
-157 s for 150 steps, 1.05 s a step (``--step-seconds``).
+The overhead is quoted against an RL step of the demo: the demo table
+(benchmarks/results/2026-12-02.md) has the RL phase at 157 s for 150 steps, 1.05 s a step
+(``--step-seconds``).
 
     .venv/bin/python benchmarks/submission_overhead.py --steps 20 --runs 3
 
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="Steps per run (medians over them).")
     ap.add_argument("--runs", type=int, default=3, help="Runs (the figure is the median of their medians).")
     ap.add_argument("--step-seconds", type=float, default=157 / 150,
-                    help="Wall time of one RL step of the demo (README's demo table: 157 s for 150 steps).")
+                    help="Wall time of one RL step of the demo "
+                         "(benchmarks/results/2026-12-02.md: 157 s for 150 steps).")
     args = ap.parse_args(argv)
     shape = demo_shape(args.config)
     print(f"{args.config.name}: {shape['workers']} workers x {shape['files']} file(s) a step, "

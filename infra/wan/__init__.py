@@ -1,1 +1,1 @@
-"""WAN emulation for tests: hosts as network namespaces with shaped links (see README.md)."""
+"""WAN emulation for tests: hosts as network namespaces with shaped links (see docs/testing.md)."""
