@@ -73,7 +73,8 @@ def cpu_s(pid: int) -> float:
 # RL step does), asked here over stdin, as the peer's origin process is asked to broadcast.
 _TRAINER = """
 import json, sys
-from intellect.shardcast.store import VersionStore, publish_folder
+from intellect.shardcast.store import VersionStore
+from intellect.shardcast.writer import publish_folder
 from intellect.trust.keys import SigningKey
 key = SigningKey.load(sys.argv[1])
 print("ready", flush=True)

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.shardcast_bench import cpu_s  # noqa: E402
 from intellect.shardcast.local import ServerProcess  # noqa: E402
-from intellect.shardcast.store import VersionStore, VersionWriter  # noqa: E402
+from intellect.shardcast.store import VersionStore  # noqa: E402
+from intellect.shardcast.writer import VersionWriter  # noqa: E402
 from intellect.trust.keys import SigningKey  # noqa: E402
 
 

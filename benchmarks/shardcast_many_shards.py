@@ -28,7 +28,8 @@ from benchmarks.shardcast_bench import cpu_s  # noqa: E402
 from intellect.shardcast.client import ShardcastClient  # noqa: E402
 from intellect.shardcast.config import ClientConfig  # noqa: E402
 from intellect.shardcast.local import ServerProcess  # noqa: E402
-from intellect.shardcast.store import VersionStore, publish_folder  # noqa: E402
+from intellect.shardcast.store import VersionStore  # noqa: E402
+from intellect.shardcast.writer import publish_folder  # noqa: E402
 from intellect.trust.keys import SigningKey  # noqa: E402
 
 

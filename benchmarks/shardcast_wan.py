@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from infra.wan.testbed import Testbed, probe  # noqa: E402
-from intellect.shardcast.store import VersionStore, VersionWriter  # noqa: E402
+from intellect.shardcast.store import VersionStore  # noqa: E402
+from intellect.shardcast.writer import VersionWriter  # noqa: E402
 from intellect.trust.keys import SigningKey  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -171,7 +172,8 @@ def main() -> int:
 # The trainer of part 2: writes a checkpoint into the origin's store at a steady rate, 1 MiB at a time.
 _TRAINER = """
 import json, sys, time
-from intellect.shardcast.store import VersionStore, VersionWriter
+from intellect.shardcast.store import VersionStore
+from intellect.shardcast.writer import VersionWriter
 from intellect.trust.keys import SigningKey
 root, version, shard, size, mbit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 key = SigningKey.load(sys.argv[6])

@@ -1,17 +1,24 @@
-"""Which relay a client asks for the next shard: random, weighted by EMA(success) x EMA(bandwidth),
-divided by 1 + the client's downloads in flight from that relay (:func:`pick`).
+"""Which relay a downloader asks for the next shard, and what it learns from each try.
+
+:func:`pick` draws a relay at random, weighted by EMA(success) x EMA(bandwidth) and divided by 1 + the
+downloader's tries in flight there. :class:`Scheduler` holds one downloader's scores, its tries in
+flight and the relays each shard was tried from; the client and each relay own one.
 
 INTELLECT-2's rule, with the units kept straight. Each relay carries an exponential moving average
 of its success rate (0..1) and of the bandwidth it delivered (bytes/s, from successful downloads
-only: a failure says nothing about speed, so it moves the success rate and leaves the bandwidth
-alone; the package records its timeout in seconds as a bandwidth). After every observation all
-relays *heal*: their success rate moves up by ``heal`` (capped at 1), so a relay that failed is
-tried again after a while instead of being starved forever. A relay not measured yet gets the best
-bandwidth measured so far, so a new relay is tried early.
+only). After every observation all relays *heal*: their success rate moves up by ``heal`` (capped
+at 1), so a relay that failed is tried again after a while instead of being starved forever. A
+relay not measured yet gets the best bandwidth measured so far, so a new relay is tried early.
+
+A failed observation is one sample of success = 0 and nothing else (:func:`observe_failure` takes
+no duration). How long a try took to fail says nothing about the relay's speed: a refused
+connection fails at once, a missed deadline after the whole budget, a mismatched shard after every
+byte came at full speed. Folding that time into the bandwidth would reward fast failures and count
+a slow one twice (INTELLECT-2's package records its timeout in seconds as a bandwidth).
 
 >>> scores = {"a": RelayScore(), "b": RelayScore()}
->>> observe(scores, "a", ok=True, nbytes=100e6, seconds=1.0, alpha=0.5, heal=0.0)
->>> observe(scores, "b", ok=False, nbytes=0, seconds=30.0, alpha=0.5, heal=0.0)
+>>> observe_success(scores, "a", nbytes=100e6, seconds=1.0, alpha=0.5, heal=0.0)
+>>> observe_failure(scores, "b", alpha=0.5, heal=0.0)
 >>> scores["a"].bandwidth, scores["b"].success, scores["b"].bandwidth
 (100000000.0, 0.5, None)
 >>> weights(scores)  # b: success 0.5 x the best known bandwidth
@@ -21,8 +28,11 @@ bandwidth measured so far, so a new relay is tried early.
 from __future__ import annotations
 
 import random
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Hashable, Iterable, Mapping
 
 # Weight of a relay whose every observation failed and that has not healed yet: never exactly 0,
 # so a client whose relays all failed once still picks one instead of dividing by zero.
@@ -37,19 +47,29 @@ class RelayScore:
     failures: int = 0
 
 
-def observe(scores: dict[str, RelayScore], relay: str, *, ok: bool, nbytes: float, seconds: float,
-            alpha: float, heal: float) -> None:
-    """Fold one download attempt from ``relay`` into the scores, then heal every relay."""
+def observe_success(scores: dict[str, RelayScore], relay: str, *, nbytes: float, seconds: float,
+                    alpha: float, heal: float) -> None:
+    """Fold one download of ``nbytes`` in ``seconds`` from ``relay`` into the scores, then heal every relay."""
     s = scores[relay]
     s.picks += 1
-    s.success = alpha * (1.0 if ok else 0.0) + (1 - alpha) * s.success
-    if ok:
-        bw = nbytes / max(seconds, 1e-6)
-        s.bandwidth = bw if s.bandwidth is None else alpha * bw + (1 - alpha) * s.bandwidth
-    else:
-        s.failures += 1
-    for other in scores.values():
-        other.success = min(1.0, other.success + heal)
+    s.success = alpha + (1 - alpha) * s.success
+    bw = nbytes / max(seconds, 1e-6)
+    s.bandwidth = bw if s.bandwidth is None else alpha * bw + (1 - alpha) * s.bandwidth
+    _heal(scores, heal)
+
+
+def observe_failure(scores: dict[str, RelayScore], relay: str, *, alpha: float, heal: float) -> None:
+    """Fold one failure of ``relay`` into its success rate (its bandwidth stays), then heal every relay."""
+    s = scores[relay]
+    s.picks += 1
+    s.success = (1 - alpha) * s.success
+    s.failures += 1
+    _heal(scores, heal)
+
+
+def _heal(scores: dict[str, RelayScore], heal: float) -> None:
+    for s in scores.values():
+        s.success = min(1.0, s.success + heal)
 
 
 def weights(scores: Mapping[str, RelayScore]) -> dict[str, float]:
@@ -68,7 +88,7 @@ def pick(scores: Mapping[str, RelayScore], candidates: Iterable[str], rng: rando
     The division spreads one client's parallel downloads over its relays. Without it they pile on
     whichever relay measured fastest a few seconds ago; its downloads then slow down, the other relay
     idles unmeasured, and a client's last shards can all wait on one relay while the other has nothing
-    to do (WAN testbed, 2 relays, 4 clients: one uplink idle for seconds at a time).
+    to do.
 
     >>> s = {"fast": RelayScore(bandwidth=9.0), "slow": RelayScore(bandwidth=1.0)}
     >>> rng = random.Random(0)
@@ -83,3 +103,92 @@ def pick(scores: Mapping[str, RelayScore], candidates: Iterable[str], rng: rando
     w = weights({r: scores[r] for r in cands})
     load = load or {}
     return rng.choices(cands, weights=[w[r] / (1 + load.get(r, 0)) for r in cands])[0]
+
+
+@dataclass
+class Try:
+    """One download of shard ``key`` from ``relay``, started at ``started`` (``time.monotonic()``)."""
+
+    key: Hashable
+    relay: str
+    started: float
+    open: bool = True
+
+
+class Scheduler:
+    """One downloader's relay choice: the relays' scores, its tries in flight on each, and which relays
+    each shard (any hashable ``key``) was tried from. Thread-safe.
+
+    Each :meth:`start` is closed by one of :meth:`succeeded`, :meth:`failed` (a failure of the relay)
+    or :meth:`abandon` (the downloader gave up: nothing learned); a second close of the same try does
+    nothing. A retry goes to a relay the shard was not tried from while there is one.
+
+    >>> sched = Scheduler(["a", "b"], alpha=0.5, heal=0.0, seed=1)
+    >>> t = sched.start("s0", ["a", "b"])
+    >>> t.relay, dict(sched.load)
+    ('a', {'a': 1})
+    >>> sched.failed(t), dict(sched.load), sched.scores["a"].success  # tries of s0 so far
+    (1, {'a': 0}, 0.5)
+    >>> sched.start("s0", ["a", "b"]).relay
+    'b'
+    """
+
+    def __init__(self, relays: Iterable[str], *, alpha: float, heal: float, seed: int | None = None):
+        self.scores = {r: RelayScore() for r in relays}
+        self.load: Counter[str] = Counter()  # tries in flight on each relay
+        self.alpha, self.heal = alpha, heal
+        self._rng = random.Random(seed)
+        self._tried: dict[Hashable, set[str]] = {}
+        self._tries: Counter[Hashable] = Counter()
+        self._lock = threading.Lock()
+
+    def start(self, key: Hashable, candidates: Iterable[str]) -> Try:
+        """Pick the relay to download ``key`` from, among ``candidates``, and count the try in flight."""
+        cands = list(candidates)
+        with self._lock:
+            tried = self._tried.setdefault(key, set())
+            relay = pick(self.scores, [r for r in cands if r not in tried] or cands, self._rng, self.load)
+            self.load[relay] += 1
+            tried.add(relay)
+            self._tries[key] += 1
+        return Try(key, relay, time.monotonic())
+
+    def succeeded(self, t: Try, nbytes: float) -> None:
+        with self._lock:
+            if self._close(t):
+                observe_success(self.scores, t.relay, nbytes=nbytes, seconds=time.monotonic() - t.started,
+                                alpha=self.alpha, heal=self.heal)
+
+    def failed(self, t: Try) -> int:
+        """Record a failed try; returns how many tries ``t.key`` has had."""
+        with self._lock:
+            if self._close(t):
+                observe_failure(self.scores, t.relay, alpha=self.alpha, heal=self.heal)
+            return self._tries[t.key]
+
+    def abandon(self, t: Try) -> None:
+        with self._lock:
+            self._close(t)
+
+    def penalize(self, relay: str) -> None:
+        """A failure outside a download (a listing past its deadline, a lie): counted as a failed try."""
+        with self._lock:
+            observe_failure(self.scores, relay, alpha=self.alpha, heal=self.heal)
+
+    def tries(self, key: Hashable) -> int:
+        with self._lock:
+            return self._tries[key]
+
+    def forget(self, keys: Iterable[Hashable]) -> None:
+        """Drop what is known of these shards' tries (they are held, or no longer wanted)."""
+        with self._lock:
+            for k in keys:
+                self._tried.pop(k, None)
+                self._tries.pop(k, None)
+
+    def _close(self, t: Try) -> bool:
+        if not t.open:
+            return False
+        t.open = False
+        self.load[t.relay] -= 1
+        return True

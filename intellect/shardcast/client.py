@@ -1,22 +1,19 @@
 """Download a version from relays: shards in parallel, each checked on arrival, the whole checked before it shows.
 
 :meth:`ShardcastClient.fetch` starts as soon as any relay lists the version, even while the origin
-is still writing it, and downloads each shard from a relay that advertises it (picked by
-:mod:`~intellect.shardcast.choice`). One thread per relay watches its listing with long polls (the
-relay answers when it holds another shard, with only the shards new to this client), and one
-:class:`~intellect.shardcast.manifest.ManifestView` unites the relays' listings. Each shard is read
-from a kept-alive connection into one reused buffer
-(:class:`~intellect.shardcast.wire.ShardConnections`), hashed piece by piece as it arrives, and written to its place in the checkpoint's files (no second copy). The
-hash starts from the blob's SHA-256 chaining value where the shard begins
-(:mod:`~intellect.shardcast.chain`), so one pass checks the shard against the manifest's chaining
-value at its end and also extends the whole-checkpoint SHA-256; a shard that does not match is
-discarded and fetched again from another relay, up to ``attempts`` tries. The whole checkpoint's
-SHA-256 is then the last chaining value finished off, compared with the manifest's. Shards without
-chaining values (an origin without OpenSSL's SHA-256 calls, a last shard ending mid-block, or
-``reread``) are checked by their own SHA-256 and read back from the page cache by a thread that
-hashes the finished prefix, so the whole hash is ready right after the last shard. Only then is
-the temporary folder renamed to its final name and ``STABLE`` written: a failed fetch leaves
-nothing visible, and every wait is bounded by one deadline.
+is still writing it, and downloads each shard from a relay that advertises it (picked by the
+client's :class:`~intellect.shardcast.choice.Scheduler`). One thread per relay watches its listing
+with long polls (the relay answers when it holds another shard, with only the shards new to this
+client), and one :class:`~intellect.shardcast.manifest.ManifestView` unites the relays' listings.
+Each shard streams through :func:`~intellect.shardcast.wire.download_shard` into its place in the
+checkpoint's files (:class:`~intellect.shardcast.assembly.Assembly`, no second copy), hashed piece
+by piece as it arrives. The hash starts from the blob's SHA-256 chaining value where the shard
+begins (:mod:`~intellect.shardcast.chain`), so one pass checks the shard against the manifest's
+chaining value at its end and also extends the whole-checkpoint SHA-256
+(:class:`~intellect.shardcast.assembly.OrderedHasher`); a shard that does not match is discarded and
+fetched again from another relay, up to ``attempts`` tries. Only once the whole checkpoint's SHA-256
+matches the manifest's is the temporary folder renamed to its final name and ``STABLE`` written: a
+failed fetch leaves nothing visible, and every wait is bounded by one deadline.
 
 Nothing a relay says is taken on its word: every header and shard entry must carry the trainer's
 signature (:mod:`~intellect.shardcast.signing`, checked by the view before anything is used), and
@@ -33,10 +30,8 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import random
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -44,12 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from intellect.shardcast import chain
-from intellect.shardcast.choice import RelayScore, observe, pick
+from intellect.shardcast.assembly import Assembly, HashFailed, OrderedHasher
+from intellect.shardcast.choice import Scheduler, Try
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
 from intellect.shardcast.signing import Untrusted, Verifier
-from intellect.shardcast.store import preallocate, write_at
 from intellect.shardcast.wire import (DeadlineMissed, ShardConnections, ShardMismatch, WireError, answer_budget,
                                       ask_each, download_shard, fetch_delta, in_thread, list_versions)
 from intellect.storage import STABLE
@@ -57,7 +51,8 @@ from intellect.storage import STABLE
 log = logging.getLogger("intellect.shardcast.client")
 
 _LONG_POLL = 1.0  # seconds a relay may hold a manifest request until it has news
-_READ_BACK = 4 << 20
+
+Progress = Callable[[int, int | None], None]
 
 
 class ShardcastError(RuntimeError):
@@ -74,51 +69,6 @@ class FetchStats:
     by_relay: dict[str, int]
 
 
-class _Assembly:
-    """The checkpoint's files in a temporary folder, written at shard offsets, hashed in order."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.fds: dict[str, int] = {}
-        self.lock = threading.Lock()
-        # One writer at a time per process: concurrent pwrite() calls on one file make the kernel
-        # spin on the inode lock (measured: ~18% of the client's CPU with 8 downloads at once).
-        self.write_lock = threading.Lock()
-
-    def fd(self, name: str) -> int:
-        with self.lock:
-            if name not in self.fds:
-                self.fds[name] = os.open(self.folder / name, os.O_RDWR | os.O_CREAT, 0o644)
-            return self.fds[name]
-
-    def sink(self, manifest: Manifest, entry: ShardEntry) -> Callable[[int, memoryview], None]:
-        segs = [(self.fd(name), foff, n) for name, foff, n in manifest.segments(entry)]
-        for fd, foff, n in segs:
-            preallocate(fd, foff, n)
-
-        def write(pos: int, data: memoryview) -> None:
-            view, seg_start = memoryview(data), 0
-            for fd, foff, n in segs:  # shard-relative [seg_start, seg_start + n) lies at foff in its file
-                lo, hi = max(pos, seg_start), min(pos + len(view), seg_start + n)
-                if lo < hi:
-                    with self.write_lock:
-                        write_at(fd, view[lo - pos: hi - pos], foff + lo - seg_start)
-                seg_start += n
-
-        return write
-
-    def finish(self, manifest: Manifest) -> None:
-        for f in manifest.files:  # empty files, and files whose bytes no shard carried
-            os.ftruncate(self.fd(f.name), f.size)
-        self.close()
-
-    def close(self) -> None:
-        with self.lock:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
-
-
 class ShardcastClient:
     """Fetches versions signed by ``cfg.trainer_key`` from ``relays``."""
 
@@ -130,21 +80,18 @@ class ShardcastClient:
         self.verifier = Verifier(cfg.trainer_key)
         #: relay -> why it was marked bad (in the fetch or listing that last found it so)
         self.bad: dict[str, str] = {}
-        self.scores = {r: RelayScore() for r in self.relays}
-        self.rng = random.Random(self.cfg.seed)
-        self._conns = ShardConnections(self.cfg.connect_timeout, self.cfg.read_timeout, self.cfg.parallel)
-        self._lock = threading.Lock()
+        #: the relay choice, kept across fetches
+        self.scheduler = Scheduler(self.relays, alpha=cfg.alpha, heal=cfg.heal, seed=cfg.seed)
+        self.conns = ShardConnections(cfg.connect_timeout, cfg.read_timeout, cfg.parallel)
 
     def close(self) -> None:
-        self._conns.close()
+        self.conns.close()
 
     def __enter__(self) -> "ShardcastClient":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ discovery
 
     def versions(self) -> dict[int, bool]:
         """Version -> complete on some relay, over every relay that answers (silent ones are skipped).
@@ -154,16 +101,16 @@ class ShardcastClient:
         cfg = self.cfg
         deadline = time.monotonic() + min(cfg.deadline, answer_budget(cfg.read_timeout, cfg.max_versions_bytes,
                                                                       cfg.min_rate))
-        answers = ask_each({relay: (lambda relay=relay: list_versions(self._conns, relay, self.verifier,
+        answers = ask_each({relay: (lambda relay=relay: list_versions(self.conns, relay, self.verifier,
                                                                       cfg.max_versions_bytes, deadline))
                             for relay in self.relays}, deadline)
         out: dict[int, bool] = {}
         for relay, listed in answers.items():
             if isinstance(listed, Untrusted):
-                self._distrust(relay, f"/versions: {listed}")
+                self.distrust(relay, f"/versions: {listed}")
                 continue
             if isinstance(listed, DeadlineMissed):
-                self._missed(relay, f"/versions: {listed}")
+                self.missed(relay, f"/versions: {listed}")
                 continue
             if isinstance(listed, (WireError, ValueError)):
                 log.debug("relay %s: %s", relay, listed)
@@ -177,10 +124,7 @@ class ShardcastClient:
     def complete_versions(self) -> list[int]:
         return sorted(v for v, done in self.versions().items() if done)
 
-    # ------------------------------------------------------------------ fetch
-
-    def fetch(self, version: int, dest: str | os.PathLike,
-              progress: Callable[[int, int | None], None] | None = None) -> FetchStats:
+    def fetch(self, version: int, dest: str | os.PathLike, progress: Progress | None = None) -> FetchStats:
         """Download ``version`` into folder ``dest`` (made atomically, ``STABLE`` last); a no-op if it is there.
 
         ``progress(shards_done, shards_total or None while the version is incomplete)`` is called after each shard.
@@ -192,10 +136,9 @@ class ShardcastClient:
         if dest.exists():
             shutil.rmtree(dest)  # a folder without STABLE is a leftover, never a checkpoint
         t0 = time.monotonic()
-        deadline = t0 + self.cfg.deadline
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
         try:
-            stats = self._fetch_into(version, tmp, deadline, progress)
+            stats = _Fetch(self, version, tmp, t0 + self.cfg.deadline, progress).run()
             os.replace(tmp, dest)
             (dest / STABLE).write_text(f'{{"version": {version}}}\n')
         except BaseException:
@@ -204,119 +147,8 @@ class ShardcastClient:
         stats.seconds = time.monotonic() - t0
         return stats
 
-    def _fetch_into(self, version: int, folder: Path, deadline: float,
-                    progress: Callable[[int, int | None], None] | None) -> FetchStats:
-        cfg = self.cfg
-        errors: dict[str, str] = {}
-        bad: set[str] = set()  # relays not asked again in this fetch
-        asm = _Assembly(folder)
-        pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="shardcast-get")
-        inflight: dict[Future, tuple[ShardEntry, str, float]] = {}
-        done: set[int] = set()
-        tries: dict[int, list[str]] = {}
-        by_relay: dict[str, int] = {}
-        view = ManifestView(version, self.verifier)  # every relay's listing, each answer costing only its news
-        ref: Manifest | None = None  # the view when last looked at: what downloads are started from
-        pending: list[int] = []  # a heap of listed shards not yet started: lowest index first
-        heard: list[ShardEntry] = []  # listed since ref was last made
-        told_total = False
-        unheard, first_heard = set(self.relays), 0.0
-        watch = {in_thread(self._watch, relay, version, view.query(relay), 0.0, 0.0, deadline): relay
-                 for relay in self.relays}
-        hasher = _OrderedHasher(asm)
-        try:
-            while True:
-                now = time.monotonic()
-                if now > deadline:
-                    raise ShardcastError(self._why(f"version {version} not fetched within {cfg.deadline:.0f} s",
-                                                   errors, done, ref))
-                if ref is not None:
-                    unheld, busy = [], {e.index for e, _, _ in inflight.values()}
-                    load = Counter(r for _, r, _ in inflight.values())
-                    while pending and len(inflight) < cfg.parallel:
-                        index = heapq.heappop(pending)
-                        s = view.shard(index)
-                        relays = [r for r in view.holders.get(index, ()) if r not in bad]
-                        if index in done or index in busy or s is None or ref.shard(index) != s:
-                            continue  # done, started, or no longer listed as it was
-                        if not relays:  # its relays went quiet: wait for one to list it again
-                            unheld.append(index)
-                            continue
-                        fresh = [r for r in relays if r not in tries.get(index, [])] or relays
-                        with self._lock:
-                            relay = pick(self.scores, fresh, self.rng, load)
-                        load[relay] += 1
-                        tries.setdefault(index, []).append(relay)
-                        fut = pool.submit(download_shard, self._conns, relay, version, s, asm.sink(ref, s),
-                                          deadline, chain_before(ref, s))
-                        inflight[fut] = (s, relay, time.monotonic())
-                        busy.add(index)  # a shard listed twice in the heap starts once
-                    for index in unheld:
-                        heapq.heappush(pending, index)
-                    if ref.complete and len(done) == len(ref.shards):
-                        if progress is not None and not told_total:  # the total became known after the last shard
-                            progress(len(done), len(ref.shards))
-                        break
-                if not inflight and not watch:
-                    time.sleep(min(cfg.poll_interval, max(0.0, deadline - time.monotonic())))
-                    continue
-                finished, _ = wait([*inflight, *watch], timeout=cfg.poll_interval, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    if fut in watch:
-                        unheard.discard(watch[fut])
-                        first_heard = first_heard or time.monotonic()
-                        heard += self._watched(fut, watch, view, errors, bad, version, deadline)
-                        continue
-                    entry, relay, started = inflight.pop(fut)
-                    err = fut.exception()
-                    with self._lock:
-                        observe(self.scores, relay, ok=err is None, nbytes=entry.size,
-                                seconds=time.monotonic() - started, alpha=cfg.alpha, heal=cfg.heal)
-                    if err is None:
-                        done.add(entry.index)
-                        by_relay[relay] = by_relay.get(relay, 0) + 1
-                        hasher.add(entry.index, fut.result() and not cfg.reread)
-                        if progress is not None:
-                            told_total = ref.complete
-                            progress(len(done), len(ref.shards) if ref.complete else None)
-                        continue
-                    errors[relay] = f"shard {entry.index}: {err}"
-                    log.warning("shard %d of v%d from %s failed: %s", entry.index, version, relay, err)
-                    if isinstance(err, ShardMismatch):
-                        self._mark_bad(relay, f"shard {entry.index}: {err} (not the signed bytes)", view, errors, bad)
-                    if len(tries[entry.index]) >= cfg.attempts:
-                        raise ShardcastError(self._why(f"shard {entry.index} of version {version} failed "
-                                                       f"{len(tries[entry.index])} tries", errors, done, ref))
-                    heapq.heappush(pending, entry.index)
-                # the first look waits (briefly) for every relay, so the first wave of shards is
-                # spread over all of them, not sent to whichever answered first
-                if (heard or (view.header is not None and (ref is None or view.header.complete != ref.complete))) \
-                        and (not unheard or time.monotonic() - first_heard >= cfg.poll_interval):
-                    new_ref = view.manifest()
-                    if done and new_ref is not None and new_ref.publication != ref.publication:
-                        raise ShardcastError(f"version {version} was written anew while it was fetched; fetch again")
-                    ref = new_ref
-                    for e in heard:
-                        heapq.heappush(pending, e.index)
-                    heard = []
-                    if ref is not None:
-                        hasher.manifest = ref
-            digest = hasher.result(deadline)
-            if digest != ref.sha256:
-                raise ShardcastError(f"version {version}: the assembled checkpoint's sha256 {digest} differs from "
-                                     f"the manifest's {ref.sha256}; nothing was kept")
-            asm.finish(ref)
-            return FetchStats(version, ref.total_size, 0.0, len(ref.shards),
-                              sum(len(t) - 1 for t in tries.values()), by_relay)
-        finally:
-            hasher.stop()
-            for fut in inflight:
-                fut.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
-            asm.close()
-
-    def _watch(self, relay: str, version: int, query: str, hold: float, delay: float,
-               deadline: float) -> ManifestDelta:
+    def ask_manifest(self, relay: str, version: int, query: str, hold: float, delay: float,
+                     deadline: float) -> ManifestDelta:
         """``relay``'s answer to ``query`` about ``version`` after ``delay`` s, held up to ``hold`` s until
         it has news (a long poll)."""
         cfg = self.cfg
@@ -325,150 +157,226 @@ class ShardcastClient:
         hold = max(0.0, min(hold, deadline - time.monotonic()))
         until = min(deadline, time.monotonic() + answer_budget(cfg.read_timeout, cfg.max_manifest_bytes, cfg.min_rate,
                                                                hold))
-        return fetch_delta(self._conns, relay, version, query, hold, cfg.max_manifest_bytes, until)
+        return fetch_delta(self.conns, relay, version, query, hold, cfg.max_manifest_bytes, until)
 
-    def _distrust(self, relay: str, why: str) -> None:
+    def distrust(self, relay: str, why: str) -> None:
+        """``relay`` served something the trainer did not sign: kept in :attr:`bad`, and a failure in the choice."""
         self.bad[relay] = why
         log.warning("relay %s marked bad: %s", relay, why)
-        with self._lock:
-            observe(self.scores, relay, ok=False, nbytes=0, seconds=0.0, alpha=self.cfg.alpha, heal=self.cfg.heal)
+        self.scheduler.penalize(relay)
 
-    def _missed(self, relay: str, why: str) -> None:
+    def missed(self, relay: str, why: str) -> None:
         """``relay`` did not answer before a deadline: a failure in the relay choice, not a lie."""
         log.warning("relay %s too slow: %s", relay, why)
-        with self._lock:
-            observe(self.scores, relay, ok=False, nbytes=0, seconds=0.0, alpha=self.cfg.alpha, heal=self.cfg.heal)
+        self.scheduler.penalize(relay)
 
-    def _mark_bad(self, relay: str, why: str, view: ManifestView, errors: dict[str, str], bad: set[str]) -> None:
-        """Stop using ``relay`` in this fetch; fail the fetch when no relay is left."""
-        if relay in bad:
+
+class _Fetch:
+    """One fetch in progress: what the relays list, which shards are started, done or failed, and the
+    step that moves it on (:meth:`run`).
+
+    Only the caller's thread changes this state. Downloads run on a pool and each relay's listing on
+    its own watcher thread; their futures come back to :meth:`_step`, which takes each in turn.
+    """
+
+    def __init__(self, client: ShardcastClient, version: int, folder: Path, deadline: float,
+                 progress: Progress | None):
+        self.client, self.cfg, self.version = client, client.cfg, version
+        self.deadline, self.progress = deadline, progress
+        self.files = Assembly(folder)
+        self.hasher = OrderedHasher(self.files)
+        self.view = ManifestView(version, client.verifier)  # every relay's listing, each answer costing only its news
+        self.ref: Manifest | None = None  # the view when last looked at: what downloads are started from
+        self.pending: list[int] = []  # a heap of listed shards not yet started: lowest index first
+        self.heard: list[ShardEntry] = []  # listed since ref was last made
+        self.inflight: dict[Future, tuple[ShardEntry, Try]] = {}
+        self.watch: dict[Future, str] = {}  # each relay's listing request in flight
+        self.done: set[int] = set()
+        self.started: set[int] = set()
+        self.by_relay: Counter[str] = Counter()
+        self.errors: dict[str, str] = {}  # relay -> its last failure, for the error message
+        self.bad: set[str] = set()  # relays not asked again in this fetch
+        self.unheard, self.first_heard = set(client.relays), 0.0
+        self.told_total = False  # progress was called with the total
+        self.pool = ThreadPoolExecutor(self.cfg.parallel, thread_name_prefix="shardcast-get")
+
+    def run(self) -> FetchStats:
+        try:
+            for relay in self.client.relays:
+                self._look(relay, hold=0.0, delay=0.0)
+            while not self._step():
+                pass
+            try:
+                digest = self.hasher.result(self.deadline)
+            except HashFailed as e:
+                raise ShardcastError(str(e)) from e
+            ref = self.ref
+            assert ref is not None and ref.total_size is not None  # _step ends once ref is the complete version
+            if digest != ref.sha256:
+                raise ShardcastError(f"version {self.version}: the assembled checkpoint's sha256 {digest} differs "
+                                     f"from the manifest's {ref.sha256}; nothing was kept")
+            self.files.finish(ref)
+            retries = sum(self.client.scheduler.tries(self._key(i)) - 1 for i in self.started)
+            return FetchStats(self.version, ref.total_size, 0.0, len(ref.shards), retries, dict(self.by_relay))
+        finally:
+            self.hasher.stop()
+            for fut in self.inflight:
+                fut.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            for _, t in self.inflight.values():
+                self.client.scheduler.abandon(t)
+            self.client.scheduler.forget(self._key(i) for i in self.started)
+            self.files.close()
+
+    def _key(self, index: int) -> tuple[_Fetch, int]:
+        return self, index  # this fetch's shard: another fetch of the same version keeps its own tries
+
+    def _step(self) -> bool:
+        """Start what can start, take what finished; True once every shard of the complete version is in."""
+        if time.monotonic() > self.deadline:
+            raise ShardcastError(self._why(f"version {self.version} not fetched within {self.cfg.deadline:.0f} s"))
+        if self.ref is not None:
+            self._start_downloads()
+            if self.ref.complete and len(self.done) == len(self.ref.shards):
+                if self.progress is not None and not self.told_total:  # the total became known after the last shard
+                    self.progress(len(self.done), len(self.ref.shards))
+                return True
+        if not self.inflight and not self.watch:
+            time.sleep(min(self.cfg.poll_interval, max(0.0, self.deadline - time.monotonic())))
+            return False
+        finished, _ = wait([*self.inflight, *self.watch], timeout=self.cfg.poll_interval, return_when=FIRST_COMPLETED)
+        for fut in finished:
+            if fut in self.watch:
+                self._listed(fut)
+            else:
+                self._downloaded(fut)
+        self._refresh()
+        return False
+
+    def _start_downloads(self) -> None:
+        """Start listed shards, lowest index first, while fewer than ``parallel`` are in flight."""
+        view, ref, sched = self.view, self.ref, self.client.scheduler
+        assert ref is not None  # downloads start from a reference
+        unheld, busy = [], {e.index for e, _ in self.inflight.values()}
+        while self.pending and len(self.inflight) < self.cfg.parallel:
+            index = heapq.heappop(self.pending)
+            s = view.shard(index)
+            relays = [r for r in view.holders.get(index, ()) if r not in self.bad]
+            if index in self.done or index in busy or s is None or ref.shard(index) != s:
+                continue  # done, started, or no longer listed as it was
+            if not relays:  # its relays went quiet: wait for one to list it again
+                unheld.append(index)
+                continue
+            t = sched.start(self._key(index), relays)
+            self.started.add(index)
+            fut = self.pool.submit(download_shard, self.client.conns, t.relay, self.version, s,
+                                   self.files.sink(ref, s), self.deadline, chain_before(ref, s))
+            self.inflight[fut] = (s, t)
+            busy.add(index)  # a shard listed twice in the heap starts once
+        for index in unheld:
+            heapq.heappush(self.pending, index)
+
+    def _downloaded(self, fut: Future) -> None:
+        entry, t = self.inflight.pop(fut)
+        sched, err, ref = self.client.scheduler, fut.exception(), self.ref
+        assert ref is not None  # it was started from one
+        if err is None:
+            sched.succeeded(t, entry.size)
+            self.done.add(entry.index)
+            self.by_relay[t.relay] += 1
+            self.hasher.add(entry.index, fut.result() and not self.cfg.reread)
+            if self.progress is not None:
+                self.told_total = ref.complete
+                self.progress(len(self.done), len(ref.shards) if ref.complete else None)
             return
-        bad.add(relay)
-        errors[relay] = f"marked bad: {why}"
-        view.drop(relay)
-        self._distrust(relay, why)
-        if bad.issuperset(self.relays):
-            raise ShardcastError(f"version {view.version}: every relay served data that failed verification "
-                                 f"({'; '.join(f'{r}: {errors[r]}' for r in self.relays)}); nothing was kept")
+        tries = sched.failed(t)
+        self.errors[t.relay] = f"shard {entry.index}: {err}"
+        log.warning("shard %d of v%d from %s failed: %s", entry.index, self.version, t.relay, err)
+        if isinstance(err, ShardMismatch):
+            self._mark_bad(t.relay, f"shard {entry.index}: {err} (not the signed bytes)")
+        if tries >= self.cfg.attempts:
+            raise ShardcastError(self._why(f"shard {entry.index} of version {self.version} failed {tries} tries"))
+        heapq.heappush(self.pending, entry.index)
 
-    def _watched(self, fut: Future, watch: dict[Future, str], view: ManifestView, errors: dict[str, str],
-                 bad: set[str], version: int, deadline: float) -> list[ShardEntry]:
-        """Take one answer of a relay's watcher into ``view`` (returns the shards new to it) and start
-        its next look (none once it listed the whole version, or once it is bad)."""
-        relay = watch.pop(fut)
-        if relay in bad:
-            return []
-        err, new = fut.exception(), []
+    def _refresh(self) -> None:
+        """Take the view as the reference for new downloads when it has news. The first look waits
+        (briefly) for every relay, so the first wave of shards is spread over all of them, not sent
+        to whichever answered first."""
+        view, ref = self.view, self.ref
+        news = self.heard or (view.header is not None and (ref is None or view.header.complete != ref.complete))
+        if not news or (self.unheard and time.monotonic() - self.first_heard < self.cfg.poll_interval):
+            return
+        new_ref = view.manifest()
+        if self.done and new_ref is not None and ref is not None and new_ref.publication != ref.publication:
+            raise ShardcastError(f"version {self.version} was written anew while it was fetched; fetch again")
+        self.ref = new_ref
+        for e in self.heard:
+            heapq.heappush(self.pending, e.index)
+        self.heard = []
+        if new_ref is not None:
+            self.hasher.manifest = new_ref
+
+    def _look(self, relay: str, hold: float, delay: float) -> None:
+        fut = in_thread(self.client.ask_manifest, relay, self.version, self.view.query(relay), hold, delay,
+                        self.deadline)
+        self.watch[fut] = relay
+
+    def _listed(self, fut: Future) -> None:
+        """Take one answer of a relay's watcher into the view (its new shards into :attr:`heard`) and
+        start its next look (none once it listed the whole version, or once it is bad)."""
+        relay = self.watch.pop(fut)
+        self.unheard.discard(relay)
+        self.first_heard = self.first_heard or time.monotonic()
+        if relay in self.bad:
+            return
+        view, err = self.view, fut.exception()
         # an answer with nothing new (the long poll expired, or a server that does not hold
         # requests) is followed by a pause, so no relay is asked in a tight loop
         delay = self.cfg.poll_interval
         if err is None:
             d = fut.result()
             try:
-                new = view.apply(relay, d)
+                self.heard += view.apply(relay, d)
                 if d.shards or d.complete:
                     delay = 0.0
             except Untrusted as e:
-                self._mark_bad(relay, f"manifest: {str(e)[:300]}", view, errors, bad)
-                return []
+                self._mark_bad(relay, f"manifest: {str(e)[:300]}")
+                return
             except ValueError as e:
-                errors[relay] = f"manifest disagrees with the other relays ({str(e)[:200]})"
+                self.errors[relay] = f"manifest disagrees with the other relays ({str(e)[:200]})"
         elif isinstance(err, Untrusted):
-            self._mark_bad(relay, f"manifest: {str(err)[:300]}", view, errors, bad)
-            return []
+            self._mark_bad(relay, f"manifest: {str(err)[:300]}")
+            return
         else:
             if not isinstance(err, (WireError, ValueError)):
                 raise err
             if isinstance(err, DeadlineMissed):
-                self._missed(relay, f"manifest: {err}")
-            errors[relay] = f"manifest: {str(err).splitlines()[0][:200]}"
+                self.client.missed(relay, f"manifest: {err}")
+            self.errors[relay] = f"manifest: {str(err).splitlines()[0][:200]}"
             view.drop(relay)  # not used until it answers again
         if not view.complete_at(relay):
-            hold = min(_LONG_POLL, self.cfg.read_timeout / 2) if relay in view.servers() else 0.0
-            watch[in_thread(self._watch, relay, version, view.query(relay), hold, delay, deadline)] = relay
-        return new
+            self._look(relay, min(_LONG_POLL, self.cfg.read_timeout / 2) if relay in view.servers() else 0.0, delay)
 
-    @staticmethod
-    def _why(head: str, errors: dict[str, str], done: set[int], ref: Manifest | None) -> str:
+    def _mark_bad(self, relay: str, why: str) -> None:
+        """Stop using ``relay`` in this fetch; fail the fetch when no relay is left."""
+        if relay in self.bad:
+            return
+        self.bad.add(relay)
+        self.errors[relay] = f"marked bad: {why}"
+        self.view.drop(relay)
+        self.client.distrust(relay, why)
+        if self.bad.issuperset(self.client.relays):
+            raise ShardcastError(f"version {self.version}: every relay served data that failed verification "
+                                 f"({'; '.join(f'{r}: {self.errors[r]}' for r in self.client.relays)}); "
+                                 "nothing was kept")
+
+    def _why(self, head: str) -> str:
+        ref = self.ref
         if ref is None:
             got = "no relay listed the version"
         elif ref.complete:
-            got = f"{len(done)}/{len(ref.shards)} shards"
+            got = f"{len(self.done)}/{len(ref.shards)} shards"
         else:
-            got = f"{len(done)} shards, the version is complete on no relay ({len(ref.shards)} shards listed)"
-        detail = "; ".join(f"{r}: {e}" for r, e in sorted(errors.items())) or "no errors recorded"
+            got = f"{len(self.done)} shards, the version is complete on no relay ({len(ref.shards)} shards listed)"
+        detail = "; ".join(f"{r}: {e}" for r, e in sorted(self.errors.items())) or "no errors recorded"
         return f"{head} ({got}; {detail})"
-
-
-class _OrderedHasher:
-    """SHA-256 of the blob, fed shard by shard in index order as shards finish.
-
-    A shard checked by its chaining value costs nothing here: the hash jumps to the value after it.
-    Any other shard (no chaining values in the manifest, the last one ending mid-block, or
-    ``reread``) is read back from the page cache and hashed on this thread."""
-
-    def __init__(self, asm: _Assembly):
-        self.asm = asm
-        self.manifest: Manifest | None = None
-        self._h = chain.whole_hasher()
-        self._ready: dict[int, bool] = {}  # finished shard -> checked by its chaining value
-        self._next = 0
-        self._cv = threading.Condition()
-        self._stop = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True, name="shardcast-hash")
-        self._thread.start()
-
-    def add(self, index: int, chained: bool) -> None:
-        with self._cv:
-            self._ready[index] = chained
-            self._cv.notify()
-
-    def _run(self) -> None:
-        buf = memoryview(bytearray(_READ_BACK))  # reused: no fresh memory per read
-        try:
-            while True:
-                with self._cv:
-                    while not self._stop and self._next not in self._ready:
-                        self._cv.wait()
-                    if self._stop:
-                        return
-                    index, manifest, chained = self._next, self.manifest, self._ready[self._next]
-                entry = manifest.shard(index)
-                if chained:
-                    self._h = chain.ChainedSha256(entry.chain, entry.offset + entry.size)
-                else:
-                    self._read_back(manifest, entry, buf)
-                with self._cv:
-                    self._next += 1
-                    self._cv.notify_all()
-        except BaseException as e:  # reported by result()
-            with self._cv:
-                self._error = e
-                self._cv.notify_all()
-
-    def _read_back(self, manifest: Manifest, entry: ShardEntry, buf: memoryview) -> None:
-        for name, foff, n in manifest.segments(entry):
-            fd = self.asm.fd(name)
-            for off in range(0, n, _READ_BACK):
-                want = min(_READ_BACK, n - off)
-                got = os.preadv(fd, [buf[:want]], foff + off)
-                if got != want:
-                    raise OSError(f"{name}: read {got} of {want} bytes at {foff + off}")
-                self._h.update(buf[:want])
-
-    def result(self, deadline: float) -> str:
-        total = len(self.manifest.shards)
-        with self._cv:
-            while self._next < total and self._error is None:
-                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise ShardcastError("hashing the checkpoint did not finish before the deadline")
-            if self._error is not None:
-                raise ShardcastError(f"hashing the checkpoint failed: {self._error}") from self._error
-        return self._h.hexdigest()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=10)

@@ -22,9 +22,8 @@ class ClientTuning(StrictModel):
     """How a client downloads a version from relays (all but the trainer's key: :class:`ClientConfig`)."""
 
     parallel: int = Field(
-        4, ge=1, le=256, description="Shards downloaded at once. More threads fight over the GIL: on loopback "
-        "from 2 relays, 1 GiB took 1.30 s with 4 and 2.15 s with 8 (median of 5, bodies through httpx; read "
-        "into reused buffers, 2 and 4 tie end to end); slow links want more.")
+        4, ge=1, le=256, description="Shards downloaded at once. More threads fight over the GIL on fast "
+        "links; slow links want more.")
     attempts: int = Field(5, ge=1, le=100, description="Tries per shard (each from a relay picked afresh).")
     deadline: float = Field(600.0, gt=0, le=86400, description="Seconds for a whole version, waiting included.")
     connect_timeout: float = Field(5.0, gt=0, le=600, description="Seconds to open a connection to a relay.")

@@ -171,8 +171,7 @@ class ManifestDelta(_Strict):
     manifest long poll answers, so each answer costs the shards new to the asker, not the whole list.
 
     A 62 GB checkpoint has ~4,000 shards of 16 MiB; sending, parsing and rewriting the whole manifest
-    at every new shard made following a version quadratic (4,096 shards of 16 KiB: 71 CPU-s at a
-    relay, 38 at its client, for 64 MiB of data).
+    at every new shard would make following a version quadratic in its shard count.
 
     The *listing* is the order in which a server listed its shards (the origin: index order; a relay:
     the order in which its fetches finished); ``listing`` names it, so a server that starts its
@@ -243,7 +242,7 @@ def _header_rank(h: ManifestDelta | Manifest) -> tuple[bool, bool, int, bool]:
     return h.complete, h.sha256 is not None, len(h.files), bool(h.files) and h.files[-1].size is not None
 
 
-def verify_header(verifier: Verifier, h: ManifestDelta | Manifest) -> None:
+def verify_header(verifier: Verifier, h: ManifestDelta | Manifest | ListedVersion) -> None:
     """Raise :class:`~intellect.shardcast.signing.Untrusted` unless ``h``'s header is the trainer's."""
     verifier.header(h.version, h.publication, h.shard_size, h.files, h.total_size, h.sha256, h.signature)
 

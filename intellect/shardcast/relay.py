@@ -30,24 +30,25 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeGuard, TypeVar
 
-from intellect.shardcast.choice import RelayScore, observe, pick
+from intellect.shardcast.choice import Scheduler, Try
 from intellect.shardcast.config import ClientTuning, RelayConfig
 from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before, verify_header
 from intellect.shardcast.signing import Untrusted, Verifier
-from intellect.shardcast.store import VersionStore, preallocate, write_at
+from intellect.shardcast.store import VersionStore
 from intellect.shardcast.wire import (DeadlineMissed, ShardConnections, ShardError, WireError, answer_budget,
                                       ask_each, download_shard, fetch_delta, list_versions)
+from intellect.shardcast.writer import preallocate, write_at
 
 log = logging.getLogger("intellect.shardcast.relay")
 
 _LONG_POLL = 1.0  # seconds an upstream may hold a manifest request until it has another shard
-_CHOICE = ClientTuning()  # a relay picks among its upstreams as a client does, with the client's defaults
+_CHOICE = ClientTuning()
+T = TypeVar("T")  # a relay picks among its upstreams as a client does, with the client's defaults
 
 
 class Relay:
@@ -57,8 +58,8 @@ class Relay:
         self.verifier = Verifier(cfg.trainer_key)
         self.bad: dict[str, str] = {}  # upstream -> why it was last marked bad
         self._bad_until: dict[str, float] = {}  # upstream -> when it may be asked again
-        self.scores = {u: RelayScore() for u in self.upstreams}
-        self.rng = random.Random(seed)
+        #: the choice of upstream for each shard, with a client's default tuning
+        self.scheduler = Scheduler(self.upstreams, alpha=_CHOICE.alpha, heal=_CHOICE.heal, seed=seed)
         self._conns = ShardConnections(cfg.connect_timeout, cfg.read_timeout, cfg.parallel)
         self._pool = ThreadPoolExecutor(cfg.parallel, thread_name_prefix="relay-get")
         self._lock = threading.Lock()
@@ -66,12 +67,13 @@ class Relay:
         self._mine: dict[int, dict[int, ShardEntry]] = {}  # what this relay lists, by version
         self._missing: dict[int, set[int]] = {}  # listed upstream, not held here, not being fetched
         self._inflight: set[tuple[int, int]] = set()
-        self._load: Counter[str] = Counter()  # downloads in flight from each upstream
         self._newest = -1  # the newest version an upstream listed
         self._idle = False  # the last pass found nothing to mirror: the next one may wait upstream
         store.clean_temp()
         for v in store.versions():
             m = store.manifest(v)
+            if m is None:  # dropped since it was listed
+                continue
             try:  # what it holds from before (another trainer key, or none) is not served as signed data
                 verify_header(self.verifier, m)
                 for s in m.shards:
@@ -141,6 +143,9 @@ class Relay:
                 self._pool.submit(self._fetch, v, e, sources, chain_before(view, e))
         with self._lock:
             for v in self.store.retain(self.cfg.keep):
+                retired = self._views.get(v)
+                if retired is not None:
+                    self.scheduler.forget((v, i) for i in retired.entries)
                 for d in (self._views, self._mine, self._missing):
                     d.pop(v, None)
             self._idle = not busy and not self._inflight
@@ -168,7 +173,7 @@ class Relay:
         out: dict[int, list[str]] = {}
         waited = False
         for i, (u, got) in enumerate(answers.items()):
-            if not self._answered(u, got, "/versions"):
+            if not self._answered(got, u, "/versions"):
                 continue
             listed, took = got
             if i == 0 and hold:
@@ -195,7 +200,7 @@ class Relay:
             try:
                 if isinstance(d, Untrusted):
                     raise d
-                if self._answered(u, d, f"manifest of v{view.version}"):
+                if self._answered(d, u, f"manifest of v{view.version}"):
                     new += view.apply(u, d)
             except Untrusted as e:
                 view.drop(u)
@@ -204,16 +209,14 @@ class Relay:
                 log.debug("upstream %s manifest v%d: %s", u, view.version, e)
         return new
 
-    def _answered(self, upstream: str, got: object, what: str) -> bool:
+    def _answered(self, got: T | BaseException, upstream: str, what: str) -> TypeGuard[T]:
         """True when ``got`` is ``upstream``'s answer, not the exception its request raised (recorded:
         a lie marks it bad, a missed deadline counts as a failure in the choice of upstream)."""
         if isinstance(got, Untrusted):
             self._distrust(upstream, f"{what}: {got}")
         elif isinstance(got, DeadlineMissed):
             log.warning("upstream %s too slow: %s: %s", upstream, what, got)
-            with self._lock:
-                observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_CHOICE.alpha,
-                        heal=_CHOICE.heal)
+            self.scheduler.penalize(upstream)
         elif isinstance(got, (WireError, ValueError)):
             log.debug("upstream %s %s: %s", upstream, what, got)
         elif isinstance(got, BaseException):
@@ -229,7 +232,7 @@ class Relay:
         with self._lock:
             self.bad[upstream] = why
             self._bad_until[upstream] = time.monotonic() + self.cfg.distrust_seconds
-            observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_CHOICE.alpha, heal=_CHOICE.heal)
+        self.scheduler.penalize(upstream)
         log.warning("upstream %s marked bad, not asked for %.0f s: %s", upstream, self.cfg.distrust_seconds, why)
 
     def _publish(self, version: int, added: list[ShardEntry]) -> None:
@@ -239,9 +242,12 @@ class Relay:
         mine.update((e.index, e) for e in added)
         head, _ = self.store.look(version)
         up = view.header
+        assert up is not None  # a version is followed only once its header is heard
         if up.complete and len(mine) == len(view.entries):
             if head is None or not head.complete:
-                self.store.write_manifest(view.manifest())
+                whole = view.manifest()
+                assert whole is not None  # the header is heard
+                self.store.write_manifest(whole)
             return
         if head is None or (head.files, head.shard_size, head.signature) != (up.files, up.shard_size, up.signature):
             # the trainer's header as signed (sealed or not), never one of the relay's own making
@@ -253,42 +259,38 @@ class Relay:
 
     def _fetch(self, version: int, entry: ShardEntry, upstreams: list[str], start: str | None) -> None:
         tmp = self.store.temp_file(version)
-        upstream, held = None, False
-        t0 = time.monotonic()
+        t: Try | None = None
+        held = False
         try:
             if not upstreams:
                 raise ShardError("no trusted upstream lists it")
-            with self._lock:
-                upstream = pick(self.scores, upstreams, self.rng, self._load)
-                self._load[upstream] += 1
+            t = self.scheduler.start((version, entry.index), upstreams)
             fd = os.open(tmp, os.O_WRONLY)
             try:
                 preallocate(fd, 0, entry.size)
-                download_shard(self._conns, upstream, version, entry, lambda pos, piece: write_at(fd, piece, pos),
-                               t0 + self.cfg.read_timeout + entry.size / self.cfg.min_rate, start)
+                download_shard(self._conns, t.relay, version, entry, lambda pos, piece: write_at(fd, piece, pos),
+                               t.started + self.cfg.read_timeout + entry.size / self.cfg.min_rate, start)
             finally:
                 os.close(fd)
+            self.scheduler.succeeded(t, entry.size)
             with self._lock:
-                observe(self.scores, upstream, ok=True, nbytes=entry.size, seconds=time.monotonic() - t0,
-                        alpha=_CHOICE.alpha, heal=_CHOICE.heal)
                 if self._views.get(version, None) is None or self._views[version].entries.get(entry.index) != entry:
                     return  # retired, or changed upstream, while we fetched
                 self.store.put_shard(version, entry.index, tmp)
                 self._publish(version, [entry])
                 held = True
+            self.scheduler.forget([(version, entry.index)])
         except ShardError as e:
-            log.warning("shard %d of v%d from %s: %s (will retry)", entry.index, version, upstream, e)
-            with self._lock:
-                if upstream is not None:
-                    observe(self.scores, upstream, ok=False, nbytes=0, seconds=0.0, alpha=_CHOICE.alpha,
-                            heal=_CHOICE.heal)
+            log.warning("shard %d of v%d from %s: %s (will retry)", entry.index, version, t and t.relay, e)
+            if t is not None:
+                self.scheduler.failed(t)
         except Exception:  # noqa: BLE001 - e.g. the version folder deleted by retention mid-fetch
             log.exception("shard %d of v%d", entry.index, version)
         finally:
             tmp.unlink(missing_ok=True)
+            if t is not None:
+                self.scheduler.abandon(t)  # a try neither succeeded nor failed: nothing learned
             with self._lock:
-                if upstream is not None:
-                    self._load[upstream] -= 1
                 self._inflight.discard((version, entry.index))
                 if not held and version in self._missing:  # fetched again on a later pass
                     self._missing[version].add(entry.index)

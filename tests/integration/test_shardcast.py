@@ -17,11 +17,15 @@ import httpx
 import pytest
 
 from intellect.shardcast.client import ShardcastClient, ShardcastError
-from intellect.shardcast.config import ClientConfig, ShardcastConfig
+from intellect.shardcast.config import ClientConfig, RelayConfig, ShardcastConfig
 from intellect.shardcast.local import ServerProcess, start_local
+from intellect.shardcast.manifest import ShardEntry
+from intellect.shardcast.relay import Relay
 from intellect.shardcast.server import Server, bind
-from intellect.shardcast.signing import VersionSigner
-from intellect.shardcast.store import VersionStore, VersionWriter, publish_folder
+from intellect.shardcast.signing import Verifier, VersionSigner
+from intellect.shardcast.store import VersionStore
+from intellect.shardcast.wire import DeadlineMissed, ShardConnections, ShardError, download_shard, list_versions
+from intellect.shardcast.writer import VersionWriter, publish_folder
 from intellect.trust.keys import SigningKey
 
 MIB = 1 << 20
@@ -112,14 +116,14 @@ def test_a_relay_killed_mid_transfer_leaves_the_others_to_finish(cdn, tmp_path):
         wait_complete(client, 1)
         killed_at = []
 
-        def kill_after_first_shards(done, total):
+        def kill_after_first_shards(done, _total):
             if done == 8 and not killed_at:
                 victim.kill()
                 killed_at.append(done)
 
         stats = client.fetch(1, tmp_path / "out", progress=kill_after_first_shards)
         assert killed_at and stats.shards == 193
-        assert client.scores[victim.url].failures >= 1 or stats.by_relay.get(victim.url, 0) < 100
+        assert client.scheduler.scores[victim.url].failures >= 1 or stats.by_relay.get(victim.url, 0) < 100
     assert_same(tmp_path / "out", files)
     assert stats.by_relay[cdn.relays[1].url] > 193 // 2
 
@@ -134,7 +138,7 @@ def test_corrupt_shards_on_one_relay_are_detected_and_fetched_elsewhere(cdn, tmp
             p = bad.shard_path(1, i)
             p.write_bytes(bytes(len(p.read_bytes())))
         stats = client.fetch(1, tmp_path / "out")
-        assert client.scores[cdn.relays[0].url].failures >= 1 and stats.retries >= 1
+        assert client.scheduler.scores[cdn.relays[0].url].failures >= 1 and stats.retries >= 1
         assert stats.by_relay == {cdn.relays[1].url: 9}
     assert_same(tmp_path / "out", files)
 
@@ -385,8 +389,6 @@ def test_a_versions_request_can_wait_for_the_next_version(tmp_path):
 def test_shard_requests_fail_cleanly_on_bad_answers():
     """What a misbehaving server can do to one shard request: each is a ShardError (the client then
     tries elsewhere), and a keep-alive connection the server dropped while idle is reopened silently."""
-    from intellect.shardcast.wire import ShardConnections, ShardError, download_shard
-    from intellect.shardcast.manifest import ShardEntry
 
     body = b"0123456789"
     entry = ShardEntry(index=0, offset=0, size=10, sha256=hashlib.sha256(body).hexdigest())
@@ -489,7 +491,6 @@ def _drip_server(upstream: str, drip_head: bool = False) -> http.server.Threadin
 
 @pytest.mark.parametrize("drip_head", [False, True], ids=["body", "headers"])
 def test_a_server_dripping_a_shard_cannot_hold_a_download_past_its_deadline(tmp_path, drip_head):
-    from intellect.shardcast.wire import ShardConnections, ShardError, download_shard
 
     origin_store = VersionStore(tmp_path / "origin")
     checkpoint(tmp_path / "ckpt", 1)
@@ -511,8 +512,6 @@ def test_a_server_dripping_a_shard_cannot_hold_a_download_past_its_deadline(tmp_
 
 
 def test_a_relay_abandons_a_dripping_upstream_and_mirrors_from_another(tmp_path):
-    from intellect.shardcast.config import RelayConfig
-    from intellect.shardcast.relay import Relay
 
     files = checkpoint(tmp_path / "ckpt", 4)
     origin_store = VersionStore(tmp_path / "origin")
@@ -532,7 +531,7 @@ def test_a_relay_abandons_a_dripping_upstream_and_mirrors_from_another(tmp_path)
         while not ((m := store.manifest(1)) is not None and m.complete):
             assert time.monotonic() < deadline, "the relay did not mirror the version"
             time.sleep(0.05)
-        assert relay.scores[dripping].failures >= 1  # it was tried, held a thread for 2 s, and was left
+        assert relay.scheduler.scores[dripping].failures >= 1  # it was tried, held a thread for 2 s, and was left
         relay_server = Server(store, bind("127.0.0.1", 0)).start()
         try:
             with ShardcastClient([relay_server.url], fast()) as client:
@@ -637,7 +636,7 @@ def test_origin_and_relays_keep_the_newest_five_versions(cdn, tmp_path):
 
 
 def test_the_intellect_command_runs_the_shardcast_client(capsys, tmp_path):
-    from flows.cli import main
+    from flows.cli import main  # noqa: PLC0415 - the flows layer (and Prefect) only for this test
 
     assert main(["shardcast", "client", "--relay", "http://127.0.0.1:9", "--dest", str(tmp_path / "x"),
                  "--deadline", "1", *RELAY]) == 1
@@ -707,7 +706,7 @@ def test_a_relay_dripping_its_answers_delays_a_listing_only_to_its_deadline(drip
         t0 = time.monotonic()
         assert c.versions() == {1: True}  # the honest relay's answer, though the other one never finishes
         assert 1.5 < time.monotonic() - t0 < 2.0 + 1.0
-        assert c.scores[dripping_json.url].failures == 1 and c.scores[server.url].failures == 0
+        assert c.scheduler.scores[dripping_json.url].failures == 1 and c.scheduler.scores[server.url].failures == 0
         stats = c.fetch(1, tmp_path / "out")
     assert set(stats.by_relay) == {server.url}
     assert_same(tmp_path / "out", files)
@@ -715,8 +714,6 @@ def test_a_relay_dripping_its_answers_delays_a_listing_only_to_its_deadline(drip
 
 @pytest.mark.slow
 def test_alone_a_dripping_relay_fails_each_call_within_its_deadline(dripping_json, tmp_path):
-    from intellect.shardcast.signing import Verifier
-    from intellect.shardcast.wire import DeadlineMissed, ShardConnections, list_versions
 
     conns = ShardConnections(connect_timeout=1.0, read_timeout=1.0, per_server=1)
     try:
@@ -739,8 +736,6 @@ def test_alone_a_dripping_relay_fails_each_call_within_its_deadline(dripping_jso
 
 @pytest.mark.slow
 def test_a_relay_lists_its_honest_upstream_despite_a_dripping_one(dripping_json, honest, tmp_path):
-    from intellect.shardcast.config import RelayConfig
-    from intellect.shardcast.relay import Relay
 
     server, files = honest
     store = VersionStore(tmp_path / "relay")
@@ -750,7 +745,7 @@ def test_a_relay_lists_its_honest_upstream_despite_a_dripping_one(dripping_json,
         t0 = time.monotonic()
         relay.sync_once()  # both upstreams asked at once: the dripping one costs its 1 s + 1 s deadline
         assert time.monotonic() - t0 < 2.0 + 1.0
-        assert relay.scores[dripping_json.url].failures >= 1
+        assert relay.scheduler.scores[dripping_json.url].failures >= 1
         deadline = time.monotonic() + 30
         while not ((m := store.manifest(1)) is not None and m.complete):
             assert time.monotonic() < deadline, "the relay did not mirror the version"

@@ -25,10 +25,12 @@ import httpx
 import pytest
 
 from intellect.shardcast.client import ShardcastClient, ShardcastError
-from intellect.shardcast.config import ClientConfig
+from intellect.shardcast.config import ClientConfig, RelayConfig
 from intellect.shardcast.local import ServerProcess
+from intellect.shardcast.relay import Relay
 from intellect.shardcast.server import Server, bind
-from intellect.shardcast.store import VersionStore, publish_folder
+from intellect.shardcast.store import VersionStore
+from intellect.shardcast.writer import publish_folder
 from intellect.trust.keys import SigningKey
 
 KIB = 1 << 10
@@ -323,9 +325,6 @@ def test_a_150_mb_json_answer_costs_the_client_little_memory_and_the_fetch_compl
 def test_a_relay_does_not_serve_what_its_folder_holds_unverified(net, tmp_path):
     """Versions in a relay's folder from before (signed by another key, tampered with on disk) are dropped
     when it starts, not served as the trainer's."""
-    from intellect.shardcast.config import RelayConfig
-    from intellect.shardcast.relay import Relay
-
     store = VersionStore(tmp_path / "relay")
     publish_folder(store, 2, net.root / "forged", SHARD, keep=5, key=OTHER, link=False)
     publish_folder(store, 1, net.root / "ckpt1", SHARD, keep=5, key=KEY, link=False)

@@ -1,24 +1,29 @@
 """SHARDCAST's pure parts and its on-disk store: manifests, relay choice, the origin's shard writer."""
 
+import ast
 import doctest
 import hashlib
 import random
 import socket
+from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
-from intellect.shardcast import chain, choice, manifest, signing, store, wire
-from intellect.shardcast.choice import RelayScore, observe, pick, weights
+from intellect.shardcast import assembly, chain, choice, client, manifest, relay, signing, store, wire, writer
+from intellect.shardcast.choice import RelayScore, Scheduler, observe_failure, observe_success, pick, weights
 from intellect.shardcast.manifest import FileEntry, Manifest, ManifestDelta, ManifestView, ShardEntry
-from intellect.shardcast.signing import Untrusted, Verifier, VersionSigner
-from intellect.shardcast.store import VersionStore, VersionWriter, publish_folder
+from intellect.shardcast.server import Server, bind
+from intellect.shardcast.signing import Verifier, VersionSigner
+from intellect.shardcast.store import VersionStore
+from intellect.shardcast.writer import VersionWriter, publish_folder
 from intellect.trust.keys import SigningKey
 
 KEY = SigningKey.from_seed(b"\1" * 32)  # the trainer's
 
 
-@pytest.mark.parametrize("mod", [chain, choice, manifest, signing, store, wire])
+@pytest.mark.parametrize("mod", [assembly, chain, choice, manifest, signing, store, wire, writer])
 def test_doctests(mod):
     assert doctest.testmod(mod).failed == 0
 
@@ -77,7 +82,7 @@ def test_segments_cross_file_boundaries_and_skip_empty_files():
 
 def test_a_failure_moves_the_success_rate_not_the_bandwidth():
     s = {"r": RelayScore(bandwidth=50e6)}
-    observe(s, "r", ok=False, nbytes=0, seconds=30.0, alpha=0.3, heal=0.0)
+    observe_failure(s, "r", alpha=0.3, heal=0.0)  # after 30 s: a failure carries no duration
     # the package folds its 30 s timeout into the bandwidth EMA as if it were 30 MB/s
     assert s["r"].bandwidth == 50e6 and s["r"].success == pytest.approx(0.7) and s["r"].failures == 1
 
@@ -85,10 +90,10 @@ def test_a_failure_moves_the_success_rate_not_the_bandwidth():
 def test_a_failed_relay_heals_and_is_tried_again():
     s = {"good": RelayScore(bandwidth=1e8), "bad": RelayScore(bandwidth=1e8)}
     for _ in range(20):
-        observe(s, "bad", ok=False, nbytes=0, seconds=1, alpha=0.3, heal=0.0)
+        observe_failure(s, "bad", alpha=0.3, heal=0.0)
     assert s["bad"].success < 1e-3
     for _ in range(50):  # 50 good downloads elsewhere: bad regains 0.5 of success through healing
-        observe(s, "good", ok=True, nbytes=1e8, seconds=1, alpha=0.3, heal=0.01)
+        observe_success(s, "good", nbytes=1e8, seconds=1, alpha=0.3, heal=0.01)
     assert s["bad"].success == pytest.approx(0.5, abs=0.01)
     rng = random.Random(1)
     picks = [pick(s, ["good", "bad"], rng) for _ in range(3000)]
@@ -126,6 +131,62 @@ def test_every_weight_stays_positive_and_unmeasured_relays_are_tried_early():
     s = {"dead": RelayScore(success=0.0, bandwidth=1e9), "new": RelayScore(), "known": RelayScore(bandwidth=2e8)}
     w = weights(s)
     assert w["dead"] > 0 and w["new"] == 1e9 and w["known"] == 2e8  # new: the best bandwidth measured
+
+
+def test_a_failed_try_means_one_thing_however_long_it_took(monkeypatch):
+    """A download that failed after the whole budget, one that failed at once, and a listing that
+    missed its deadline each move the success rate the same way and never the bandwidth."""
+    clock = [100.0]
+    monkeypatch.setattr(choice.time, "monotonic", lambda: clock[0])
+    fails = {}
+    for how in ("slow", "fast", "listing"):
+        sched = Scheduler(["r", "other"], alpha=0.3, heal=0.01, seed=0)
+        sched.scores["r"].bandwidth = 50e6
+        if how == "listing":
+            sched.penalize("r")
+        else:
+            t = sched.start("shard", ["r"])
+            clock[0] += 30.0 if how == "slow" else 0.001
+            assert sched.failed(t) == 1 and sched.load["r"] == 0
+        fails[how] = sched.scores["r"]
+    assert fails["slow"] == fails["fast"] == fails["listing"]
+    assert fails["slow"].bandwidth == 50e6 and fails["slow"].failures == 1
+    assert fails["slow"].success == pytest.approx(0.7 + 0.01)
+    sched = Scheduler(["r"], alpha=0.5, heal=0.0)  # a success is timed from start to close
+    t = sched.start("shard", ["r"])
+    clock[0] += 2.0
+    sched.succeeded(t, 100e6)
+    assert sched.scores["r"].bandwidth == 50e6 and sched.load["r"] == 0
+
+
+def test_the_scheduler_retries_elsewhere_counts_load_and_closes_each_try_once():
+    sched = Scheduler(["a", "b"], alpha=0.3, heal=0.0, seed=3)
+    first = sched.start(("v1", 0), ["a", "b"])
+    assert sched.load[first.relay] == 1
+    assert sched.failed(first) == 1
+    assert sched.failed(first) == 1 and sched.scores[first.relay].failures == 1  # a second close does nothing
+    second = sched.start(("v1", 0), ["a", "b"])
+    assert second.relay != first.relay  # a retry goes to a relay not tried yet
+    sched.abandon(second)  # given up: nothing learned, no load left
+    assert sched.scores[second.relay] == RelayScore() and sched.load == {"a": 0, "b": 0}
+    third = sched.start(("v1", 0), ["a", "b"])  # both tried: any candidate again
+    assert third.relay in ("a", "b") and sched.tries(("v1", 0)) == 3
+    sched.succeeded(third, 1e6)
+    other = sched.start(("v1", 1), ["a"])  # another shard keeps its own tries
+    assert other.relay == "a" and sched.tries(("v1", 1)) == 1
+    sched.forget([("v1", 0), ("v1", 1)])
+    assert sched.tries(("v1", 0)) == 0 and sched.load["a"] == 1  # forgetting tries leaves the load in flight
+    with pytest.raises(ValueError):
+        sched.start(("v1", 2), [])
+
+
+def test_client_and_relay_share_the_http_layer_and_the_scheduler_not_each_other():
+    def imports(mod):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    for mod in (client, relay):
+        assert {"intellect.shardcast.wire", "intellect.shardcast.choice"} <= imports(mod)
+    assert "intellect.shardcast.client" not in imports(relay) and "intellect.shardcast.relay" not in imports(client)
 
 
 # ------------------------------------------------------------------ store and writer
@@ -228,10 +289,6 @@ def test_retention_keeps_the_newest_versions(tmp_path):
 def test_shards_are_served_exactly_without_the_zero_copy_extension(tmp_path, link):
     """Under plain uvicorn h11, which does not offer sendfile, a shard goes out in pieces read on
     worker threads: of its file, or of the linked files it spans."""
-    import httpx
-
-    from intellect.shardcast.server import Server, bind
-
     src = tmp_path / "ckpt"
     src.mkdir()
     rnd = random.Random(0)
@@ -338,7 +395,7 @@ def test_a_version_written_anew_in_another_layout_replaces_the_view():
 
 def test_a_version_being_written_grows_by_appends_not_rewrites(tmp_path):
     """Each new shard is one line appended to the listing: rewriting a manifest that lists every shard
-    at every shard made a 4,096-shard version cost a relay 71 CPU-s."""
+    at every shard would make a version's cost quadratic in its shard count."""
     st = VersionStore(tmp_path)
     w = VersionWriter(st, 1, shard_size=4, key=KEY)
     w.begin_file("w")
@@ -369,9 +426,7 @@ def test_a_version_being_written_grows_by_appends_not_rewrites(tmp_path):
 
 def test_server_sockets_send_small_answers_at_once():
     """Without TCP_NODELAY each answer sent in two writes (h11: head, then body) waited for the
-    client's delayed ACK: 44 ms per manifest answer or small shard on a kept-alive connection."""
-    from intellect.shardcast.server import bind
-
+    client's delayed ACK on a kept-alive connection."""
     listener = bind("127.0.0.1", 0)
     client = socket.create_connection(listener.getsockname()[:2], timeout=5)
     try:
