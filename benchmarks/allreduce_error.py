@@ -8,8 +8,9 @@ algorithms agree on every rank), payload bytes sent per rank / (4 x numel)
 (1.0 = one fp32 copy), and seconds (2 shared cores: CPU-bound, not network).
 
 "prime" is PRIME's data path (requantize the partial sum at every
-reduce-scatter hop AND every all-gather hop) with our quantizer (mean +- c sigma,
-bucket means), not PRIME's +-3 RMS codebook, so only the data path differs.
+reduce-scatter hop AND every all-gather hop: ``prime_allreduce.py``) with our
+quantizer (mean +- c sigma, bucket means), not PRIME's +-3 RMS codebook, so only
+the data path differs.
 ``--clip 6`` quantizes with the quantizer's fixed default; the default tries
 c = 4 and 6 per chunk and keeps the better fit.
 
@@ -26,6 +27,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.multiprocessing as mp
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from intellect.diloco.allreduce import DEFAULT_CLIPS, all_reduce_mean  # noqa: E402
 from intellect.diloco.transport import new_group  # noqa: E402
+from prime_allreduce import PLAN, PrimeRun  # noqa: E402
 
 VARIANTS = {  # label -> all_reduce_mean kwargs
     "direct": {"algorithm": "direct"},
@@ -41,7 +44,7 @@ VARIANTS = {  # label -> all_reduce_mean kwargs
     "ring-owner": {"algorithm": "ring-owner"},
     "ring relay=2": {"algorithm": "ring", "relay": 2},
     "ring": {"algorithm": "ring"},
-    "prime": {"algorithm": "prime"},
+    "prime": {"algorithm": PLAN, "schedule": PrimeRun},
 }
 NBUCKETS = 4
 
@@ -94,8 +97,6 @@ def spawn(world: int, fn, args: tuple, timeout: float = 600.0) -> list:
 
 
 def _main(rank, world, port, tmp, fn, args):
-    import traceback
-
     torch.set_num_threads(1)
     try:
         store = torch.distributed.TCPStore(
@@ -103,7 +104,7 @@ def _main(rank, world, port, tmp, fn, args):
         )
         group = new_group(store, "bench", rank, world, timeout=300, hostname="127.0.0.1")
         res = {"value": fn(rank, world, group, *args)}
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure goes back to the parent, which names the rank
         res = {"error": traceback.format_exc()}
     torch.save(res, os.path.join(tmp, f"{rank}.pt"))
 

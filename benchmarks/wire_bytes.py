@@ -34,8 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from allreduce_error import spawn  # noqa: E402
 
+from intellect.config import ModelConfig  # noqa: E402
 from intellect.diloco.allreduce import DEFAULT_ALGORITHM, DEFAULT_CODEC, all_reduce_mean  # noqa: E402
 from intellect.diloco.plan import layer_buckets  # noqa: E402
+from intellect.model.checkpoint import build_model  # noqa: E402
 
 ALGOS = ["direct", "ring-residual", "ring-owner", "ring"]
 # (algorithm, codec) rows: every algorithm with the default codec, the default one raw too
@@ -51,15 +53,12 @@ def lo_tx() -> int:
 
 
 def model_shapes() -> tuple[list[str], list[tuple[int, ...]]]:
-    from intellect.config import ModelConfig
-    from intellect.model.checkpoint import build_model
-
     model, _ = build_model(ModelConfig())
     named = list(model.named_parameters())
     return [n for n, _ in named], [tuple(p.shape) for _, p in named]
 
 
-def _rank(rank, world, group, names, shapes, variants, window):
+def _rank(rank, _world, group, names, shapes, variants, window):
     g = torch.Generator().manual_seed(rank)
     grads = lambda: [torch.randn(s, generator=g) * 1e-3 for s in shapes]  # noqa: E731
     layers = layer_buckets(names)

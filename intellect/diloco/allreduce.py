@@ -1,65 +1,44 @@
-"""Int8-on-the-wire, fp32-accumulating all-reduce (mean over contributors) for DiLoCo.
+"""Int8-on-the-wire, fp32-accumulating all-reduce (mean over contributors) for DiLoCo: the executor.
 
-``all_reduce_mean(tensors, group, order=..., contribute=...)`` replaces each
-tensor, in place, with the mean over the contributing ranks, bit-identical on
-every rank, and returns ``AllReduceStats`` (bytes sent, by peer, contributors).
+``all_reduce_mean(tensors, group, order=..., contribute=...)`` replaces each tensor, in place,
+with the mean over the contributing ranks, bit-identical on every rank, and returns
+``AllReduceStats`` (bytes sent, by peer, contributors). What each algorithm sends, what it
+costs and which one to run: ``plan`` (pure). The per-bucket message schedules:
+``schedules.Run``; the robust-aggregation steps: ``claims``.
 
-Values only cross the wire as ``quantize.to_bytes`` messages (uint8 indices +
-a 256-entry fp32 codebook; with ``codec="zstd"``, the default, the indices are
-entropy-coded, see below); receivers dequantize and add in fp32, never in the
-quantized space. Each bucket (e.g. one layer: ``plan.layer_buckets``) is flattened
-and split into W chunks (``plan.chunk_bounds``); chunk c is owned by ring position
-c, i.e. rank ``order[c]``. The owner divides its fp32 sum by the number of
-contributors and quantizes the mean ONCE; the all-gather moves those exact
-bytes (never requantized), and every rank, the owner included, ends with
-``dequantize(owner bytes)``: bit-identical by construction.
+Values only cross the wire as ``quantize.to_bytes`` messages; receivers dequantize and add in
+fp32, never in the quantized space. Chunk c of each bucket (``plan.chunk_bounds``) is owned by
+ring position c, i.e. rank ``order[c]``; the owner divides its fp32 sum by the number of
+contributors and quantizes the mean once, the all-gather moves those exact bytes, and every
+rank, the owner included, ends with ``dequantize(owner bytes)``: bit-identical by construction.
 
-How each algorithm (``"direct"``, the default, ``"ring-owner"``, ``"ring-residual"``,
-``"ring"``, and the benchmark baseline ``"prime"``) moves the chunks, what each costs in bytes,
-error and time, and how a worker picks one (``plan.choose_algorithm``): ``plan``. The per-bucket
-message schedules: ``schedules.Run``; the robust-aggregation steps: ``claims``.
+``codec``: ``"zstd"`` (default) entropy-codes each message's indices, ``"none"`` sends them
+raw. Every receive buffer has room for the raw message and the headers give each message's
+length, so ranks may differ in codec; a coded message that fails its checksum or does not
+decode to the expected size raises ``AllReduceError`` like any garbled message. NCCL groups
+always send raw (NCCL needs exact receive sizes). Coding pays on links slower than the CPU
+that encodes, which is where DiLoCo runs; where the CPU is the bottleneck, ``"none"``.
 
-``codec``: ``"zstd"`` (default) entropy-codes each message's indices
-(``quantize.to_bytes``); ``"none"`` sends them raw. Every receive buffer has
-room for the raw message and the headers give each message's length, so ranks
-may differ in codec; a coded message that fails its checksum or does not decode
-to the expected size raises ``AllReduceError`` like any garbled message. NCCL
-groups always send raw (NCCL needs exact receive sizes). Measured on this
-2-core box (CPU time of ``to_bytes`` + ``from_bytes`` with and without zstd,
-4M N(0,1) / Laplace values, 1 thread): 0.89 / 0.87x the bytes at c=4,
-0.81 / 0.80x at c=6, for 1.6-1.8 ms of CPU per raw MB (encode + decode): a
-win on links slower than ~500 Mbit/s even with no overlap of CPU and
-network, which is where DiLoCo runs. Not where the CPU is the bottleneck: on
-the 4-host WAN testbed (4 ranks on 2 shared cores, 50 Mbit/s links) raw
-"direct" took 0.56-0.59 s, coded 0.67-0.69 s.
+``clip_sigmas``: candidate clip ranges; each chunk is quantized with the candidate that fits
+it best (``quantize.quantize_best``). The default tries 4 (Gaussian optimum) and 6 (the
+quantizer's default, best on Laplace); large chunks judge the candidates on a sample, so two
+candidates cost little more than one.
 
-``clip_sigmas``: candidate clip ranges; each chunk is quantized with the
-candidate that fits it best (``quantize.quantize_best``). The default tries
-4 (Gaussian optimum) and 6 (the quantizer's default, best on Laplace). Chunks
-of 64K+ values judge the candidates on a 1/16 sample, so two candidates cost
-~1.2x one quantization (quantizing each chunk fully per candidate costs 2x,
-and on the 4-host WAN testbed, where 4 ranks share 2 cores, that CPU time adds
-to the link time).
+Contributors. A rank whose tensors hold NaN/Inf (or that passes ``contribute=False``)
+contributes nothing but still relays and receives; the mean divides by the number of
+contributors. The flags go round the ring first (W-1 tiny hops), so every message's largest
+size is known in advance; they carry a digest of the plan (algorithm, W, order, bucket shapes,
+schedule), so a rank with a different algorithm or layout fails at once rather than garbling
+data (a different ``order`` can also change who its neighbours are, and then fails by
+timeout). With no contributor at all the tensors are zeroed and ``stats.contributors`` is empty.
 
-Contributors. A rank whose tensors hold NaN/Inf (or that passes
-``contribute=False``) contributes nothing but still relays and receives; the
-mean divides by the number of contributors. The flags go round the ring first
-(W-1 tiny hops), so every message's largest size is known in advance: each
-receive buffer fits the raw message, and a coded one states its length in its
-header; they carry a digest of the plan (algorithm, W, order, bucket
-shapes), so a rank with a different algorithm or layout fails at once rather
-than garbling data (a different ``order`` can also change who its neighbours
-are, and then fails by timeout). With no contributor at all the tensors are
-zeroed and ``stats.contributors`` is empty.
-
-Failures. Every wait is bounded by the group's timeout (``timeout=``
-overrides it): a peer whose process dies makes the ranks waiting on it raise
-``AllReduceError`` at once (closed socket), a silent one after ``timeout``;
-ranks not talking to it raise once their peers give up, at worst after
-``timeout``. The group is unusable afterwards: rebuild it
-(``transport.new_group`` under a new prefix) and retry. Buckets are written
-back as they finish, so after an error the tensors are partly averaged:
-recompute the pseudo-gradient before retrying.
+Failures. Every wait is bounded by the group's timeout (``timeout=`` overrides it): a peer
+whose process dies makes the ranks waiting on it raise ``AllReduceError`` at once (closed
+socket), a silent one after ``timeout``; ranks not talking to it raise once their peers give
+up, at worst after ``timeout``. The group is unusable afterwards: rebuild it
+(``transport.new_group`` under a new prefix) and retry. Buckets are written back as they
+finish, so after an error the tensors are partly averaged: recompute the pseudo-gradient
+before retrying.
 
 Trust. ``mac_key`` seals every message, flags and announcements included, with an HMAC over
 (sender, receiver, tag, bytes) (``transport.Channel``): bytes forged or altered by anyone
@@ -72,11 +51,9 @@ the centred clip of its chunk (``robust.centred_clip``) and clips its result to
 owners that broke it. ``AllReduceStats.outliers`` says whom this rank's chunks flagged. What
 this bounds and what it does not: ``robust``'s docstring.
 
-Pipelining: up to ``window`` buckets are in flight; while this rank quantizes
-one, gloo's threads move the others, and per-hop latency overlaps across
-buckets. Not measurable on loopback with 2 busy cores (tiny model, 6 layer
-buckets, W=4/8: window=4 vs 1 took 0.08/0.37 vs 0.21/0.58 s in one run and
-0.11/0.26 vs 0.08/0.36 s in another); the gain is meant for WAN round trips.
+Pipelining: up to ``window`` buckets are in flight; while this rank quantizes one, gloo's
+threads move the others, and per-hop latency overlaps across buckets (meant for WAN round
+trips; on loopback the CPU is the limit).
 """
 
 from __future__ import annotations
@@ -86,7 +63,7 @@ import datetime
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,7 +97,7 @@ class Misbehaviour(AllReduceError):
     """The all-reduce ran to its end, but owners in ``blamed`` (group ranks) sent result chunks
     longer than the announced norms allow, or members sent unusable announcements."""
 
-    def __init__(self, message: str, blamed: Sequence[int]):
+    def __init__(self, message: str, blamed: Iterable[int]):
         super().__init__(message)
         self.blamed = tuple(sorted(set(blamed)))
 
@@ -158,6 +135,7 @@ def all_reduce_mean(
     codec: str = DEFAULT_CODEC,
     mac_key: bytes | None = None,
     outlier_clip: float = 0.0,
+    schedule: type[Run] = Run,
 ) -> AllReduceStats:
     """Replace each of ``tensors`` (same shapes on every rank) with its mean over contributors.
 
@@ -171,6 +149,8 @@ def all_reduce_mean(
     ``mac_key``: seal every message (``transport.Channel``); every rank must pass the same key.
     ``outlier_clip``: k > 0 makes each owner aggregate its chunk with ``robust.centred_clip``
     (3+ contributors; ``"direct"`` and ``"ring-owner"``, where owners see each contribution).
+    ``schedule``: the message schedules, ``schedules.Run`` or a subclass (a baseline to compare
+    against: ``benchmarks/prime_allreduce.py``); part of the plan digest.
     Raises ``AllReduceError`` on any communication failure; ``ValueError`` on bad
     arguments before anything is sent.
     """
@@ -199,9 +179,9 @@ def all_reduce_mean(
     if outlier_clip and algorithm not in ("direct", "ring-owner"):
         raise ValueError(f"outlier_clip needs an algorithm whose owners see each contribution, not {algorithm!r}")
     plan = (algorithm, relay, world, order, [[tuple(tensors[i].shape) for i in b] for b in buckets],
-            mac_key is not None, float(outlier_clip))
+            mac_key is not None, float(outlier_clip), schedule.__qualname__)
     codec = "none" if dev is not None else codec  # NCCL: receive sizes must match exactly
-    run = Run(Channel(group, to, dev, mac_key), tensors, order, order.index(rank), algorithm, relay, clip, codec)
+    run = schedule(Channel(group, to, dev, mac_key), tensors, order, order.index(rank), algorithm, relay, clip, codec)
     run.outlier_clip = float(outlier_clip)
     try:
         flags = run.exchange_flags(contribute, _digest(plan)) if world > 1 else [contribute]
@@ -235,7 +215,7 @@ def all_reduce_mean(
 def _finite(t: torch.Tensor) -> bool:
     """No NaN/Inf in ``t``. A finite sum proves it in one reduction (NaN and Inf
     propagate); only a sum that overflowed needs the elementwise check, which
-    allocates a bool tensor (4M fp32 values, this box: 3.9 vs 19.7 ms)."""
+    allocates a bool tensor and is several times slower."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 

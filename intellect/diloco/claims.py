@@ -15,20 +15,29 @@ whose result is longer than ``receiver_bound`` allows (``blamed``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from intellect.diloco.plan import chunk_bounds
 from intellect.diloco.robust import centred_clip, owner_bound, receiver_bound
+from intellect.diloco.transport import Channel
 
 __all__ = ["Claims"]
 
 
 class Claims:
-    """Robust-aggregation state and steps of one all-reduce call. The host class sets
-    ``ch``, ``tensors``, ``order``, ``pos``, ``W``, ``flags``, ``n`` (contributors) and
-    ``tag`` (message tags)."""
+    """Robust-aggregation state and steps of one all-reduce call. The host class
+    (``schedules.Run``) sets the attributes declared here and defines ``tag``."""
+
+    ch: Channel
+    tensors: Sequence[torch.Tensor]
+    order: list[int]  # the ring: group ranks by position
+    pos: int  # this rank's ring position
+    W: int
+    flags: list[bool]  # contributor flags by ring position
+    n: int  # contributors
+    tag: Callable[[int, int, int], int]  # (bucket, phase, step) -> message tag
 
     def init_claims(self, outlier_clip: float = 0.0) -> None:
         self.outlier_clip = outlier_clip

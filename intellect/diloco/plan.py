@@ -1,83 +1,41 @@
-"""Planning the DiLoCo all-reduce (pure): its algorithms, how tensors are cut into
-buckets and chunks, and the cost model that picks an algorithm for a membership.
+"""Planning the DiLoCo all-reduce (pure: no process group, no I/O): its algorithms, how tensors
+are cut into buckets and chunks, and the cost model that picks an algorithm for a membership.
 
 The executor (``allreduce.all_reduce_mean``) flattens each bucket (e.g. one layer:
-``layer_buckets``, small ones joined by ``merge_small``) and splits it into W chunks
-(``chunk_bounds``); chunk c is owned by ring position c, i.e. rank ``order[c]``. The owner
-divides its fp32 sum by the number of contributors and quantizes the mean once; the
-all-gather moves those exact bytes, so every rank ends bit-identical. This module says
-which messages each algorithm sends (``relay_counts``, ``link_chunks``), how many bytes
-(``payload_bytes``) and how long the busiest link takes (``estimate_seconds``), and which
-algorithm to run on a probed bandwidth matrix (``choose_algorithm``).
+``layer_buckets``) and splits it into W chunks (``chunk_bounds``); chunk c is owned by ring
+position c, i.e. rank ``order[c]``. The owner divides its fp32 sum by the number of
+contributors and quantizes the mean once; the all-gather moves those exact bytes, so every
+rank ends bit-identical. This module says which messages each algorithm sends
+(``relay_counts``, ``link_chunks``), how many bytes (``payload_bytes``), how long the busiest
+link takes (``estimate_seconds``), and which algorithm to run on a probed bandwidth matrix
+(``choose_algorithm``).
 
-Reduce-scatter algorithms:
+Algorithms (``ALGORITHMS``):
 
-* ``"direct"`` (default): each rank sends its quantized chunk c straight to
-  owner c, and each owner sends its result straight to every rank (one
-  exchange per phase). Every value is quantized twice (as a contribution, as
-  the result), and the bytes equal the classic ring's. Not neighbour-only:
-  each ordered pair carries two chunks per bucket (2/W of the bucket), where a
-  ring pushes 2(W-1) chunks over each ring link, so on a mesh of equal links it
-  needs 1/(W-1) of a ring's time (per-host uplinks: the same time, the bytes
-  per host are equal), unless the network is itself ring-shaped. An all-gather
-  along the ring instead puts W chunks per bucket on the ring links and one on
-  the others, through W-1 dependent hops. On the 4-host
-  WAN testbed (``benchmarks/wan_allreduce.py``, 50 Mbit/s links, raw indices)
-  the direct all-gather halves the busiest link's bytes (4.03 -> 2.02 MB) and the
-  time (0.81 -> 0.56-0.59 s); the time is then CPU-bound there (4 ranks on 2 shared
-  cores: the same run on unshaped links takes 0.25-0.59 s), so it is 1.6-1.7x
-  its link bound where the ring family, with 2.7-4.5x the bytes, hides its CPU
-  time behind the links (1.00-1.10x, 0.96-1.47 s). The cost: with one slow
-  pair the all-gather crosses it too (testbed part 2, one 5 Mbit/s pair among
-  100 Mbit/s, solved order: 1.19 -> 1.57 s); there, ``"ring-owner"`` on the
-  solved ring is the algorithm to use (0.40-0.44 s). A worker's
-  ``diloco.algorithm = "auto"`` (its config's default) makes that choice per
-  membership from the probed bandwidths: ``choose_algorithm`` compares the two
-  algorithms' link-bandwidth bounds.
-* ``"ring-residual"``: classic ring, but each hop sends its fp32 partial sum as
-  int8 plus int8 of the residual that missed: the partial sums stay ~16-bit
-  accurate, so only the owner's final quantization counts. Neighbour-only,
-  lowest error, 1.5x the bytes at any W.
-* ``"ring-owner"``: each hop relays the ORIGINAL contribution bytes it received
-  and appends its own; the owner decodes each once. Two quantizations, as
-  ``"direct"``, neighbour-only, but hop s carries s+1 contributions: W(W-1)/2
-  chunk messages instead of W-1. Fewest bytes of the neighbour-only accurate
-  options for W <= 3 (same as residual at W = 4, more above).
-* ``"ring"``: classic ring; each hop requantizes the fp32 partial sum (PRIME's
-  reduce-scatter), so error compounds with W. Fewest bytes, neighbour-only.
-  ``relay=k`` interpolates to ``"ring-owner"``: requantize only when a message
-  would exceed k contributions.
-* ``"prime"``: the INTELLECT-1 baseline: ``"ring"`` plus requantization at every
-  all-gather hop. Benchmark only; ranks may end with different values.
+* ``"direct"`` (the executor's default): each rank sends its quantized chunk c straight to
+  owner c, and each owner sends its result straight to every rank (one exchange per phase).
+  Every value is quantized twice (as a contribution, as the result), and the bytes equal the
+  classic ring's. Not neighbour-only: each ordered pair carries two chunks per bucket (2/W of
+  the bucket), where a ring pushes 2(W-1) chunks over each ring link, so on a mesh of equal
+  links it needs 1/(W-1) of a ring's time (per-host uplinks: the same time, the bytes per host
+  are equal), unless the network is itself ring-shaped. The cost: with one slow pair the
+  exchange crosses it too; there ``"ring-owner"`` on the solved ring is faster. A worker's
+  ``diloco.algorithm = "auto"`` (its config's default) makes that choice per membership from
+  the probed bandwidths: ``choose_algorithm`` compares the two algorithms' link-bandwidth bounds.
+* ``"ring-residual"``: classic ring, but each hop sends its fp32 partial sum as int8 plus int8
+  of the residual that missed: the partial sums stay ~16-bit accurate, so only the owner's
+  final quantization counts. Neighbour-only, lowest error, 1.5x the bytes at any W.
+* ``"ring-owner"``: each hop relays the ORIGINAL contribution bytes it received and appends
+  its own; the owner decodes each once. Two quantizations, as ``"direct"``, neighbour-only, but
+  hop s carries s+1 contributions: W(W-1)/2 chunk messages instead of W-1. Fewest bytes of the
+  neighbour-only accurate options for W <= 3 (same as residual at W = 4, more above).
+* ``"ring"``: classic ring; each hop requantizes the fp32 partial sum (PRIME's reduce-scatter),
+  so error compounds with W. Fewest bytes, neighbour-only. ``relay=k`` interpolates to
+  ``"ring-owner"``: requantize only when a message would exceed k contributions.
 
-Measured (``benchmarks/allreduce_error.py``, W real gloo processes, 1M floats
-per rank in 4 buckets = shared signal + equal-power worker noise; relative L2
-error vs the exact fp32 mean, max over ranks; payload bytes sent per rank
-divided by the fp32 size of the tensor, an fp32 ring sends 2(W-1)/W)::
-
-    Gaussian, clip (4, 6)          W=2     W=4     W=8     W=16
-    direct (default)             1.06%   1.04%   0.99%   0.95%
-    ring-residual                0.92%   0.91%   0.91%   0.90%
-    ring-owner                   1.06%   1.04%   0.99%   0.95%
-    ring relay=2                 1.06%   1.22%   1.43%   1.75%
-    ring                         1.06%   1.29%   1.65%   2.20%
-    prime                        1.06%   1.29%   1.65%   2.20%
-    Gaussian, clip 6 fixed: direct 1.56 1.54 1.47 1.42%; ring 1.56 1.91 2.46 3.29%
-    Laplace, clip (4, 6), W=8/16: direct 1.60/1.52%; residual 1.50/1.45%;
-                                  ring = prime 2.57/3.35%
-    bytes / fp32 size, codec "none"
-    direct, ring, prime          0.252   0.381   0.451   0.499
-    ring-residual                0.378   0.571   0.677   0.748
-    ring-owner                   0.252   0.571   1.128   2.243
-    ring relay=2                 0.252   0.444   0.548   0.615
-    codec "zstd" (default): 0.89x those, e.g. direct 0.225 0.340 0.404 0.449
-    (the errors are the same: coding is lossless)
-
-"prime" equals "ring": requantizing decoded int8 values is lossless with this
-quantizer (<= 256 distinct values, one per bucket), so PRIME's excess error is
-all in its reduce-scatter. Wire bytes vs DDP at H=100 on the tiny model: see
-``benchmarks/wire_bytes.py`` (raw indices and codebooks cap the ratio just under
-4H = 400x; coded, 444-448x with one bucket, 420-442x per layer, W=2-8).
+INTELLECT-1's own scheme (``"ring"`` plus requantization at every all-gather hop) is a baseline
+for benchmarks only: ``benchmarks/prime_allreduce.py``. Its excess error over ``"direct"`` is
+all in the reduce-scatter: requantizing decoded int8 values is lossless with this quantizer.
 """
 
 from __future__ import annotations
@@ -97,13 +55,12 @@ __all__ = [
     "estimate_seconds",
     "layer_buckets",
     "link_chunks",
-    "merge_small",
     "payload_bytes",
     "relay_counts",
     "relay_limit",
 ]
 
-ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring", "prime")
+ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring")
 AUTO_CANDIDATES = ("direct", "ring-owner")
 
 
@@ -139,32 +96,6 @@ def layer_buckets(names: Sequence[str]) -> list[list[int]]:
             out.append([])
             prev = key
         out[-1].append(i)
-    return out
-
-
-def merge_small(buckets: Sequence[Sequence[int]], numels: Sequence[int], min_numel: int) -> list[list[int]]:
-    """Merge consecutive buckets until each holds >= ``min_numel`` elements (a short
-    tail joins the last bucket). Each chunk message carries a 1 KiB codebook, so tiny
-    buckets cost bytes; merged buckets share one codebook per chunk, which costs
-    accuracy when their scales differ.
-
-    >>> merge_small([[0], [1, 2], [3], [4]], [10, 500, 500, 500, 500], 100)
-    [[0, 1, 2], [3], [4]]
-    >>> merge_small([[0], [1], [2]], [500, 500, 5], 100)
-    [[0], [1, 2]]
-    """
-    out: list[list[int]] = []
-    acc: list[int] = []
-    for b in buckets:
-        acc += b
-        if sum(numels[i] for i in acc) >= min_numel:
-            out.append(acc)
-            acc = []
-    if acc:
-        if out:
-            out[-1] += acc
-        else:
-            out.append(acc)
     return out
 
 
@@ -299,7 +230,7 @@ def choose_algorithm(bw: Sequence[Sequence[float]], order: Sequence[int], nbytes
     ring-owner W(W-1)/2 + W-1 on each ring link. The chunk size cancels, so the
     choice does not depend on ``nbytes`` (it only scales the estimates).
 
-    Worked example, the WAN testbed's part 2: 4 hosts at 100 Mbit/s (12.5 MB/s)
+    Worked example: 4 hosts at 100 Mbit/s (12.5 MB/s)
     but the pair 1<->2 at 5 Mbit/s, 4M int8 values per rank. Direct sends 2 of
     its 1 MB chunks over the slow pair: 3.2 s; the solved ring 0-1-3-2 avoids it
     and ring-owner moves 9 chunks per link: 0.72 s. With every link at 50 Mbit/s,

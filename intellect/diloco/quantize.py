@@ -16,36 +16,22 @@ Wire format (``to_bytes``), little-endian::
     version 1: | numel x u8 indices
     version 2: | codec u8 | 3 zero bytes | crc32 u32 | length u64 | length bytes
 
-Version 1 is ``wire_nbytes(numel, ndim) = 8 + 8*ndim + 1024 + numel`` bytes (a
-1-D tensor of 16M floats: 64 MiB -> 16 MiB + 1040 B). Version 2 (``codec=
-"zstd"``) entropy-codes the indices: bucket indices of a bell-shaped tensor are
-far from uniform (N(0,1): 7.05 bits of entropy at c=4, 6.46 at c=6), and zstd's
-Huffman stage gets within 1% of that (16M N(0,1) floats: 0.891 / 0.814 of the
-raw size). ``to_bytes`` falls back to version 1 whenever coding would not save
-bytes, so a message never exceeds ``wire_nbytes``: a receive buffer of that
-size fits either version, and ``message_nbytes`` reads the actual length from
-the header. The crc32 of the coded bytes turns a corrupted payload into a
-``ValueError`` instead of silently wrong indices, and decoding is bounded by
-the caller's expected ``numel`` (no decompression bomb).
+Version 1 is ``wire_nbytes(numel, ndim) = 8 + 8*ndim + 1024 + numel`` bytes. Version 2
+(``codec="zstd"``) entropy-codes the indices: bucket indices of a bell-shaped tensor are far
+from uniform, and zstd's Huffman stage gets close to their entropy. ``to_bytes`` falls back to
+version 1 whenever coding would not save bytes, so a message never exceeds ``wire_nbytes``: a
+receive buffer of that size fits either version, and ``message_nbytes`` reads the actual length
+from the header. The crc32 of the coded bytes turns a corrupted payload into a ``ValueError``
+instead of silently wrong indices, and decoding is bounded by the caller's expected ``numel``
+(no decompression bomb).
 
-Choice of ``c`` (``DEFAULT_CLIP_SIGMAS``). Relative L2 error
-``||dequantize(quantize(x, c)) - x|| / ||x||`` on 16M floats, seed 0
-(``benchmarks/quantizer_bench.py --sweep``, 1 thread)::
-
-    c                 3        4        5        6        8        12
-    N(0,1)         0.01595  0.00921  0.01128  0.01353  0.01803  0.02705
-    Laplace(b=1)   0.08617  0.04356  0.02389  0.01702  0.01822  0.02704
-    Student-t df=3 0.30885  0.26511  0.23440  0.21120  0.17777  0.13901
-
-The report says c=6; the PRIME and hivemind codes effectively use c=3 (hivemind:
-mean +- 3 sigma; PRIME: +-3 RMS around 0), which is 1.18x / 5.1x / 1.46x worse than
-c=6 here. The optimum moves with the tails: c=4 on a Gaussian, c=6 on Laplace,
-c>=24 on Student-t(3), where >99% of the error sits in the two edge buckets
-(0.2% of the values, tail up to 130 sigma) and no 256-uniform-bucket range
-fixes it. We keep c=6: best on Laplace (c=4 is 2.6x worse there), 1.47x the
-Gaussian optimum, 1.26x better than c=4 on t(3); c=8 would trade 33% on
-Gaussians and 7% on Laplace for 16% on t(3).
-Re-run the sweep on real pseudo-gradients (``--tensor``) before changing it.
+Choice of ``c`` (``DEFAULT_CLIP_SIGMAS = 6``, the report's). The optimum moves with the tails:
+about 4 on a Gaussian, 6 on Laplace, far more on Student-t(3), where most of the error sits in
+the two edge buckets and no range of 256 uniform buckets fixes it. 6 is best on Laplace and
+within 1.5x of the Gaussian optimum; the PRIME and hivemind codes' effective c=3 (mean +- 3
+sigma, or +-3 RMS around 0) is worse on all three. Re-run ``benchmarks/quantizer_bench.py
+--sweep`` on real pseudo-gradients (``--tensor``) before changing it; the all-reduce tries
+several candidates per chunk (``quantize_best``).
 
 Non-finite input raises ``ValueError``: a worker whose pseudo-gradient has a
 NaN/Inf must be excluded by the caller, not averaged in.
@@ -105,19 +91,18 @@ _HEADER = struct.Struct("<3sBB3x")  # magic, version, ndim
 _PACK = struct.Struct("<B3xIQ")  # version 2: codec, crc32 of the coded bytes, their length
 _ZSTD_LEVEL = 1  # levels 1-3 code these indices equally well (Huffman stage); 1 is fastest
 _MAX_NDIM = 64
-# Chunks keep the fp32 temporaries and int64 gather indices in L2 (2-3x faster than
-# whole-tensor passes) and stay below ATen's 32768-element grain size, so each op runs
-# inline: a parallel op per chunk waits at an OpenMP barrier, and with another process
-# on the other core that cost 200x (2 M floats/s) on the 2-core dev box. Just under the
-# grain (a multiple of 64) rather than 16384: per-op dispatch is ~1/3 of a chunk's time
-# at 16384, and halving the op count made bucketizing 1.3-1.5x faster.
+# Chunks keep the fp32 temporaries and int64 gather indices in L2 and stay below ATen's
+# 32768-element grain size, so each op runs inline: a parallel op per chunk waits at an
+# OpenMP barrier, which another process on the other core makes very slow. Just under the
+# grain (a multiple of 64) rather than smaller: per-op dispatch is a large share of a small
+# chunk's time.
 _CHUNK = 32768 - 64
 _FP32_MAX = torch.finfo(torch.float32).max
 # With torch.get_num_threads() > 1, tensors of at least this many elements are split
 # into one contiguous part per thread, each bucketized and histogrammed by its own
 # Python thread (torch releases the GIL): the L2-sized chunks stay inline, so no
 # OpenMP barrier, and bincount, single-threaded in ATen, runs on every core. Below it
-# the hand-off (~50 us) costs more than the second core saves.
+# the hand-off costs more than the second core saves.
 _PARALLEL_MIN = 1 << 18
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -195,7 +180,7 @@ def quantize_best(x: torch.Tensor, candidates: Sequence[float]) -> Quantized:
     ``|x|^2 - sum_k count_k * codebook_k^2``: the best candidate maximizes the sum.
     Tensors of at least 2^16 values judge the candidates on a sample (1/16 of the
     values, in random 64-value blocks, fixed seed), with the whole tensor's mean and
-    std, and quantize once: ~1.2x one ``quantize`` instead of ``len(candidates)``x.
+    std, and quantize once: little more than one ``quantize``, not ``len(candidates)`` of them.
     Only the choice is sampled; the codebook is the bucket means of all of ``x``.
     On near-ties the sample may pick the slightly worse candidate.
 
@@ -358,13 +343,13 @@ def to_bytes(q: Quantized, codec: str = "none") -> bytes:
 
 
 def _compress(data: memoryview) -> bytes:
-    import pyarrow  # zstd (C++, releases the GIL); imported only by the peers that code
+    import pyarrow  # noqa: PLC0415 - zstd (C++, releases the GIL); imported only by the peers that code
 
     return pyarrow.Codec("zstd", compression_level=_ZSTD_LEVEL).compress(data, asbytes=True)
 
 
 def _decompress(data: memoryview, numel: int) -> bytearray:
-    import pyarrow
+    import pyarrow  # noqa: PLC0415 - as in _compress
 
     # The output is allocated at numel bytes and zstd stops there; a frame that decodes to
     # more or fewer bytes raises (pyarrow checks the size), so time and memory stay bounded.

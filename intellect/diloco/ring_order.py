@@ -15,14 +15,8 @@ Exact for ``n <= exact_limit`` (default 20): Held-Karp over subsets with
   compare, so ranks are exact and 4-8x smaller;
 * one DP on suffix paths (from v through S back to 0), which lets a forward
   greedy pass read off the lexicographically smallest optimal cycle with no
-  parent table: 2^(n-1) * (n-1) * 2 bytes, 20 MB at n=20 (toposolve: 250 MB);
+  parent table: 2^(n-1) * (n-1) * 2 bytes;
 * vectorized with numpy over all subsets of one size (a "layer") at a time.
-
-Measured (``benchmarks/ring_order_bench.py``, 1 busy core, random asymmetric
-matrices): n=16 0.009 s / 2.6 MB, n=18 0.04 s / 12 MB, n=20 0.18 s / 30 MB
-peak, n=22 0.95 s; a plain-Python Held-Karp is 40x slower at n=14. toposolve's
-C++ as quoted in shared/reference/diloco.md (another run, not measured here):
-0.07 s / 23 MB, 0.38 s / 62 MB, 3.0 s / 250 MB.
 
 Above ``exact_limit`` a heuristic runs: greedy (widest next link) from every
 start, then first-improvement local search on the sorted link vector (segment
@@ -30,9 +24,8 @@ moves, reversed short segments, node swaps, 2-opt when the matrix is
 symmetric), then seeded double-bridge kicks. It is NOT exact. It stops early
 when the bottleneck reaches an upper bound (each node's widest in/out links;
 strong connectivity of the links at or above the bottleneck), else after 100
-kicks without progress. On 80 random instances with n = 10..18 (symmetric,
-asymmetric, tied) it found the optimum 78 times, else >= 0.99 of it; it takes
-0.01-2 s at n = 24..48.
+kicks without progress. How close it gets to the optimum, and how fast each
+runs: ``benchmarks/ring_order_bench.py``.
 
 Example::
 

@@ -4,9 +4,9 @@
 bucket a generator that yields ``(works, label)`` once per exchange, so ``drive`` can keep up
 to ``window`` buckets in flight. Schedules: ``_direct`` (every rank to every owner and back),
 ``_ring`` (the ring family's reduce-scatter, ``plan.relay_counts`` pieces per message) and
-``_ring_gather`` (the owners' bytes forwarded along the ring; ``"prime"`` requantizes them at
-each hop). The owners' aggregate is ``_owner``; with ``outlier_clip`` it goes through
-``claims.Claims``. Only ``encode`` bytes (``quantize.to_bytes``) cross the wire.
+``_ring_gather`` (the owners' bytes forwarded along the ring, unchanged: ``_forwarded``). The
+owners' aggregate is ``_owner``; with ``outlier_clip`` it goes through ``claims.Claims``. Only
+``encode`` bytes (``quantize.to_bytes``) cross the wire.
 """
 
 from __future__ import annotations
@@ -250,7 +250,6 @@ class Run(Claims):
         if wire[pos]:
             # senders: only "ring-owner" relays each contribution as sent (robust aggregation needs that)
             res[pos] = self._owner(parts, received, senders if self.relay >= W - 1 and self.stages == 1 else (), b)
-        vals: dict[int, torch.Tensor] = {}  # "prime" only: what this rank decoded
         for s in range(W - 1):
             c_out, c_in = (pos - s) % W, (pos - s - 1) % W
             works, buf = [], None
@@ -258,16 +257,16 @@ class Run(Claims):
                 buf = ch.empty(wire[c_in])
                 works.append(ch.irecv(buf, self.prv, self.tag(b, 1, s)))
             if wire[c_out]:
-                works.append(ch.isend(res[c_out], self.nxt, self.tag(b, 1, s), "payload"))
+                msg = res[c_out] if c_out == pos else self._forwarded(res[c_out], parts[c_out].numel())
+                works.append(ch.isend(msg, self.nxt, self.tag(b, 1, s), "payload"))
             yield works, f"bucket {b} all-gather step {s}"
-            if buf is None:
-                continue
-            buf = ch.open(buf, self.prv, self.tag(b, 1, s))
-            res[c_in] = unpack(buf, 1)[0]
-            if self.algorithm == "prime":  # PRIME requantizes what it forwards
-                vals[c_in] = decode(buf, parts[c_in].numel())
-                if s < W - 2:
-                    res[c_in] = encode(self.quantize(vals[c_in]), self.codec)
-        out = [vals[c] if c in vals else decode(res[c], p.numel()) if wire[c] else None for c, p in enumerate(parts)]
+            if buf is not None:
+                res[c_in] = unpack(ch.open(buf, self.prv, self.tag(b, 1, s)), 1)[0]
+        out = [decode(res[c], p.numel()) if wire[c] else None for c, p in enumerate(parts)]
         self._check_results(b, out)
         return out
+
+    def _forwarded(self, msg: torch.Tensor, numel: int) -> torch.Tensor:
+        """The bytes this rank forwards, in the ring all-gather, of another owner's result chunk
+        ``msg`` (``numel`` values): the owner's own bytes, so every rank decodes the same values."""
+        return msg

@@ -42,46 +42,22 @@ class ToplocConfig(StrictModel):
     """Proof shape and the thresholds of the computation, sampling and termination checks (defaults:
     the paper code's and INTELLECT-2's).
 
-    The distribution check's defaults were chosen with ``benchmarks/toploc_distribution.py`` (4,096
-    honest and 4,096 hybrid rollouts per setting, temperature 1; the statistic is the *surprise*,
-    ``-log10`` of the Chernoff bound, see :func:`~intellect.toploc.check.low_prob_surprise`):
+    The defaults keep honest workers far from every bound and catch the attacks the checks
+    exist for; ``benchmarks/toploc_distribution.py`` (the distribution check, honest vs hybrid
+    rollouts) and ``benchmarks/toploc_stale.py`` (the seeded re-check against stale
+    checkpoints) measure both sides, and their figures are in ``benchmarks/results/``:
 
-    * honest: the largest surprise of any rollout, or any submission pooled (16 or 256 rows), was
-      2.3 (the RL run's policy on arithmetic, 4.2 tokens a rollout: 2.1; the tests' confident and
-      near-uniform tiny models, 40 tokens: 1.8 and 2.3), so ``max_low_prob_surprise = 6`` leaves
-      3.7 decades of margin, and 0 of the 12,288 honest rollouts was rejected;
-    * hybrid (the right model proves what another one sampled): pooled over the RL run's
-      submissions (256 rows) the smallest surprise was 274 (arithmetic, the plain smoke model
-      sampling) and over 1,000 (the confident tiny model, its twin sampling): every row rejected.
-      Alone, an arithmetic rollout holds too few tokens (largest surprise 7.1, 0.1% rejected); a
-      rollout of the tiny pair (up to 40 tokens) is rejected 96% of the time (the rest have 1 to 6
-      tokens: the twin drew EOS early). At the tests' 16 rows a submission, 254 of 256 arithmetic
-      ones are rejected (smallest surprise 4.1);
-    * ``min_token_prob = 0.01`` gave the arithmetic hybrids the largest surprises (median 19.6 at
-      16 rows, against 17.8 at 0.001 and 14.9 at 0.05) at the same honest maximum (2.1);
+    * ``max_low_prob_surprise = 6``: honest rollouts and submissions stay decades below it, and
+      a hybrid (the right model proves what another one sampled) pooled over a submission is
+      far above it; a single short rollout holds too few tokens to tell, hence the pooling;
+    * ``min_token_prob = 0.01`` separates the hybrids best at the same honest maximum;
     * ``low_prob_floor = 0.001`` is not measured (at temperature 1 every position has some low
       mass): it is what greedy or top-p decoding needs so that rounding flips do not reject; a
       40-token greedy rollout needs 4 tokens off the validator's argmax (10%) to reach a surprise
-      of 6 (3 give 4.3), over 30 times the near-tie flip rate of bf16 GPUs (0.1-0.3%).
-
-    The seeded re-check pooled per submission (``honest_flip_rate``) was measured with
-    ``benchmarks/toploc_stale.py`` on the rl-tiny run's checkpoints (``runs/rl-toploc``, lr 1e-4;
-    10 submissions per lag of 256 rows, ~970 tokens, generated with checkpoint ``k - lag`` for
-    ``k`` in 20, 60, ..., 180 and claiming ``k``):
-
-    * honest (lag 0): 0 of 9,733 tokens differ; CPU fp32 workers flip no near-tie (nor in the run's
-      102,400 honest rollouts, ~390k tokens, nor in the 2,048 rollouts of
-      ``tests/integration/test_toploc_nondeterminism.py`` under other batching and threads);
-    * lag 1: 7-17 tokens of a submission differ (1.3% pooled) and the computation check fails no
-      row: at the default 0.005 the surprise is 0.2-4.2 (no submission caught; only the 5% of rows
-      holding a flip fail the per-rollout bound); at 1e-4 it is 10.1-31.0 (all 10 caught);
-    * lag 2: 19-29 (2.3%): 4.9-12.6 at 0.005 (6 of 10 caught), 35-60 at 1e-4;
-      lag 3: 30-44 (3.7%): 12.7-25.8 at 0.005, 62-99 at 1e-4 (all caught).
-
-    So the default, safe on GPUs, catches from two or three updates stale; ``configs/rl-tiny.toml``
-    (CPU) may set 1e-4, 13 times the 95% bound on its measured honest rate (8e-6: 0 in ~390k
-    tokens), which catches one update stale (surprise >= 10.1 where 6 suffices; 5 differing tokens
-    of 1,000 would).
+      of 6, over 30 times the near-tie flip rate of bf16 GPUs (0.1-0.3%);
+    * ``honest_flip_rate = 0.005`` is safe on bf16 GPUs and catches a checkpoint two or three
+      RL updates stale; CPU workers in fp32 flip no near-tie, so a CPU run
+      (``configs/rl-tiny.toml``) may set 1e-4, which catches one update stale.
     """
 
     chunk: int = Field(32, ge=1, le=4096, description="Generated tokens per proof.")

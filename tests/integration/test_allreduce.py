@@ -12,16 +12,22 @@ import hashlib
 import math
 import os
 import socket
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from intellect.diloco import transport
 from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
 from intellect.diloco.plan import chunk_bounds, payload_bytes
 from intellect.diloco.quantize import wire_nbytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import prime_allreduce  # noqa: E402  (PRIME's baseline lives with the benchmarks)
 
 # (37, 29) and (1000,): several chunks per rank; (5,): chunks of 1-2 values; (0,): no chunk;
 # scales spread over 1e-3..1e1, so a shared codebook would fail the error bound.
@@ -92,15 +98,13 @@ def _free_port() -> int:
 
 def _rank_main(worker, local, world, nlocal, port, cases, out_dir, timeout):
     torch.set_num_threads(1)
-    from intellect.diloco.transport import shard_group
-
     path = os.path.join(out_dir, f"{worker}_{local}.pt")
     res = {}
     try:
         store = torch.distributed.TCPStore(
             "127.0.0.1", port, world * nlocal, worker == 0 and local == 0, timeout=datetime.timedelta(seconds=30)
         )
-        group = shard_group(store, "test", worker, world, local, timeout=timeout, hostname="127.0.0.1")
+        group = transport.shard_group(store, "test", worker, world, local, timeout=timeout, hostname="127.0.0.1")
         for case in cases:
             ts = inputs(worker, case["seed"], **case_shapes(case))
             if nlocal > 1:  # this rank holds shard `local` of the flattened "model"
@@ -119,21 +123,22 @@ def _rank_main(worker, local, world, nlocal, port, cases, out_dir, timeout):
             if isinstance(order, dict):
                 order = order[local]
             t0 = time.monotonic()
+            run = all_reduce_mean
+            if kw.get("algorithm") == prime_allreduce.NAME:
+                run, _ = prime_allreduce.prime_all_reduce_mean, kw.pop("algorithm")
             try:
-                stats = all_reduce_mean(ts, group, order=order, contribute=worker not in case.get("off", ()), **kw)
+                stats = run(ts, group, order=order, contribute=worker not in case.get("off", ()), **kw)
                 res[case["name"]] = {"out": ts, "stats": dataclasses.asdict(stats)}
             except AllReduceError as e:
                 res[case["name"]] = {"error": str(e), "elapsed": time.monotonic() - t0}
                 break  # the group is unusable now
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any crash goes back to the parent, which fails the test
         res["crash"] = traceback.format_exc()
     torch.save(res, path)
 
 
 def _die_after_sends(n: int, how: str) -> None:
     """Make this rank exit (or go silent) after ``n`` payload sends, mid-all-reduce."""
-    from intellect.diloco import transport
-
     orig = transport.Channel.isend
     count = [0]
 
@@ -151,8 +156,6 @@ def _die_after_sends(n: int, how: str) -> None:
 
 def _corrupt_coded_sends() -> None:
     """Flip the last byte of every entropy-coded payload message this rank sends."""
-    from intellect.diloco import transport
-
     orig = transport.Channel.isend
 
     def isend(self, t, dst, tag, kind):
@@ -217,7 +220,7 @@ def check_case(results, case, world, keys=None, bound=0.03):
         if not excluded and not {"relay", "buckets", "per_rank"} & set(case):
             numels = [math.prod(s) for s in case_shapes(case).get("shapes", SHAPES)]
             raw = formula_bytes(numels, world, pos, algo)
-            assert raw == payload_bytes(numels, world, pos, algo)
+            assert raw == payload_bytes(numels, world, pos, prime_allreduce.PLAN if algo == "prime" else algo)
             if case.get("codec") == "none":
                 assert st["payload_bytes"] == raw
             elif case.get("big"):  # coded: 0.8-0.9x the raw bytes (N(0,1): ~7 bits per index)

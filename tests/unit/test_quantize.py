@@ -1,9 +1,12 @@
+import doctest
 import math
 import struct
+import zlib
 
 import pytest
 import torch
 
+import intellect.diloco.quantize as mod
 from intellect.diloco.quantize import (
     DEFAULT_CLIP_SIGMAS,
     NUM_BUCKETS,
@@ -211,8 +214,6 @@ def test_dequantize_into_out_buffer():
 
 
 def test_multi_chunk_equals_single_chunk(monkeypatch):
-    import intellect.diloco.quantize as mod
-
     x = gaussian(100_003, seed=9)
     q = quantize(x)
     monkeypatch.setattr(mod, "_CHUNK", 1 << 10)
@@ -223,8 +224,6 @@ def test_multi_chunk_equals_single_chunk(monkeypatch):
 
 
 def test_parallel_parts_equal_one_part(monkeypatch):
-    import intellect.diloco.quantize as mod
-
     x = gaussian(300_001, seed=4)
     threads = torch.get_num_threads()
     try:
@@ -361,8 +360,6 @@ def test_expected_numel_checked_before_decoding():
 
 def test_valid_checksum_on_garbage_is_still_rejected():
     """A peer that computes the crc over garbage (a bug, not a bit flip) fails in zstd."""
-    import zlib
-
     _, wire = coded()
     junk = bytes(range(256)) * 20
     bad = wire[:_OFF] + struct.pack("<B3xIQ", 1, zlib.crc32(junk), len(junk)) + junk
@@ -373,10 +370,6 @@ def test_valid_checksum_on_garbage_is_still_rejected():
 
 
 def test_docstring_examples():
-    import doctest
-
-    import intellect.diloco.quantize as mod
-
     assert doctest.testmod(mod).failed == 0
 
 
@@ -384,8 +377,6 @@ def test_pool_is_rebuilt_after_fork(monkeypatch):
     """A forked child inherits the pool object without its threads; the at-fork hook
     drops it. (Not run in a real fork: MKL's dot hangs in a child of a parent that
     used 2 threads, before the pool is reached.)"""
-    import intellect.diloco.quantize as mod
-
     monkeypatch.setattr(mod, "_PARALLEL_MIN", 1 << 12)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -1,9 +1,11 @@
+import doctest
 import math
 
 import numpy as np
 import pytest
 import torch
 
+import intellect.diloco.ring_order as mod
 from intellect.diloco.ring_order import all_orders_brute_force, bottleneck, ring_order
 
 
@@ -155,8 +157,4 @@ def test_heuristic_close_to_exact_on_small_n(n):
 
 
 def test_docstring_examples():
-    import doctest
-
-    import intellect.diloco.ring_order as mod
-
     assert doctest.testmod(mod).failed == 0

@@ -13,6 +13,7 @@ from intellect.toploc.proofs import (
     check_chunks,
     decode_proofs,
     injective_moduli,
+    magnitude_candidates,
     n_chunks,
     proof_size,
 )
@@ -146,8 +147,6 @@ def test_an_empty_output_carries_no_proof():
 
 def test_the_candidate_search_finds_the_top_k_with_all_its_ties():
     """Against a brute force on random bits (signs, ties, sizes that are no multiple of the fan)."""
-    from intellect.toploc.proofs import magnitude_candidates
-
     g = torch.Generator().manual_seed(6)
     for _ in range(200):
         rows, n = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(4, 5000, (1,), generator=g))
