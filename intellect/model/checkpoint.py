@@ -1,9 +1,10 @@
-"""Build the tiny Llama, and save/load HF checkpoint folders.
+"""Build the tiny Llama, and save/load the HF folder at the heart of every checkpoint.
 
-A checkpoint folder is exactly what ``transformers`` (and so vLLM) loads:
-``config.json``, ``model.safetensors``, ``generation_config.json`` and the
-tokenizer files. The tiny model and a user's local checkpoint (a Qwen, say)
-go through the same :func:`load_checkpoint`; nothing is ever downloaded.
+The HF folder is exactly what ``transformers`` (and so vLLM) loads: ``config.json``,
+``model.safetensors``, ``generation_config.json`` and the tokenizer files. The tiny model and a
+user's local checkpoint (a Qwen, say) go through the same :func:`load_checkpoint`; nothing is ever
+downloaded. A run's checkpoints (this folder plus sidecars, published to run storage and verified by
+digest) are :mod:`intellect.checkpoints`.
 """
 
 from __future__ import annotations

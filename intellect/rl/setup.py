@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from intellect.data.arithmetic import heldout_problems, train_stream
 from intellect.data.loaders import load_math_tasks
-from intellect.model.checkpoint import load_checkpoint
-from intellect.pretrain import CHECKPOINTS, checkpoint_digest, fetch_checkpoint, publish_checkpoint
+from intellect.checkpoints import CHECKPOINTS, ORIGIN, fetch, publish, record
+from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from intellect.trust.mac import SECRET_BYTES, new_secret
@@ -91,10 +91,9 @@ def initial_weights(init: InitConfig, cfg: RLRunConfig | FilterRunConfig):
     if init.path is not None:
         if not (Path(init.path) / "config.json").is_file():
             raise FileNotFoundError(f"init.path: {init.path} is not an HF model folder (no config.json)")
-        model, tok = load_checkpoint(Path(init.path))
-        for p in model.parameters():  # safetensors maps lazily; own the memory
-            p.data = p.data.clone()
+        model, tok = load_checkpoint_copy(Path(init.path))
         return model, tok, init.path
+    assert init.from_run is not None  # InitConfig requires path or from_run
     source = RunStorage.from_config(cfg.storage, init.from_run)
     step = init.step if init.step is not None else source.latest_step(CHECKPOINTS)
     if step is None or not source.is_stable(step, CHECKPOINTS):
@@ -104,7 +103,7 @@ def initial_weights(init: InitConfig, cfg: RLRunConfig | FilterRunConfig):
             f"(e.g. `intellect smoke --config configs/{init.from_run}.toml` when that config exists) "
             "or set init.path"
         )
-    model, tok = fetch_checkpoint(source, step)
+    model, tok = fetch(source, step)
     return model, tok, source.uri(source.step_path(step, CHECKPOINTS))
 
 
@@ -118,8 +117,8 @@ def seed_checkpoint(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger) -> st
     if storage.exists(rel):
         storage.delete(rel, recursive=True)
     model, tok, origin = initial_weights(cfg.init, cfg)
-    publish_checkpoint(model.eval(), tok, storage, 0, {"origin.json": {"origin": origin}})
-    ledger.record_checkpoint(0, storage.uri(rel), checkpoint_digest(storage, 0))
+    publish(model.eval(), tok, storage, 0, {ORIGIN: {"origin": origin}})
+    record(storage, ledger, 0)
     return origin
 
 

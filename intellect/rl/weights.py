@@ -2,10 +2,11 @@
 
 Both sources answer the two questions a worker asks (:func:`~intellect.rl.worker.run_worker`):
 which checkpoints are complete, and the model of one of them. With SHARDCAST the trainer publishes
-each checkpoint's inference files (not its optimizer state) to the origin
-(:func:`publish_to_origin`), signed with the trainer's key, relays mirror it, and a worker downloads
-a version into its own cache folder, keeping only the newest few; relays and workers pin the
-trainer's public key and use nothing it did not sign (:mod:`intellect.shardcast.signing`).
+each checkpoint's :func:`~intellect.checkpoints.inference_files` (never a trainer-only sidecar) to
+the origin (:func:`publish_to_origin`), signed with the trainer's key; relays mirror it, and a
+worker downloads a version into its own cache folder, keeping only the newest few. Relays and
+workers pin the trainer's public key and use nothing it did not sign
+(:mod:`intellect.shardcast.signing`).
 """
 
 from __future__ import annotations
@@ -14,29 +15,27 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from intellect.checkpoints import CHECKPOINTS, fetch, inference_files
 from intellect.model.checkpoint import load_checkpoint_copy
-from intellect.pretrain import CHECKPOINTS, fetch_checkpoint
 from intellect.rl.config import RLRunConfig
 from intellect.shardcast.client import ShardcastClient
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, verify_header
 from intellect.shardcast.signing import Untrusted, Verifier
-from intellect.shardcast.store import VersionStore, publish_folder
-from intellect.storage import STABLE, RunStorage
+from intellect.shardcast.store import VersionStore
+from intellect.shardcast.writer import publish_folder
+from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey, VerifyKey
 
 log = logging.getLogger("intellect.rl.weights")
-
-# Trainer state saved beside each checkpoint that inference does not need (2x the weights for AdamW).
-TRAINER_ONLY = frozenset({"optimizer.pt", "rl_step.json", "origin.json"})
 
 
 class WeightSource(Protocol):
     def complete_steps(self) -> list[int]: ...
 
-    def load(self, step: int): ...  # -> (model, tokenizer)
+    def load(self, step: int) -> tuple[Any, Any]: ...  # (model, tokenizer)
 
     def close(self) -> None: ...
 
@@ -51,7 +50,7 @@ class StorageWeights:
         return self.storage.complete_steps(CHECKPOINTS)
 
     def load(self, step: int):
-        return fetch_checkpoint(self.storage, step)
+        return fetch(self.storage, step)
 
     def close(self) -> None:
         pass
@@ -112,11 +111,20 @@ def _signed(m: Manifest, key: VerifyKey) -> bool:
     return True
 
 
+def _not_for_inference(folder: Path) -> frozenset[str]:
+    """The files of ``folder`` that :func:`~intellect.checkpoints.inference_files` leaves out."""
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    return frozenset(names) - frozenset(inference_files(names))
+
+
 def publish_to_origin(cfg: RLRunConfig, storage: RunStorage, step: int, origin_dir: str | Path, *,
                       signing_key: SigningKey) -> dict:
     """Publish checkpoint ``step``'s inference files as SHARDCAST version ``step``, signed with the
     trainer's ``signing_key`` (idempotent: an existing complete version is kept, a half-written one
     replaced)."""
+    sc = cfg.shardcast
+    if sc is None:
+        raise ValueError("publish_to_origin needs cfg.shardcast")
     store = VersionStore(origin_dir)
     have = store.manifest(step)
     if have is not None and have.complete and _signed(have, signing_key.public):
@@ -124,13 +132,13 @@ def publish_to_origin(cfg: RLRunConfig, storage: RunStorage, step: int, origin_d
     if have is not None:
         store.drop(step)
     rel = storage.step_path(step, CHECKPOINTS)
-    skip = TRAINER_ONLY | {STABLE}
     if (local := storage.local_path(rel)) is not None:
-        m = publish_folder(store, step, local, cfg.shardcast.shard_size, cfg.shardcast.keep, key=signing_key,
-                           skip=skip)
+        m = publish_folder(store, step, local, sc.shard_size, sc.keep, key=signing_key,
+                           skip=_not_for_inference(local))
     else:  # S3: the checkpoint comes down once, into a folder that goes away after
         with tempfile.TemporaryDirectory(prefix="intellect-publish-") as tmp:
-            storage.get_dir(rel, Path(tmp) / "ckpt")
-            m = publish_folder(store, step, Path(tmp) / "ckpt", cfg.shardcast.shard_size, cfg.shardcast.keep,
-                               key=signing_key, skip=skip)
+            folder = Path(tmp) / "ckpt"
+            storage.get_dir(rel, folder)
+            m = publish_folder(store, step, folder, sc.shard_size, sc.keep,
+                               key=signing_key, skip=_not_for_inference(folder))
     return {"version": step, "bytes": m.total_size, "shards": len(m.shards), "published": True}

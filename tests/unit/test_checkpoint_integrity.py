@@ -5,26 +5,36 @@ from __future__ import annotations
 
 import doctest
 import hashlib
+import importlib.util
 import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import intellect.checkpoints as checkpoints_mod
 import intellect.pretrain as pretrain_mod
+from intellect.checkpoints import (
+    CHECKPOINTS,
+    STEP_REPORT,
+    CheckpointMismatch,
+    fetch,
+    file_sha256,
+    local_digest,
+    publish,
+    verified_copy,
+)
+from intellect.checkpoints import digest as checkpoint_digest
 from intellect.config import ModelConfig
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import (
-    CHECKPOINTS,
-    CheckpointMismatch,
-    checkpoint_digest,
-    fetch_checkpoint,
-    file_sha256,
-    local_checkpoint_digest,
-    publish_checkpoint,
-    verified_checkpoint,
-)
-from intellect.rl.weights import TRAINER_ONLY
 from intellect.storage import STABLE, RunStorage
+
+Pair = tuple[Any, Any]  # (model, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +43,9 @@ def model_and_tok():
 
 
 @pytest.fixture
-def published(tmp_path, model_and_tok):
+def published(tmp_path, model_and_tok: Pair):
     storage = RunStorage(f"file://{tmp_path}/run")
-    publish_checkpoint(*model_and_tok, storage, 0, {"rl_step.json": {"loss": 1.0}})
+    publish(*model_and_tok, storage, 0, {STEP_REPORT: {"loss": 1.0}})
     return storage, checkpoint_digest(storage, 0)
 
 
@@ -43,26 +53,25 @@ def folder(storage, step=0):
     return storage.local_path(storage.step_path(step, CHECKPOINTS))
 
 
-def test_docstring_examples_hold():
-    result = doctest.testmod(pretrain_mod)
+@pytest.mark.parametrize("module", [checkpoints_mod, pretrain_mod], ids=lambda m: m.__name__)
+def test_docstring_examples_hold(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
 def test_an_honest_checkpoint_loads_with_its_digest(published, model_and_tok):
     storage, digest = published
     assert len(digest) == 64 and int(digest, 16) >= 0
-    model, tok = fetch_checkpoint(storage, 0, sha256=digest)
+    model, tok = fetch(storage, 0, sha256=digest)
     want = model_and_tok[0].state_dict()
     assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
     assert len(tok) == len(model_and_tok[1])
-    with verified_checkpoint(storage, sha256=digest) as local:  # newest step, same bytes
-        assert local_checkpoint_digest(local) == digest
+    with verified_copy(storage, sha256=digest) as local:  # newest step, same bytes
+        assert local_digest(local) == digest
         assert json.loads((local / "rl_step.json").read_text()) == {"loss": 1.0}
 
 
 def _rewrite_weights(path):
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(path)
     name = next(iter(tensors))
     tensors[name] = tensors[name] + 1.0
@@ -93,9 +102,9 @@ def test_a_stable_checkpoint_rewritten_in_place_is_refused_before_loading(publis
     storage, digest = published
     change(folder(storage))
     assert storage.is_stable(0, CHECKPOINTS)
-    monkeypatch.setattr(pretrain_mod, "load_checkpoint_copy", lambda *a: pytest.fail("loaded before verifying"))
+    monkeypatch.setattr(checkpoints_mod, "load_checkpoint_copy", lambda *a: pytest.fail("loaded before verifying"))
     with pytest.raises(CheckpointMismatch) as e:
-        fetch_checkpoint(storage, 0, sha256=digest)
+        fetch(storage, 0, sha256=digest)
     assert e.value.step == 0 and e.value.expected == digest and e.value.got == checkpoint_digest(storage, 0)
     assert "step 0" in str(e.value) and digest in str(e.value) and e.value.got in str(e.value)
     assert isinstance(e.value, ValueError)
@@ -107,22 +116,22 @@ def test_the_marker_is_not_part_of_the_identity(published):
     info = json.loads(marker.read_text())
     marker.write_text(json.dumps({**info, "time": "2000-01-01T00:00:00+00:00"}))
     assert checkpoint_digest(storage, 0) == digest
-    fetch_checkpoint(storage, 0, sha256=digest)
+    fetch(storage, 0, sha256=digest)
 
 
-def test_the_digest_is_stable_across_republishing_identical_content(published, model_and_tok, tmp_path):
+def test_the_digest_is_stable_across_republishing_identical_content(published, model_and_tok: Pair, tmp_path):
     storage, digest = published
     storage.delete(storage.step_path(0, CHECKPOINTS), recursive=True)
-    publish_checkpoint(*model_and_tok, storage, 0, {"rl_step.json": {"loss": 1.0}})
+    publish(*model_and_tok, storage, 0, {STEP_REPORT: {"loss": 1.0}})
     assert checkpoint_digest(storage, 0) == digest
     other = RunStorage(f"file://{tmp_path}/elsewhere")
-    publish_checkpoint(*model_and_tok, other, 7, {"rl_step.json": {"loss": 1.0}})
+    publish(*model_and_tok, other, 7, {STEP_REPORT: {"loss": 1.0}})
     assert checkpoint_digest(other, 7) == digest  # the step number and place are not part of it
-    publish_checkpoint(*model_and_tok, other, 8, {"rl_step.json": {"loss": 2.0}})
+    publish(*model_and_tok, other, 8, {STEP_REPORT: {"loss": 2.0}})
     assert checkpoint_digest(other, 8) != digest
     # what inference loads is the same in both: the sidecar alone differs
-    assert checkpoint_digest(other, 8, exclude=TRAINER_ONLY) == checkpoint_digest(other, 7, exclude=TRAINER_ONLY)
-    assert checkpoint_digest(other, 8, exclude=TRAINER_ONLY) != digest
+    assert checkpoint_digest(other, 8, inference=True) == checkpoint_digest(other, 7, inference=True)
+    assert checkpoint_digest(other, 8, inference=True) != digest
 
 
 def test_only_complete_checkpoints_have_a_digest(tmp_path):
@@ -131,7 +140,7 @@ def test_only_complete_checkpoints_have_a_digest(tmp_path):
     with pytest.raises(FileNotFoundError):
         checkpoint_digest(storage, 3)
     with pytest.raises(FileNotFoundError):
-        fetch_checkpoint(storage, 3, sha256="0" * 64)
+        fetch(storage, 3, sha256="0" * 64)
 
 
 def test_file_hashing_is_streamed_and_exact(tmp_path):
@@ -143,15 +152,9 @@ def test_file_hashing_is_streamed_and_exact(tmp_path):
 @pytest.fixture(scope="module")
 def s3_storage(tmp_path_factory):
     """A run on a real S3 API: the integration suite's moto server on 127.0.0.1, stopped by PID."""
-    import importlib.util
-    import os
-    import uuid
-    from pathlib import Path
-
-    import boto3
-
     path = Path(__file__).resolve().parents[1] / "integration" / "conftest.py"
     spec = importlib.util.spec_from_file_location("integration_conftest", path)
+    assert spec is not None and spec.loader is not None
     moto = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(moto)
     proc, url = moto._start_moto(tmp_path_factory.mktemp("moto") / "server.log", timeout=30)
@@ -172,12 +175,12 @@ def s3_storage(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_s3_checkpoints_have_the_same_digest_and_are_verified(s3_storage, published, model_and_tok):
+def test_s3_checkpoints_have_the_same_digest_and_are_verified(s3_storage, published, model_and_tok: Pair):
     local, digest = published
-    publish_checkpoint(*model_and_tok, s3_storage, 0, {"rl_step.json": {"loss": 1.0}})
+    publish(*model_and_tok, s3_storage, 0, {STEP_REPORT: {"loss": 1.0}})
     assert checkpoint_digest(s3_storage, 0) == digest
-    fetch_checkpoint(s3_storage, 0, sha256=digest)
+    fetch(s3_storage, 0, sha256=digest)
     rel = f"{s3_storage.step_path(0, CHECKPOINTS)}/tokenizer.json"
     s3_storage.write_bytes(rel, s3_storage.read_bytes(rel).replace(b'"<unk>"', b'"<UNK>"', 1))
     with pytest.raises(CheckpointMismatch):
-        fetch_checkpoint(s3_storage, 0, sha256=digest)
+        fetch(s3_storage, 0, sha256=digest)
