@@ -31,9 +31,8 @@ from intellect.config import DataConfig, SmokeConfig, load_config  # noqa: E402
 from intellect.data.arithmetic import heldout_problems, train_stream  # noqa: E402
 from intellect.ledger import Ledger  # noqa: E402
 from intellect.model.checkpoint import load_checkpoint  # noqa: E402
-from intellect.pretrain import (  # noqa: E402
-    checkpoint_digest, fetch_checkpoint, init_checkpoint, pretrain, publish_checkpoint,
-)
+from intellect.checkpoints import fetch, publish, record  # noqa: E402
+from intellect.pretrain import init_checkpoint, pretrain  # noqa: E402
 from intellect.rl.loss import GRPOLossConfig  # noqa: E402
 from intellect.rl.config import RLRunConfig  # noqa: E402
 from intellect.rl.step import run_rl_step  # noqa: E402
@@ -60,7 +59,7 @@ def pretrained_model(args):
     out = pretrain(cfg, storage, 0)
     print(f"pretrained {cfg.run_name}: {cfg.train.steps} steps in {time.perf_counter() - t0:.0f} s "
           f"(loss {out.first_loss:.3f} -> {out.final_loss:.3f}, resumed={out.resumed})", flush=True)
-    model, tok = fetch_checkpoint(storage, out.step)
+    model, tok = fetch(storage, out.step)
     return model, tok, f"pretrained {args.pretrain_config} step {out.step} ({out.seconds:.0f} s)"
 
 
@@ -105,10 +104,10 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     storage = RunStorage(f"file://{run_dir / 'storage'}")
-    publish_checkpoint(model.eval(), tok, storage, 0)
+    publish(model.eval(), tok, storage, 0)
     ledger = Ledger(run_dir / "ledger.duckdb")
     # readers adopt only checkpoints whose digest the ledger holds
-    ledger.record_checkpoint(0, storage.uri(storage.step_path(0, "checkpoints")), checkpoint_digest(storage, 0))
+    record(storage, ledger, 0)
 
     loss_kw = {"normalization": args.normalization} if args.normalization else {}
     cfg = RLRunConfig(
@@ -127,7 +126,7 @@ def main() -> None:
     assert not held_ids & {t.id for t in tasks}, "training pool overlaps the held-out set"
 
     def accuracy(step: int) -> float:
-        m, t = fetch_checkpoint(storage, step)
+        m, t = fetch(storage, step)
         return evaluate(m, t, heldout).accuracy
 
     t_start = time.perf_counter()

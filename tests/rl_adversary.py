@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from intellect.pretrain import CHECKPOINTS, fetch_checkpoint, publish_checkpoint  # noqa: E402
+from intellect.checkpoints import CHECKPOINTS, STEP_REPORT, fetch, publish  # noqa: E402
 from intellect.rl.rollouts import Rollout, encode_submission, rows_to_table, table_to_rows  # noqa: E402
 from intellect.rl.service_client import ServiceClient, ServiceError  # noqa: E402
 from intellect.rl.submission import sample_seed  # noqa: E402
@@ -132,7 +132,7 @@ class Adversary:
     def handwritten_moves(self, step: int) -> None:
         """Completions written by hand (the right answer), with the assigned prompts and seeds: TOPLOC
         must refuse them, with no proof, with made-up proofs, and too long."""
-        _, tok = fetch_checkpoint(self.storage, 0)
+        _, tok = fetch(self.storage, 0)
         sub = self.args["submission"]
         for k, proof, extra in ((5, b"", 0), (6, os.urandom(258), 0), (7, b"", 3)):
             tasks = self.client.assignment(step, k)
@@ -152,14 +152,14 @@ class Adversary:
     def prepublish(self, step: int) -> None:
         """Checkpoint ``step`` written straight into run storage, ``STABLE`` and a saved report included,
         before the trainer trains it: weights scaled by 1e3, so adopting them would change everything."""
-        model, tok = fetch_checkpoint(self.storage, step - 1)
+        model, tok = fetch(self.storage, step - 1)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1e3)
         report = {"policy_step": step - 1, "trained_samples": 999, "loss": -1e6, "clip_fraction": 0.0,
                   "ratio_max": 1.0, "grad_norm": 0.0, "tokens": 0, "train_seconds": 0.0}
         try:
-            publish_checkpoint(model, tok, self.storage, step, {"rl_step.json": report})
+            publish(model, tok, self.storage, step, {STEP_REPORT: report})
             self.log(step, "prepublish_checkpoint", wrote=self.storage.step_path(step, CHECKPOINTS))
         except FileExistsError:
             self.log(step, "prepublish_checkpoint", refused="exists")

@@ -23,7 +23,7 @@ from infra import cluster
 from intellect.config import ModelConfig
 from intellect.diloco.coordinator import free_port
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import publish_checkpoint
+from intellect.checkpoints import publish
 from intellect.storage import RunStorage
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ def test_the_dashboard_shows_a_finished_rl_run_and_its_artifacts(tmp_path):
     try:
         model, tok = build_model(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2,
                                              intermediate_size=64))
-        publish_checkpoint(model, tok, RunStorage(f"file://{tmp_path}/runs/base"), 0)
+        publish(model, tok, RunStorage(f"file://{tmp_path}/runs/base"), 0)
         run = subprocess.run(
             [str(Path(sys.executable).with_name("intellect")), "rl", "--cluster", str(state), "run_name=rl-dash",
              f"storage.url=file://{tmp_path}/runs", "init.from_run=base", "steps=3", "async_level=1",

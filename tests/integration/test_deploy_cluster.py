@@ -22,7 +22,7 @@ from intellect.config import ModelConfig
 from intellect.diloco.coordinator import free_port
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import publish_checkpoint
+from intellect.checkpoints import publish
 from intellect.rl.config import RLRunConfig
 from intellect.rl.setup import ledger_path
 from intellect.storage import RunStorage
@@ -77,7 +77,7 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
     state, env = local_cluster
     cluster.deploy(state)
     model, tok = build_model(TINY)
-    publish_checkpoint(model, tok, RunStorage(f"file://{tmp_path}/base"), 0)
+    publish(model, tok, RunStorage(f"file://{tmp_path}/base"), 0)
     cfg = RLRunConfig.model_validate({
         "run_name": "rl-pools", "storage": {"url": f"file://{tmp_path}"}, "init": {"from_run": "base"},
         "tasks": {"size": 64, "data": {"max_digits": 1}}, "steps": 2, "async_level": 1,

@@ -23,10 +23,9 @@ import pytest
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import CHECKPOINTS, CheckpointMismatch, checkpoint_digest, publish_checkpoint
+from intellect.checkpoints import CHECKPOINTS, CheckpointMismatch, digest, fetch_recorded, publish
 from intellect.rl.config import RLRunConfig
 from intellect.rl.setup import ledger_path, local_run_dir, run_storage
-from intellect.rl.step import fetch_recorded
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from tasks.rl import worker_key_file
@@ -49,7 +48,7 @@ def free_port() -> int:
 
 def make_run(root: Path, *, adversary: bool) -> RLRunConfig:
     model, tok = build_model(TINY)
-    publish_checkpoint(model, tok, RunStorage(f"file://{root}/base"), 0)
+    publish(model, tok, RunStorage(f"file://{root}/base"), 0)
     cfg = RLRunConfig.model_validate({
         "run_name": "rl", "storage": {"url": f"file://{root}"}, "init": {"from_run": "base"},
         "tasks": {"size": 64, "data": {"max_digits": 1}}, "steps": STEPS, "async_level": 0,
@@ -124,7 +123,7 @@ def test_an_adversarial_worker_changes_nothing(prefect_harness, tmp_path):
         verdicts = ledger._query("SELECT file, status, reason FROM rollouts WHERE worker = ?", [MALLORY.public.id])
         storage = run_storage(cfg)
         for n in range(STEPS + 1):  # every checkpoint is the trainer's: its recorded digest holds
-            assert checkpoint_digest(storage, n) == ledger.checkpoint(n)[1]
+            assert digest(storage, n) == ledger.checkpoint(n)[1]
         reasons_by_file: dict[str, set] = {}
         for v in verdicts:
             assert v["status"] == "rejected" and v["reason"], v

@@ -212,7 +212,7 @@ def test_the_signed_messages_are_canonical():
 def test_the_trainer_republishes_a_version_its_key_did_not_sign(tmp_path):
     """A version left in the origin's folder unsigned, or signed by another key, would get the origin marked
     bad by every relay: publishing the step again writes it anew, signed; one it signed is kept."""
-    from intellect.pretrain import CHECKPOINTS  # noqa: PLC0415 - the RL side only in the test of it
+    from intellect.checkpoints import CHECKPOINTS  # noqa: PLC0415 - the RL side only in the test of it
     from intellect.rl.config import RLRunConfig  # noqa: PLC0415 - the RL side only in the test of it
     from intellect.rl.weights import publish_to_origin  # noqa: PLC0415 - the RL side only in the test of it
     from intellect.storage import RunStorage  # noqa: PLC0415 - the RL side only in the test of it
