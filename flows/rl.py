@@ -12,16 +12,21 @@ record) step ``n + 1`` in a second thread while step ``n`` trains: the
 pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process
 (synchronous).
 
+Each flow opens the run once (:func:`tasks.rl.open_run`, an :class:`~intellect.rl.run.RLRun`) and
+its tasks act on it; ``rl-train`` holds SHARDCAST, the submission service and the workers in
+context managers, so whatever it started stops when it ends, however it ends.
+
 A killed run is resumed by running it again: the ledger says which steps are committed, storage
 holds the files and checkpoints, and every task is idempotent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, cast
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import (
@@ -37,8 +42,6 @@ from flows.artifacts import BackgroundArtifacts, artifact_key
 from flows.events import emit_rejections
 from flows.progress import progress_bar
 from intellect.rl.config import RLRunConfig
-from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
-from intellect.rl.step import recorded_steps
 from tasks import rl as T
 
 
@@ -80,13 +83,17 @@ class Ingested(BaseModel):
     timings: dict[str, float]
 
 
+def _q(cfg: RLRunConfig) -> RLRunConfig:
+    # quote(): Prefect would otherwise walk the config's fields looking for futures at every task run,
+    # a good share of a task run's cost; the task receives the config itself
+    return cast(RLRunConfig, quote(cfg))
+
+
 def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
     """``collect -> validate -> record`` of one step (called inside a flow)."""
-    # quote(): Prefect would otherwise walk the config's ~170 fields looking for futures at every
-    # task run, about a third of a task run's cost in this process.
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    results = T.collect(quote(cfg), step, local)
+    results = T.collect(_q(cfg), step, local)
     timings["generate_wait"] = time.perf_counter() - t0
 
     rec = validate_and_record(cfg, step, timings)
@@ -97,11 +104,11 @@ def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) 
     """``validate`` (the files of every worker that sent some) ``-> record`` (called inside a flow)."""
     t = time.perf_counter()
     by_worker = T.step_files(cfg, step)  # every file, also from workers this run did not start
-    reports = T.validate(quote(cfg), step, by_worker)
+    reports = T.validate(_q(cfg), step, by_worker)
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    rec = T.record(quote(cfg), step, [(r.verdicts, r.mac) for r in reports])
+    rec = T.record(_q(cfg), step, [(r.verdicts, r.mac) for r in reports])
     timings["record"] = time.perf_counter() - t
     emit_rejections(cfg.run_name, step, {r.worker: (r.accepted, r.rejected) for r in reports},
                     cfg.alert_rejection_rate)
@@ -128,12 +135,12 @@ def train_broadcast_commit(cfg: RLRunConfig, step: int, policy_step: int, timing
                            ) -> T.UpdateReport:
     """``grpo-update -> broadcast -> commit-step`` (called inside a flow); adds train/broadcast timings."""
     t = time.perf_counter()
-    upd = T.grpo_update(quote(cfg), step, policy_step)
+    upd = T.grpo_update(_q(cfg), step, policy_step)
     timings["train"] = time.perf_counter() - t
     t = time.perf_counter()
-    T.broadcast(quote(cfg), step + 1)
+    T.broadcast(_q(cfg), step + 1)
     timings["broadcast"] = time.perf_counter() - t
-    T.commit_step(quote(cfg), step, timings)
+    T.commit_step(_q(cfg), step, timings)
     return upd
 
 
@@ -163,10 +170,11 @@ def _publish_step(cfg: RLRunConfig, s: StepSummary, publish: Callable[..., Any] 
 @flow(name="rl-step", log_prints=True)
 def rl_step(config: RLRunConfig, step: int) -> StepSummary:
     """Run (or resume) one step with every worker generating in this process."""
-    info = T.prepare_run(config)
-    if step < info.first_step:
-        raise ValueError(f"step {step} is already committed (next: {info.first_step})")
-    summary = run_step(config, step, local=True)
+    with T.open_run(config):
+        info = T.prepare_run(config)
+        if step < info.first_step:
+            raise ValueError(f"step {step} is already committed (next: {info.first_step})")
+        summary = run_step(config, step, local=True)
     _publish_step(config, summary)
     return summary
 
@@ -183,51 +191,58 @@ def eval_table(evals: list[dict]) -> list[str]:
             *(f"| {e['step']} | {e['accuracy']:.1%} |" for e in evals)]
 
 
-def _evaluate(cfg: RLRunConfig, step: int) -> float:
-    acc = T.evaluate_step(cfg, step)
-    add_eval(T.session(cfg).storage, step, acc)
-    return acc
-
-
-@flow(name="rl-train", log_prints=True)
-def rl_train(config: RLRunConfig | None = None) -> RLReport:
-    """The run: checkpoint 0, worker processes, steps until ``config.steps``, evaluations, curve."""
-    cfg = config or RLRunConfig()
-    logger = get_run_logger()
-    info = T.prepare_run(cfg)
-    logger.info("run %s: from %s, %d prompts, ledger %s, first step %d", cfg.run_name, info.origin, info.pool,
-                info.ledger, info.first_step)
-    storage = T.session(cfg).storage
-    if info.first_step == 0 and not any(e["step"] == 0 for e in load_evals(storage)):
-        logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
-    progress = create_progress_artifact(progress=100.0 * info.first_step / cfg.steps,
-                                        description=f"RL {cfg.run_name}: steps committed")
-    relays, url, pids = None, None, {}
-    if info.first_step < cfg.steps:
-        relays = T.start_shardcast(cfg)
-        T.publish_weights(cfg, max(recorded_steps(storage, T.session(cfg).ledger)))
+@contextlib.contextmanager
+def shardcast(cfg: RLRunConfig, logger) -> Iterator[list[str]]:
+    """The run's SHARDCAST servers, the newest recorded checkpoint published; stopped on exit."""
+    relays = T.start_shardcast(cfg)
+    try:
+        T.publish_weights(cfg)
         logger.info("SHARDCAST: workers download from %s", relays)
-        url = T.start_service(cfg, info.first_step)
-        logger.info("submission service: %s (trainer key %s)", url, T.session(cfg).key.public.hex)
-        pids = T.start_workers(cfg, url)
-    t0 = time.perf_counter()
-    eval_seconds = 0.0
+        yield relays
+    finally:
+        T.stop_shardcast(cfg)
+
+
+@contextlib.contextmanager
+def submission_service(cfg: RLRunConfig, first_step: int, logger) -> Iterator[str]:
+    """The submission service, the workers' only door into the run; stopped on exit."""
+    url = T.start_service(cfg, first_step)
+    try:
+        logger.info("submission service: %s", url)
+        yield url
+    finally:
+        T.stop_service(cfg)
+
+
+@contextlib.contextmanager
+def inference_workers(cfg: RLRunConfig, url: str) -> Iterator[dict[str, int | None]]:
+    """The run's ``intellect worker`` processes; on exit their exit codes fill the yielded dict (an
+    ingest still waiting for a worker gives up first)."""
+    T.start_workers(cfg, url)
     codes: dict[str, int | None] = {}
-    artifacts = BackgroundArtifacts(logger)
+    try:
+        yield codes
+    finally:
+        T.stop_waiting(cfg)
+        codes |= T.stop_workers(cfg)
+
+
+def train_steps(cfg: RLRunConfig, first_step: int, progress, artifacts: BackgroundArtifacts, logger) -> float:
+    """Steps ``first_step .. cfg.steps - 1`` with their evaluations; the seconds spent evaluating. Step
+    ``n + 1`` is ingested in a second thread while step ``n`` trains: the lag rule makes them
+    independent (with async_level 0 its worker waits for the update)."""
+    eval_seconds = 0.0
     ahead = ThreadPoolExecutor(1, thread_name_prefix="ingest")
 
     def ingest_ahead(step: int) -> Future | None:
-        if step >= cfg.steps:
-            return None
-        return ahead.submit(contextvars.copy_context().run, ingest, cfg, step, False)
+        return ahead.submit(contextvars.copy_context().run, ingest, cfg, step, False) if step < cfg.steps else None
 
-    bar = progress_bar(cfg.steps, f"RL {cfg.run_name}", initial=info.first_step)
+    bar = progress_bar(cfg.steps, f"RL {cfg.run_name}", initial=first_step)
     try:
-        nxt = ingest_ahead(info.first_step)
-        for n in range(info.first_step, cfg.steps):
+        nxt = ingest_ahead(first_step)
+        for n in range(first_step, cfg.steps):
+            assert nxt is not None  # n < cfg.steps
             ing = nxt.result()
-            # Step n + 1's rollouts are validated and recorded while step n trains: the lag rule makes
-            # them independent of this update (with async_level 0 its worker waits for the update).
             nxt = ingest_ahead(n + 1)
             s = update(cfg, ing)
             _publish_step(cfg, s, artifacts.submit)
@@ -239,37 +254,46 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
             bar.set_postfix(reward=s.mean_reward, rejected=s.rejected, refresh=False)
             if eval_due(cfg, n + 1):
                 te = time.perf_counter()
-                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
+                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, T.evaluate_step(cfg, n + 1))
                 eval_seconds += time.perf_counter() - te
     finally:
         bar.close()
         T.stop_waiting(cfg)  # an ingest still waiting for a worker gives up at its next poll
         ahead.shutdown(wait=True, cancel_futures=True)
-        if pids:
-            codes = T.stop_workers(pids)
-        if url is not None:
-            T.stop_service(cfg)
-        if relays is not None:
-            T.stop_shardcast(cfg)
-        artifacts.close()
-    seconds = time.perf_counter() - t0
+    return eval_seconds
+
+
+@flow(name="rl-train", log_prints=True)
+def rl_train(config: RLRunConfig | None = None) -> RLReport:
+    """The run: checkpoint 0, SHARDCAST, the submission service, worker processes, steps until
+    ``config.steps`` with evaluations, the curve."""
+    cfg = config or RLRunConfig()
+    logger = get_run_logger()
+    with T.open_run(cfg):
+        info = T.prepare_run(cfg)
+        logger.info("run %s: from %s, %d prompts, ledger %s, first step %d, trainer key %s", cfg.run_name,
+                    info.origin, info.pool, info.ledger, info.first_step, info.trainer_key)
+        if info.first_step == 0 and 0 not in info.evaluated:
+            logger.info("checkpoint 0: held-out accuracy %.3f", T.evaluate_step(cfg, 0))
+        progress = create_progress_artifact(progress=100.0 * info.first_step / cfg.steps,
+                                            description=f"RL {cfg.run_name}: steps committed")
+        t0 = time.perf_counter()
+        eval_seconds, codes = 0.0, {}
+        if info.first_step < cfg.steps:
+            with (BackgroundArtifacts(logger) as artifacts, shardcast(cfg, logger),
+                  submission_service(cfg, info.first_step, logger) as url, inference_workers(cfg, url) as codes):
+                eval_seconds = train_steps(cfg, info.first_step, progress, artifacts, logger)
+        seconds = time.perf_counter() - t0
+        evals, curve = T.summarize_run(cfg)
     done = max(cfg.steps - info.first_step, 0)
-    evals = load_evals(storage)
-    curve = None
-    if evals:
-        storage.write_bytes(CURVE, plot_curve(T.session(cfg).ledger.steps(), evals,
-                                              f"GRPO {cfg.run_name} (async_level {cfg.async_level})"))
-        curve = storage.uri(CURVE)
     step_seconds = seconds - eval_seconds
     per_hour = 3600 * done / step_seconds if step_seconds > 0 else 0.0
     lines = [f"# RL run `{cfg.run_name}`", "",
              f"{done} steps in {step_seconds:.1f} s ({per_hour:.0f} steps/hour; evaluations took another "
-             f"{eval_seconds:.1f} s), "
-             f"async_level {cfg.async_level}, workers {cfg.workers.names}", "", *eval_table(evals),
-             "", f"Curve: {curve}", f"Worker exit codes: {codes}"]
+             f"{eval_seconds:.1f} s), async_level {cfg.async_level}, workers {cfg.workers.names}", "",
+             *eval_table(evals), "", f"Curve: {curve}", f"Worker exit codes: {codes}"]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
                              description=f"RL run {cfg.run_name}")
-    T.close_session(cfg)
     return RLReport(run_name=cfg.run_name, first_step=info.first_step, steps=done, seconds=seconds,
                     eval_seconds=eval_seconds, steps_per_hour=per_hour, evals=evals, worker_exit_codes=codes,
                     curve=curve)

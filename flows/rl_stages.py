@@ -18,7 +18,6 @@ the next stage's process can write it.
 
 from __future__ import annotations
 
-import json
 import time
 
 from prefect import flow, get_run_logger
@@ -26,10 +25,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.artifacts import artifact_key
 from flows.dispatch import dispatch, dispatch_many
-from flows.rl import _evaluate, eval_due, eval_table, train_broadcast_commit, validate_and_record
+from flows.rl import eval_due, eval_table, train_broadcast_commit, validate_and_record
 from intellect.rl.config import RLRunConfig
-from intellect.rl.report import load_evals
-from intellect.rl.step import done_marker
 from tasks import rl as T
 
 
@@ -42,26 +39,19 @@ def rl_generate(config: RLRunConfig, step: int, worker: str) -> dict:
 @flow(name="rl-validate", flow_run_name="validate-step-{step}")
 def rl_validate(config: RLRunConfig, step: int) -> dict:
     """Check every submission of ``step`` (rewards, TOPLOC, lag) and record the verdicts."""
-    try:
+    with T.open_run(config):
         timings: dict[str, float] = {}
         rec = validate_and_record(config, step, timings)
         return rec.model_dump() | {"timings": timings}
-    finally:
-        T.release_ledger(config)
 
 
 @flow(name="rl-update", flow_run_name="update-step-{step}")
 def rl_update(config: RLRunConfig, step: int, timings: dict[str, float] | None = None) -> dict:
     """Train on ``step``'s accepted samples, publish and broadcast checkpoint ``step + 1``, commit ``step``."""
-    try:
-        storage = T.session(config).storage
-        policies = [json.loads(storage.read_text(done_marker(step, w)))["policy_step"]
-                    for w in config.workers.names if storage.exists(done_marker(step, w))]
+    with T.open_run(config):
         timings = dict(timings or {})
-        upd = train_broadcast_commit(config, step, min(policies, default=step), timings)
+        upd = train_broadcast_commit(config, step, min(T.done_policies(config, step), default=step), timings)
         return upd.model_dump() | {"timings": timings}
-    finally:
-        T.release_ledger(config)
 
 
 @flow(name="rl-orchestrate", log_prints=True)
@@ -69,48 +59,44 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
     """Steps from the first uncommitted one to ``config.steps``, every stage dispatched per ``config.dispatch``."""
     cfg = config or RLRunConfig()
     logger = get_run_logger()
-    info = T.prepare_run(cfg)
-    T.release_ledger(cfg)
-    logger.info("run %s: first step %d, stages dispatched %s", cfg.run_name, info.first_step,
-                "here" if cfg.dispatch.mode == "local" else "to their deployments")
-    if info.first_step == 0 and not any(e["step"] == 0 for e in load_evals(T.session(cfg).storage)):
-        logger.info("checkpoint 0: held-out accuracy %.3f", _evaluate(cfg, 0))
-        T.release_ledger(cfg)  # evaluating reads the checkpoint's digest; the stages write the ledger next
-    rows = []
-    for n in range(info.first_step, cfg.steps):
-        t0 = time.perf_counter()
-        dispatch_many(rl_generate, [{"config": cfg, "step": n, "worker": w} for w in cfg.workers.names],
-                      cfg.dispatch)
-        timings = {"generate": time.perf_counter() - t0}
-        t = time.perf_counter()
-        dispatch(rl_validate, {"config": cfg, "step": n}, cfg.dispatch)
-        timings["validate_record"] = time.perf_counter() - t
-        t = time.perf_counter()
-        dispatch(rl_update, {"config": cfg, "step": n, "timings": timings}, cfg.dispatch)
-        timings["update"] = time.perf_counter() - t
-        row = _step_row(cfg, n) | {"seconds": round(time.perf_counter() - t0, 3)}
-        rows.append(row)
-        create_table_artifact(key=artifact_key(cfg.run_name, "rl-step"), table=[row],
-                              description=f"RL step {n} of {cfg.run_name}")
-        logger.info("step %d: %s", n, row)
-        if eval_due(cfg, n + 1):
-            logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, _evaluate(cfg, n + 1))
-            T.release_ledger(cfg)
-    evals = load_evals(T.session(cfg).storage)
+    with T.open_run(cfg):
+        info = T.prepare_run(cfg)
+        T.release_ledger(cfg)
+        logger.info("run %s: first step %d, stages dispatched %s", cfg.run_name, info.first_step,
+                    "here" if cfg.dispatch.mode == "local" else "to their deployments")
+        if info.first_step == 0 and 0 not in info.evaluated:
+            logger.info("checkpoint 0: held-out accuracy %.3f", T.evaluate_step(cfg, 0))
+            T.release_ledger(cfg)  # evaluating reads the checkpoint's digest; the stages write the ledger next
+        rows = []
+        for n in range(info.first_step, cfg.steps):
+            t0 = time.perf_counter()
+            dispatch_many(rl_generate, [{"config": cfg, "step": n, "worker": w} for w in cfg.workers.names],
+                          cfg.dispatch)
+            timings = {"generate": time.perf_counter() - t0}
+            t = time.perf_counter()
+            dispatch(rl_validate, {"config": cfg, "step": n}, cfg.dispatch)
+            timings["validate_record"] = time.perf_counter() - t
+            t = time.perf_counter()
+            dispatch(rl_update, {"config": cfg, "step": n, "timings": timings}, cfg.dispatch)
+            timings["update"] = time.perf_counter() - t
+            row = _step_row(cfg, n) | {"seconds": round(time.perf_counter() - t0, 3)}
+            rows.append(row)
+            create_table_artifact(key=artifact_key(cfg.run_name, "rl-step"), table=[row],
+                                  description=f"RL step {n} of {cfg.run_name}")
+            logger.info("step %d: %s", n, row)
+            if eval_due(cfg, n + 1):
+                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, T.evaluate_step(cfg, n + 1))
+                T.release_ledger(cfg)
+        evals, _ = T.summarize_run(cfg, curve=False)
     lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "", *eval_table(evals)]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
                              description=f"RL run {cfg.run_name}")
-    T.release_ledger(cfg)
     return {"run_name": cfg.run_name, "first_step": info.first_step, "steps": rows, "evals": evals}
 
 
 def _step_row(cfg: RLRunConfig, step: int) -> dict:
     """The committed step as the ledger has it (the stages may have run elsewhere)."""
-    ledger = T.session(cfg).ledger
-    try:
-        rec = ledger.get_step(step)
-    finally:
-        ledger.close()
+    rec = T.read_step(cfg, step)
     if rec is None:
         raise RuntimeError(f"step {step} is not committed in the ledger after rl-update")
     keep = ("step", "accepted", "rejected", "mean_reward", "loss", "clip_fraction", "trained_samples")

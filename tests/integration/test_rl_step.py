@@ -3,17 +3,19 @@ and resume after a crash without counting anything twice."""
 
 import pytest
 
+from intellect.checkpoints import CHECKPOINTS, STEP_REPORT, CheckpointMismatch, digest, fetch_recorded, publish, record
 from intellect.config import ModelConfig
 from intellect.data.arithmetic import Problem
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import CHECKPOINTS, checkpoint_digest, publish_checkpoint
-from intellect.rl.rollouts import list_submissions
 from intellect.rl.config import RLRunConfig
-from intellect.rl.step import run_rl_step
-from intellect.rl.submission import SubmissionConfig
+from intellect.rl.rollouts import list_submissions, write_submission
+from intellect.rl.run import run_rl_step
+from intellect.rl.step import torch_engine
+from intellect.rl.submission import SubmissionConfig, generate_submission
 from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig
 from intellect.storage import RunStorage
+from intellect.toploc.proofs import ToplocConfig
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,7 @@ CFG = RLRunConfig(
 PER_STEP = len(WORKERS) * 2 * 4
 
 
-def parity_reward(completion, task):
+def parity_reward(completion, task):  # noqa: ARG001 - the reward signature
     # the untrained tiny model never solves a sum: a reward it hits about half the time gives every group signal
     return float(sum(map(ord, completion)) % 2)
 
@@ -38,9 +40,9 @@ def parity_reward(completion, task):
 def run(tmp_path):
     storage = RunStorage(f"file://{tmp_path}/run")
     model, tok = build_model(TINY)
-    uri = publish_checkpoint(model, tok, storage, 0)
+    uri = publish(model, tok, storage, 0)
     with Ledger(tmp_path / "ledger.duckdb") as ledger:
-        ledger.record_checkpoint(0, uri, checkpoint_digest(storage, 0))  # as the run's seeding does
+        assert record(storage, ledger, 0) == uri  # as the run's seeding does
         yield storage, ledger
 
 
@@ -72,7 +74,7 @@ def test_two_steps_end_to_end(run):
 def test_crash_rerun_counts_each_sample_once(run, monkeypatch):
     storage, ledger = run
 
-    def crash(self, samples):
+    def crash(self, samples):  # noqa: ARG001 - replaces GRPOTrainer.train_step
         raise RuntimeError("trainer died")
 
     with monkeypatch.context() as m:  # crash after the verdicts are recorded, before training
@@ -101,11 +103,8 @@ def test_crash_rerun_counts_each_sample_once(run, monkeypatch):
 def test_steps_with_toploc_accept_honest_workers_and_reject_a_forger(run):
     """With ``toploc`` on, workers attach proofs, the validator prefills each claimed checkpoint; a
     worker that samples with other weights but claims the policy is rejected, row by row."""
-    from intellect.rl.step import torch_engine
-    from intellect.toploc.proofs import ToplocConfig
-
     storage, ledger = run
-    cfg = CFG.model_copy(update={"toploc": ToplocConfig(k=16)})  # hidden 32: one token holds 32 values
+    cfg = CFG.model_copy(update={"toploc": ToplocConfig.model_validate({"k": 16})})  # hidden 32: one token holds 32 values
     forged, _ = build_model(TINY.model_copy(update={"init_seed": TINY.init_seed + 7}))
     for n in (0, 1):
         report = run_rl_step(cfg, storage, ledger, n, WORKERS, TASKS, reward_fn=parity_reward)
@@ -113,9 +112,6 @@ def test_steps_with_toploc_accept_honest_workers_and_reject_a_forger(run):
     rows = ledger.accepted(1)
     assert rows and all(r["policy_step"] == 1 for r in rows)
     # a forger: same prompts and seeds, another model's tokens and hidden states, the honest policy claimed
-    from intellect.rl.rollouts import write_submission
-    from intellect.rl.submission import generate_submission
-
     _, tok = build_model(TINY)
     fake = generate_submission(torch_engine(forged, tok, capture_hidden=True), tok, TASKS, "mallory", 2, 0, 2,
                                cfg.submission, run=cfg.run_name, reward_fn=parity_reward, proofs=cfg.toploc)
@@ -129,16 +125,13 @@ def test_steps_with_toploc_accept_honest_workers_and_reject_a_forger(run):
 def test_the_trainer_adopts_only_checkpoints_it_recorded(run):
     """A ``STABLE`` checkpoint ``step + 1`` that the ledger does not hold (published by someone else, or
     by a crash between publish and record) is deleted and trained again; readers verify digests."""
-    from intellect.pretrain import CheckpointMismatch
-    from intellect.rl.step import fetch_recorded
-
     storage, ledger = run
     forged, tok = build_model(TINY.model_copy(update={"init_seed": TINY.init_seed + 3}))
-    publish_checkpoint(forged, tok, storage, 1, {"rl_step.json": {"policy_step": 0, "trained_samples": 999,
-                                                                    "loss": -1e6, "clip_fraction": 0.0}})
+    publish(forged, tok, storage, 1, {STEP_REPORT: {"policy_step": 0, "trained_samples": 999,
+                                                    "loss": -1e6, "clip_fraction": 0.0}})
     report = step(storage, ledger, 0)
     assert report.trained and report.trained_samples != 999
-    assert checkpoint_digest(storage, 1) == ledger.checkpoint(1)[1]
+    assert digest(storage, 1) == ledger.checkpoint(1)[1]
 
     # a crash between publishing checkpoint 2 and recording it: the rerun retrains, it does not adopt
     with pytest.MonkeyPatch.context() as m:

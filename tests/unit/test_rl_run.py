@@ -1,17 +1,23 @@
 """The RL run config, the filter core, the eval record and the task pool."""
 
 import doctest
+import stat
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from intellect.config import ConfigError, ModelConfig, load_config
 from intellect.inference.torch_engine import TorchEngine
+from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl import config as rl_config
 from intellect.rl import filter as F
 from intellect.rl import report, setup
 from intellect.rl.config import FilterConfig, InitConfig, RLRunConfig, TaskPoolConfig
+from intellect.rl.step import DoneMarker, done_marker, read_done_marker
+from intellect.storage import RunStorage
+from tasks import rl as T
 
 
 @pytest.mark.parametrize("module", [rl_config, F, report, setup])
@@ -46,8 +52,6 @@ def test_task_pool_never_holds_heldout_and_is_distinct():
 
 
 def test_missing_init_checkpoint_says_what_to_run(tmp_path):
-    from intellect.ledger import Ledger
-
     cfg = RLRunConfig(storage={"url": f"file://{tmp_path}"}, init={"from_run": "nothing"})
     with Ledger(tmp_path / "l.duckdb") as ledger, pytest.raises(FileNotFoundError, match="intellect smoke"):
         setup.seed_checkpoint(cfg, setup.run_storage(cfg), ledger)
@@ -63,7 +67,7 @@ def test_solve_counts_do_not_depend_on_chunking():
     tasks = setup.task_pool(TaskPoolConfig(size=12, data={"max_digits": 1}))
     cfg = FilterConfig(k=4, max_tokens=3)
 
-    def reward(text, task):  # an untrained model never solves a sum; this reward it hits about half the time
+    def reward(text, task):  # noqa: ARG001 - the reward signature; an untrained model never solves a sum; this reward it hits about half the time
         return float(sum(map(ord, text)) % 2)
 
     whole = F.solve_counts(eng, tok, tasks, cfg, reward)
@@ -86,8 +90,6 @@ def test_toploc_is_on_unless_workers_are_trusted():
 
 
 def test_the_trainer_secret_and_key_are_private_and_stable(tmp_path):
-    import stat
-
     cfg = RLRunConfig(storage={"url": f"file://{tmp_path}"})
     secret, key = setup.trainer_secret(cfg), setup.trainer_key(cfg)
     assert setup.trainer_secret(cfg) == secret and len(secret) == 32
@@ -97,3 +99,30 @@ def test_the_trainer_secret_and_key_are_private_and_stable(tmp_path):
     (setup.trainer_dir(cfg) / "secret").chmod(0o644)
     with pytest.raises(PermissionError, match="chmod 600"):
         setup.trainer_secret(cfg)
+
+
+def test_tasks_act_on_the_run_their_flow_opened(tmp_path):
+    """Tasks find the run the flow opened (``open_run``); a stage flow inside the orchestrator's process
+    gets that same run and releases its ledger connection when it ends; nothing is cached after."""
+    cfg = RLRunConfig(storage={"url": f"file://{tmp_path}"}, tasks={"size": 8, "data": {"max_digits": 1}})
+    with pytest.raises(RuntimeError, match="not open here"):
+        T.stop_waiting(cfg)
+    with T.open_run(cfg) as run:
+        run.ledger.committed_steps()  # connects
+        with T.open_run(RLRunConfig.model_validate(cfg.model_dump())) as again:
+            assert again is run
+        assert run.ledger._con is None and not run.stopping.is_set()
+        T.stop_waiting(cfg)
+        assert run.stopping.is_set()
+    with pytest.raises(RuntimeError, match="not open here"):
+        T.release_ledger(cfg)
+
+
+def test_the_done_marker_is_written_and_read_in_one_format(tmp_path):
+    storage = RunStorage(f"file://{tmp_path}/run")
+    assert read_done_marker(storage, 0, "alice") is None
+    storage.write_text(done_marker(0, "alice"), DoneMarker(files=["a"], policy_step=0).model_dump_json())
+    assert read_done_marker(storage, 0, "alice") == DoneMarker(files=["a"], policy_step=0)
+    storage.write_text(done_marker(1, "alice"), '{"files": [], "policy_step": -1}')
+    with pytest.raises(ValidationError, match="policy_step"):
+        read_done_marker(storage, 1, "alice")
