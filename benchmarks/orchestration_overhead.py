@@ -95,27 +95,28 @@ def children_cpu() -> float:
 
 @flow(name="orchestration-overhead")
 def measure(a: RLRunConfig, b: RLRunConfig, steps: int) -> dict:
-    T.prepare_run(a)
-    with plain_tasks():
-        T.prepare_run(b)
-    times: dict[str, list[float]] = {"prefect": [], "plain": [], "prefect_cpu": [], "plain_cpu": []}
+    with T.open_run(a), T.open_run(b):  # tasks act on the run their flow opened
+        T.prepare_run(a)
+        with plain_tasks():
+            T.prepare_run(b)
+        times: dict[str, list[float]] = {"prefect": [], "plain": [], "prefect_cpu": [], "plain_cpu": []}
 
-    def timed(kind: str, cfg: RLRunConfig, n: int, artifacts: BackgroundArtifacts | None) -> None:
-        t, c = time.perf_counter(), time.process_time()
-        summary = F.run_step(cfg, n, local=True)
-        if artifacts is not None:  # the step's table, published in the background as rl-train does
-            F._publish_step(cfg, summary, artifacts.submit)
-        times[kind].append(time.perf_counter() - t)
-        times[f"{kind}_cpu"].append(time.process_time() - c)
+        def timed(kind: str, cfg: RLRunConfig, n: int, artifacts: BackgroundArtifacts | None) -> None:
+            t, c = time.perf_counter(), time.process_time()
+            summary = F.run_step(cfg, n, local=True)
+            if artifacts is not None:  # the step's table, published in the background as rl-train does
+                F._publish_step(cfg, summary, artifacts.submit)
+            times[kind].append(time.perf_counter() - t)
+            times[f"{kind}_cpu"].append(time.process_time() - c)
 
-    server0 = children_cpu()
-    with BackgroundArtifacts() as artifacts:
-        for n in range(steps):
-            timed("prefect", a, n, artifacts)
-            with plain_tasks():
-                timed("plain", b, n, None)
-    times["server_cpu"] = [children_cpu() - server0]
-    return times
+        server0 = children_cpu()
+        with BackgroundArtifacts() as artifacts:
+            for n in range(steps):
+                timed("prefect", a, n, artifacts)
+                with plain_tasks():
+                    timed("plain", b, n, None)
+        times["server_cpu"] = [children_cpu() - server0]
+        return times
 
 
 def rl_config(path: Path) -> RLRunConfig:
