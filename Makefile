@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ venv: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/intellect demo --config configs/demo.toml
 
-test: $(BIN)/.installed
+# The linter and the type checker (both configured in pyproject.toml) run before the tests, so CI runs them.
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/pyright
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -45,21 +45,21 @@ class ModelConfig(StrictModel):
     """The tiny Llama built from scratch, or any local HF checkpoint folder."""
 
     pretrained: str | None = Field(
-        None,
+        default=None,
         description="Path of a local HF checkpoint folder to load instead of building a new model "
         "(config.json + safetensors + tokenizer files). Nothing is downloaded.",
     )
-    hidden_size: int = Field(128, ge=8, le=8192, description="Width of the residual stream.")
-    num_layers: int = Field(4, ge=1, le=128, description="Number of decoder blocks.")
-    num_heads: int = Field(4, ge=1, le=128, description="Attention heads (query).")
-    num_kv_heads: int = Field(4, ge=1, le=128, description="Key/value heads (GQA when < num_heads).")
-    intermediate_size: int = Field(384, ge=8, le=65536, description="Width of the SwiGLU MLP.")
+    hidden_size: int = Field(default=128, ge=8, le=8192, description="Width of the residual stream.")
+    num_layers: int = Field(default=4, ge=1, le=128, description="Number of decoder blocks.")
+    num_heads: int = Field(default=4, ge=1, le=128, description="Attention heads (query).")
+    num_kv_heads: int = Field(default=4, ge=1, le=128, description="Key/value heads (GQA when < num_heads).")
+    intermediate_size: int = Field(default=384, ge=8, le=65536, description="Width of the SwiGLU MLP.")
     max_position_embeddings: int = Field(
-        64, ge=8, le=131072, description="Longest sequence (prompt + completion) in tokens."
+        default=64, ge=8, le=131072, description="Longest sequence (prompt + completion) in tokens."
     )
-    rope_theta: float = Field(10000.0, gt=0, le=1e8, description="RoPE base frequency.")
-    tie_word_embeddings: bool = Field(True, description="Share the input embedding and the LM head.")
-    init_seed: int = Field(0, ge=0, description="Seed of the random initialization.")
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e8, description="RoPE base frequency.")
+    tie_word_embeddings: bool = Field(default=True, description="Share the input embedding and the LM head.")
+    init_seed: int = Field(default=0, ge=0, description="Seed of the random initialization.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -77,22 +77,24 @@ class ModelConfig(StrictModel):
 class DataConfig(StrictModel):
     """Seeded synthetic arithmetic: pretraining text and RL prompts."""
 
-    seed: int = Field(0, ge=0, description="Seed of the training stream (the held-out split never depends on it).")
-    ops: list[Literal["+", "-", "*"]] = Field(
-        ["+", "-", "*"], min_length=1, description="Operators to draw from, uniformly."
+    seed: int = Field(
+        default=0, ge=0, description="Seed of the training stream (the held-out split never depends on it).",
     )
-    min_digits: int = Field(1, ge=1, le=6, description="Fewest digits of an operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(
+        default=["+", "-", "*"], min_length=1, description="Operators to draw from, uniformly."
+    )
+    min_digits: int = Field(default=1, ge=1, le=6, description="Fewest digits of an operand.")
     max_digits: int = Field(
-        2, ge=1, le=6,
+        default=2, ge=1, le=6,
         description="Most digits of an operand: the difficulty knob. 2 leaves the pretrained tiny model "
         "a wide spread of pass rates for RL; 3 is far harder.",
     )
     heldout_percent: int = Field(
-        5, ge=1, le=50,
+        default=5, ge=1, le=50,
         description="Share of all problems (by content hash) reserved for evaluation; training never sees them.",
     )
     slip_rate: float = Field(
-        0.0, ge=0, le=0.95,
+        default=0.0, ge=0, le=0.95,
         description="Share of pretraining documents whose answer carries a sign error (Problem.slip): a "
         "corpus of mixed quality. Held-out answers and RL rewards are always exact.",
     )
@@ -108,16 +110,16 @@ class StorageConfig(StrictModel):
     """Where a run lives: a local folder or an S3 prefix."""
 
     url: str = Field(
-        "file://./runs",
+        default="file://./runs",
         description="Root of all runs: file://PATH or s3://BUCKET/PREFIX. A run is stored under URL/<run_name>.",
     )
     endpoint_url: str | None = Field(
-        None, description="S3 endpoint (MinIO, moto, R2...). Defaults to AWS_ENDPOINT_URL or AWS itself."
+        default=None, description="S3 endpoint (MinIO, moto, R2...). Defaults to AWS_ENDPOINT_URL or AWS itself."
     )
-    key: str | None = Field(None, description="S3 access key id. Defaults to AWS_ACCESS_KEY_ID.")
-    secret: SecretStr | None = Field(None, description="S3 secret key. Defaults to AWS_SECRET_ACCESS_KEY.")
-    region: str | None = Field(None, description="S3 region. Defaults to AWS_DEFAULT_REGION.")
-    keep_last: int = Field(5, ge=1, le=100000, description="Complete steps kept by retention (newest first).")
+    key: str | None = Field(default=None, description="S3 access key id. Defaults to AWS_ACCESS_KEY_ID.")
+    secret: SecretStr | None = Field(default=None, description="S3 secret key. Defaults to AWS_SECRET_ACCESS_KEY.")
+    region: str | None = Field(default=None, description="S3 region. Defaults to AWS_DEFAULT_REGION.")
+    keep_last: int = Field(default=5, ge=1, le=100000, description="Complete steps kept by retention (newest first).")
 
     @model_validator(mode="after")
     def _scheme_known(self) -> "StorageConfig":
@@ -131,12 +133,14 @@ class DispatchConfig(StrictModel):
     flow runs of their deployments (``prefect.yaml``), each on its work pool's workers."""
 
     mode: Literal["local", "deployments"] = Field(
-        "local", description="local: call each stage flow here; deployments: run_deployment and wait."
+        default="local", description="local: call each stage flow here; deployments: run_deployment and wait."
     )
     timeout: float = Field(
-        3600.0, gt=0, le=7 * 86400, description="Seconds to wait for a deployment's flow run to finish."
+        default=3600.0, gt=0, le=7 * 86400, description="Seconds to wait for a deployment's flow run to finish."
     )
-    poll_interval: float = Field(1.0, gt=0, le=60, description="Seconds between looks at a dispatched flow run.")
+    poll_interval: float = Field(
+        default=1.0, gt=0, le=60, description="Seconds between looks at a dispatched flow run.",
+    )
     deployments: dict[str, str] = Field(
         default_factory=dict,
         description="Flow name -> 'flow-name/deployment-name' to run; a flow not listed runs the deployment named "
@@ -147,35 +151,37 @@ class DispatchConfig(StrictModel):
 class TrainConfig(StrictModel):
     """The plain single-process training loop (also DiLoCo's inner loop)."""
 
-    steps: int = Field(1000, ge=1, le=10_000_000, description="Optimizer steps.")
-    batch_size: int = Field(128, ge=1, le=65536, description="Sequences per optimizer step.")
-    lr: float = Field(3e-3, gt=0, le=1.0, description="Peak learning rate of AdamW.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine floor).")
-    warmup_steps: int = Field(50, ge=0, le=1_000_000, description="Linear warmup steps.")
-    weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW decoupled weight decay.")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
-    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global gradient norm.")
-    eval_every: int = Field(0, ge=0, le=10_000_000, description="Evaluate every N steps (0: only at the end).")
-    eval_size: int = Field(256, ge=1, le=100000, description="Held-out problems per evaluation.")
-    seed: int = Field(0, ge=0, description="Seed of dropout-free training noise (batch order).")
-    threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads (0: leave torch's default).")
+    steps: int = Field(default=1000, ge=1, le=10_000_000, description="Optimizer steps.")
+    batch_size: int = Field(default=128, ge=1, le=65536, description="Sequences per optimizer step.")
+    lr: float = Field(default=3e-3, gt=0, le=1.0, description="Peak learning rate of AdamW.")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine floor).",
+    )
+    warmup_steps: int = Field(default=50, ge=0, le=1_000_000, description="Linear warmup steps.")
+    weight_decay: float = Field(default=0.01, ge=0, le=1, description="AdamW decoupled weight decay.")
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(default=0.99, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(default=1.0, gt=0, le=1e6, description="Max global gradient norm.")
+    eval_every: int = Field(default=0, ge=0, le=10_000_000, description="Evaluate every N steps (0: only at the end).")
+    eval_size: int = Field(default=256, ge=1, le=100000, description="Held-out problems per evaluation.")
+    seed: int = Field(default=0, ge=0, description="Seed of dropout-free training noise (batch order).")
+    threads: int = Field(default=0, ge=0, le=1024, description="torch intra-op threads (0: leave torch's default).")
 
 
 class DilocoConfig(StrictModel):
     """DiLoCo outer loop, int8 all-reduce and elastic membership."""
 
-    workers: int = Field(2, ge=1, le=64, description="Worker processes the coordinator starts.")
-    inner_steps: int = Field(50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
-    outer_steps: int = Field(10, ge=1, le=1_000_000, description="Outer steps of the run.")
-    outer_lr: float = Field(0.7, gt=0, le=10, description="Outer SGD learning rate.")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer SGD momentum.")
-    nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
+    workers: int = Field(default=2, ge=1, le=64, description="Worker processes the coordinator starts.")
+    inner_steps: int = Field(default=50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
+    outer_steps: int = Field(default=10, ge=1, le=1_000_000, description="Outer steps of the run.")
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    nesterov: bool = Field(default=True, description="Nesterov momentum for the outer step.")
     algorithm: Literal["auto", "direct", "ring-residual", "ring-owner", "ring"] = Field(
-        "auto",
+        default="auto",
         description="int8 all-reduce. auto: per membership, from the bandwidth probe, whichever of direct and "
         "ring-owner (on the solved ring) has the smaller link-bandwidth bound: ring-owner when a pair is far "
-        "slower than the solved ring's slowest link (below 0.22x of it at 4 workers), else direct (also when "
+        "slower than the solved ring's slowest link, else direct (also when "
         "unmeasured: fewer than 3 workers or bandwidth_probe_bytes 0); "
         "direct: each chunk straight to its owner, each result straight to all "
         "(fewest bytes, every value quantized twice, all-to-all; a slow pair slows it); ring-residual: ring "
@@ -183,38 +189,42 @@ class DilocoConfig(StrictModel):
         "ring relaying the original contributions; ring: classic, requantizes every hop (error grows with W).",
     )
     clip_sigmas: list[float] = Field(
-        [4.0, 6.0], min_length=1, max_length=4,
+        default=[4.0, 6.0], min_length=1, max_length=4,
         description="Quantizer clip ranges in standard deviations; each chunk uses whichever fits it best.",
     )
     wire_codec: Literal["none", "zstd"] = Field(
-        "zstd",
-        description="Coding of the int8 indices on the wire. zstd: entropy-coded, 0.80-0.89x the bytes for "
-        "~1.7 ms of CPU per MB (encode + decode), so it pays on links slower than ~500 Mbit/s even with no "
-        "CPU/network overlap; sent raw when coding saves nothing. none: raw uint8 (fast links, CPU-starved "
-        "hosts). Peers may differ; NCCL groups always send raw.",
+        default="zstd",
+        description="Coding of the int8 indices on the wire. zstd: entropy-coded, fewer bytes for some CPU per "
+        "byte, so it pays on slow links; sent raw when coding saves nothing. none: raw uint8 (fast links, "
+        "CPU-starved hosts). Peers may differ; NCCL groups always send raw.",
     )
     data_split: Literal["iid", "non_iid"] = Field(
-        "iid", description="iid: every worker draws from all ops; non_iid: worker i only from ops[i % len(ops)]."
+        default="iid",
+        description="iid: every worker draws from all ops; non_iid: worker i only from ops[i % len(ops)].",
     )
-    heartbeat_interval: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeats.")
-    heartbeat_timeout: float = Field(10.0, gt=0, le=600, description="Seconds without a heartbeat before a peer is dead.")
-    collective_timeout: float = Field(60.0, gt=0, le=3600, description="Bound on one all-reduce (gloo timeout).")
+    heartbeat_interval: float = Field(default=2.0, gt=0, le=60, description="Seconds between heartbeats.")
+    heartbeat_timeout: float = Field(
+        default=10.0, gt=0, le=600, description="Seconds without a heartbeat before a peer is dead.",
+    )
+    collective_timeout: float = Field(
+        default=60.0, gt=0, le=3600, description="Bound on one all-reduce (gloo timeout).",
+    )
     boundary_timeout: float = Field(
-        120.0, gt=0, le=86400, description="Longest wait at an outer-step boundary for slower peers."
+        default=120.0, gt=0, le=86400, description="Longest wait at an outer-step boundary for slower peers."
     )
     bandwidth_probe_bytes: int = Field(
-        1 << 20, ge=0, le=1 << 30,
+        default=1 << 20, ge=0, le=1 << 30,
         description="Bytes sent each way per worker pair to measure throughput when membership changes; "
         "the ring follows the max-min-bandwidth cycle (0: fixed order).",
     )
     store_host: str = Field(
-        "127.0.0.1",
+        default="127.0.0.1",
         description="Address of the rendezvous store (the coordinator). It authenticates every request with the "
         "run secret, but values and gloo's traffic travel in clear: off one machine, use a private network "
         "(WireGuard) or TLS.",
     )
     secret_file: str | None = Field(
-        None,
+        default=None,
         description="File holding the run secret (hex, at least 32 digits, mode 0600), held by the coordinator; "
         "the environment variable INTELLECT_DILOCO_SECRET (hex) takes precedence. Unset: the coordinator makes a "
         "fresh secret. Workers it starts never get the secret, only their own rendezvous key and the all-reduce "
@@ -223,24 +233,28 @@ class DilocoConfig(StrictModel):
         "Never part of the config itself, which travels as flow-run parameters.",
     )
     rendezvous_window: float = Field(
-        60.0, ge=5, le=3600,
+        default=60.0, ge=5, le=3600,
         description="Seconds a rendezvous request's timestamp may differ from the store's clock (hosts need NTP); "
         "nonces are remembered that long, so a captured request cannot be sent again.",
     )
     outlier_clip: float = Field(
-        4.0, ge=0, le=1000,
+        default=4.0, ge=0, le=1000,
         description="Robust aggregation (direct and ring-owner all-reduces, 3+ contributors): each owner clips "
         "every contribution to its chunk to this many times the median distance from the coordinate-wise "
         "median (centred clip) and flags those it clipped; 0 turns it off (plain mean).",
     )
     exclude_after: int = Field(
-        2, ge=1, le=1000,
+        default=2, ge=1, le=1000,
         description="Committed outer steps in which a majority of the members flagged a worker as an outlier "
         "before it is banned from the run.",
     )
-    store_port: int = Field(0, ge=0, le=65535, description="Port of the rendezvous store (0: pick a free one).")
-    checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="Publish an outer checkpoint every N outer steps.")
-    max_attempts: int = Field(5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.")
+    store_port: int = Field(default=0, ge=0, le=65535, description="Port of the rendezvous store (0: pick a free one).")
+    checkpoint_every: int = Field(
+        default=1, ge=1, le=1_000_000, description="Publish an outer checkpoint every N outer steps.",
+    )
+    max_attempts: int = Field(
+        default=5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.",
+    )
 
     @model_validator(mode="after")
     def _timeouts_ordered(self) -> "DilocoConfig":
@@ -264,22 +278,24 @@ class DilocoConfig(StrictModel):
 class SmokeConfig(StrictModel):
     """The smoke run: build the tiny model, pretrain it briefly, report accuracy."""
 
-    run_name: str = Field("smoke", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
+    run_name: str = Field(default="smoke", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     pass_at_k_samples: int = Field(
-        8, ge=0, le=64, description="Samples per held-out prompt for the pass-rate report (0: skip)."
+        default=8, ge=0, le=64, description="Samples per held-out prompt for the pass-rate report (0: skip)."
     )
-    pass_at_k_prompts: int = Field(128, ge=1, le=100000, description="Held-out prompts in the pass-rate report.")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the pass-rate report.")
+    pass_at_k_prompts: int = Field(
+        default=128, ge=1, le=100000, description="Held-out prompts in the pass-rate report.",
+    )
+    temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature of the pass-rate report.")
 
 
 class DilocoRunConfig(StrictModel):
     """A DiLoCo pretraining run: N workers, each training the model on its own data shard."""
 
-    run_name: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
+    run_name: str = Field(default="diloco", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)

@@ -3,14 +3,15 @@
 Tables (schema version :data:`LEDGER_SCHEMA_VERSION`, kept in ``meta``):
 
 * ``rollouts``: one row per submitted sample, keyed by its location ``(file, row_index)`` in run
-  storage, with its content hash (:func:`intellect.rl.rollouts.content_hash`), step, policy step,
+  storage, with its content hash (:func:`intellect.rl.rollout_schema.content_hash`), step, policy step,
   worker, submission, prompt, group, reward, advantage, token counts, ``status``
   (``accepted``/``rejected``) and ``reason``. A whole file rejected before its rows could be read is
   one row with ``row_index = -1``.
 * ``steps``: one row per committed training step: counts, mean accepted reward, loss, clip
   fraction, trained samples and timings (JSON).
 * ``checkpoints``: ``(step, uri, sha256)``, immutable once recorded.
-* ``workers``: first and last time seen, plus free-form info (JSON).
+* ``workers``: first and last time a verdict on the worker's samples was recorded (``info`` is
+  kept in the schema, unwritten).
 
 Rules that make a crashed step safe to re-run:
 
@@ -25,7 +26,8 @@ Rules that make a crashed step safe to re-run:
   been accepted it is recorded as ``rejected`` / :data:`~intellect.verdict.DUPLICATE`. Within one
   call the first accepted copy (in table order) wins. Rejected rows never count: otherwise a worker
   could file a copy of an honest worker's rollouts under an id that sorts first, have it rejected
-  (``assignment``), and so turn the honest rows into duplicates. Honest workers never collide, since their seeds differ.
+  (``assignment``), and so turn the honest rows into duplicates. Honest workers never collide,
+  since their seeds differ.
 * **Bounds.** :meth:`Ledger.record_table` takes status, reward and advantage from a table, so every
   row is checked first (:func:`intellect.verdict.check_verdict_table`); one bad row refuses the
   whole table, unwritten.
@@ -36,8 +38,9 @@ Rules that make a crashed step safe to re-run:
 **Connection policy.** DuckDB lets one process at a time open a database file for writing. The
 orchestrating flow's process owns the ledger: a :class:`Ledger` opens its connection on first use
 and keeps it until :meth:`Ledger.close` (or the end of a ``with Ledger(path) as ledger:`` block),
-because opening costs ~60 ms, and every operation is one transaction on it. Tasks running in that
-process (threads) may each open their own :class:`Ledger` on the same path; DuckDB shares one
+because opening a database costs far more than one operation, and every operation is one
+transaction on it. Tasks running in that process (threads) may each open their own
+:class:`Ledger` on the same path; DuckDB shares one
 database per process, and operations are serialized per file. A second process waits up to
 ``lock_timeout`` seconds for the owner to close, then fails; nothing outside the owner should
 write, and a reader (a notebook) opens the file only while the run is not active.
@@ -57,7 +60,6 @@ from typing import Any, Iterable, Iterator, Mapping
 import duckdb
 import pyarrow as pa
 
-from intellect.rl.assignment import canonical_worker
 from intellect.verdict import DUPLICATE, LedgerError, Verdict, check_verdict_table, verdict_table
 
 LEDGER_SCHEMA_VERSION = 1
@@ -125,6 +127,14 @@ def _now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)  # stored as naive UTC
 
 
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple[Any, ...]:
+    """The row of a statement that always yields exactly one (an aggregate, a counted insert)."""
+    row = con.execute(sql, params).fetchone()
+    if row is None:
+        raise LedgerError(f"no row from {sql.split()[0]}")
+    return row
+
+
 @dataclass(frozen=True, slots=True)
 class RecordResult:
     """What :meth:`Ledger.record_verdicts` did: rows written now, already present, turned duplicate."""
@@ -169,7 +179,7 @@ class Ledger:
             con.execute(
                 "INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT DO NOTHING", [str(LEDGER_SCHEMA_VERSION)]
             )
-            (version,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            (version,) = _one(con, "SELECT value FROM meta WHERE key = 'schema_version'")
         if version != str(LEDGER_SCHEMA_VERSION):
             self.close()
             raise LedgerError(f"{self.path} has ledger schema {version}, this code writes {LEDGER_SCHEMA_VERSION}")
@@ -251,12 +261,13 @@ class Ledger:
                 QUALIFY row_number() OVER (PARTITION BY file, "row" ORDER BY ord) = 1
                 """
             )
-            (conflicts,) = con.execute(
+            (conflicts,) = _one(
+                con,
                 """
                 SELECT count(*) FROM batch b JOIN rollouts r ON r.file = b.file AND r.row_index = b."row"
                 WHERE r.content_hash IS DISTINCT FROM b.content_hash
                 """
-            ).fetchone()
+            )
             con.execute(
                 """
                 CREATE OR REPLACE TEMP TABLE fresh AS
@@ -269,7 +280,7 @@ class Ledger:
                 FROM batch b ANTI JOIN rollouts r ON r.file = b.file AND r.row_index = b."row"
                 """
             )
-            (inserted, duplicates) = con.execute("SELECT count(*), count(*) FILTER (WHERE dup) FROM fresh").fetchone()
+            (inserted, duplicates) = _one(con, "SELECT count(*), count(*) FILTER (WHERE dup) FROM fresh")
             if inserted and con.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone():
                 raise LedgerError(f"step {step} is committed: {inserted} new verdicts arrived too late")
             con.execute(
@@ -310,16 +321,6 @@ class Ledger:
             [step],
         )
 
-    def is_duplicate(self, content_hash: str, file: str | None = None, row: int | None = None) -> bool:
-        """Whether ``content_hash`` is accepted anywhere other than at ``(file, row)``: whether an accepted
-        verdict on it there would be recorded as ``duplicate``."""
-        rows = self._query(
-            "SELECT 1 FROM rollouts WHERE content_hash = ? AND status = 'accepted' "
-            "AND NOT (file IS NOT DISTINCT FROM ? AND row_index IS NOT DISTINCT FROM ?) LIMIT 1",
-            [content_hash, file, row],
-        )
-        return bool(rows)
-
     # ------------------------------------------------------------------ steps
 
     def commit_step(self, step: int, metrics: StepMetrics = StepMetrics()) -> bool:
@@ -328,7 +329,8 @@ class Ledger:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         timings = json.dumps(dict(metrics.timings), sort_keys=True)
         with self._transaction() as con:
-            (n,) = con.execute(
+            (n,) = _one(
+                con,
                 """
                 INSERT INTO steps
                 SELECT ?, ?, count(*) FILTER (WHERE status = 'accepted'), count(*) FILTER (WHERE status = 'rejected'),
@@ -337,7 +339,7 @@ class Ledger:
                 ON CONFLICT DO NOTHING
                 """,
                 [step, _now(), metrics.trained_samples, metrics.loss, metrics.clip_fraction, timings, step],
-            ).fetchone()
+            )
         return n == 1
 
     def get_step(self, step: int) -> dict[str, Any] | None:
@@ -394,7 +396,7 @@ class Ledger:
             [step],
         )
 
-    # ------------------------------------------------------------------ checkpoints and workers
+    # ------------------------------------------------------------------ checkpoints
 
     def record_checkpoint(self, step: int, uri: str, sha256: str) -> None:
         """Record checkpoint ``step``; again with the same values is a no-op, with others a ``LedgerError``."""
@@ -408,30 +410,3 @@ class Ledger:
         """``(uri, sha256)`` of checkpoint ``step``, or ``None``."""
         rows = self._query("SELECT uri, sha256 FROM checkpoints WHERE step = ?", [step])
         return (rows[0]["uri"], rows[0]["sha256"]) if rows else None
-
-    def upsert_worker(self, worker: str, info: Mapping[str, Any] | None = None) -> None:
-        """Note that ``worker`` was seen now; ``info`` (JSON-able), when given, replaces the stored info."""
-        now = _now()
-        with self._transaction() as con:
-            con.execute(
-                """
-                INSERT INTO workers VALUES (?, ?, ?, ?)
-                ON CONFLICT (worker) DO UPDATE SET last_seen = excluded.last_seen,
-                    info = coalesce(excluded.info, workers.info)
-                """,
-                [canonical_worker(worker), now, now, None if info is None else json.dumps(dict(info), sort_keys=True)],
-            )
-
-    def workers(self) -> list[dict[str, Any]]:
-        """Every worker with its accepted and rejected sample counts."""
-        rows = self._query(
-            """
-            SELECT w.worker, w.first_seen, w.last_seen, w.info,
-                count(r.file) FILTER (WHERE r.status = 'accepted') AS accepted,
-                count(r.file) FILTER (WHERE r.status = 'rejected') AS rejected
-            FROM workers w LEFT JOIN rollouts r USING (worker) GROUP BY ALL ORDER BY w.worker
-            """
-        )
-        for r in rows:
-            r["info"] = None if r["info"] is None else json.loads(r["info"])
-        return rows

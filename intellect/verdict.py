@@ -21,12 +21,15 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as _pc
 
-from intellect.rl.assignment import canonical_worker
+from intellect.ids import canonical_worker
 
 if TYPE_CHECKING:
-    from intellect.rl.rollouts import Rollout
+    from intellect.rl.rollout_schema import Rollout
+
+#: pyarrow's compute kernels take Python scalars, which the overloads of pyarrow-stubs reject.
+pc: Any = _pc
 
 #: The reason the ledger records for an accepted sample whose content is accepted elsewhere already.
 DUPLICATE = "duplicate"
@@ -134,7 +137,7 @@ def check_verdict_table(step: int, table: pa.Table) -> None:
             first = (i, name, what)
     if first is not None:
         i, name, what = first
-        where = f"{table['file'][i].as_py()}:{table['row'][i].as_py()}"
+        where = f"{table['file'][int(i)].as_py()}:{table['row'][int(i)].as_py()}"
         raise BadVerdictTable(f"verdict row {i} ({where}): {name} {what}")
 
 

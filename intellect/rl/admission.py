@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Iterable, Literal, Mapping, get_args
+from typing import Annotated, Iterable, Literal, Mapping, TypeVar, cast, get_args
 from urllib.parse import parse_qs
 
 from pydantic import Field, ValidationError
@@ -77,7 +77,7 @@ class Refusal(Exception):
 
     @classmethod
     def auth(cls, e: AuthError) -> Refusal:
-        return cls(_AUTH_STATUS.get(e.reason, 401), e.reason, e.detail)
+        return cls(_AUTH_STATUS.get(e.reason, 401), cast(Reason, e.reason), e.detail)
 
 
 # --------------------------------------------------------------------- signed requests in two halves
@@ -124,7 +124,10 @@ class DoneBody(StrictModel):
     policy_step: int = Field(ge=0, lt=1 << 62, description="The checkpoint they were generated with.")
 
 
-def parse_json(model: type[StrictModel], body: bytes):
+_M = TypeVar("_M", bound=StrictModel)
+
+
+def parse_json(model: type[_M], body: bytes) -> _M:
     """``body`` as ``model``, strictly (no type coercion); :class:`Refusal` ``bad_request`` otherwise.
 
     >>> parse_json(UploadBody, b'{"sha256": "' + b"0" * 64 + b'", "size": "3"}')

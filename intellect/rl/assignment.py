@@ -11,7 +11,7 @@ version and platform computes the same list (Python's ``hash`` and ``random`` pr
 The validator recomputes the list and rejects a submission whose prompts differ
 (:func:`check_assignment`): a worker cannot re-roll until it draws easy prompts.
 
-Worker ids are case-insensitive (:func:`canonical_worker` lowercases them), so the case variants of
+Worker ids are case-insensitive (:func:`intellect.ids.canonical_worker` lowercases them), so the case variants of
 one Ethereum-style address do not yield extra assignments. A worker can still register several
 ids and keep the one with the easiest draw; binding ids to stake is outside this module.
 """
@@ -19,29 +19,15 @@ ids and keep the one with the easiest draw; binding ids to stake is outside this
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from intellect.ids import canonical_worker
+
 if TYPE_CHECKING:
-    from intellect.rl.rollouts import Rollout
+    from intellect.rl.rollout_schema import Rollout
 
 _DOMAIN = b"intellect/assignment/v1\0"
-_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _U64 = 1 << 64
-
-
-def canonical_worker(worker: str) -> str:
-    """The canonical (lowercase) form of a worker id; ``ValueError`` if it is not a valid id.
-
-    A worker id is 1-128 characters of ``A-Z a-z 0-9 . _ -`` starting with a letter or digit, so it
-    is also a safe file-name component.
-
-    >>> canonical_worker("0xAbC123")
-    '0xabc123'
-    """
-    if not isinstance(worker, str) or not _WORKER_RE.fullmatch(worker):
-        raise ValueError(f"invalid worker id {worker!r}: use 1-128 of A-Z a-z 0-9 . _ -, starting alphanumeric")
-    return worker.lower()
 
 
 def _u64(name: str, value: object) -> int:

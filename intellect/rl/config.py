@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from intellect.config import DataConfig, DispatchConfig, StorageConfig, StrictModel
 from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
-from intellect.rl.rollouts import RolloutLimits
+from intellect.rl.rollout_schema import RolloutLimits
 from intellect.rl.service import ServiceConfig
 from intellect.rl.submission import SubmissionConfig
 from intellect.rl.trainer import RLTrainerConfig
@@ -32,11 +32,13 @@ class InitConfig(StrictModel):
     or any HF model folder."""
 
     from_run: str | None = Field(
-        "smoke", pattern=RUN_NAME,
+        default="smoke", pattern=RUN_NAME,
         description="Run (in this storage) whose checkpoint starts RL, e.g. the smoke or DiLoCo run.",
     )
-    step: int | None = Field(None, ge=0, description="Checkpoint step of from_run; None: its newest complete one.")
-    path: str | None = Field(None, description="A local HF model folder; when set, from_run is not used.")
+    step: int | None = Field(
+        default=None, ge=0, description="Checkpoint step of from_run; None: its newest complete one.",
+    )
+    path: str | None = Field(default=None, description="A local HF model folder; when set, from_run is not used.")
 
     @model_validator(mode="after")
     def _a_source(self) -> "InitConfig":
@@ -49,13 +51,13 @@ class TaskPoolConfig(StrictModel):
     """The prompts RL trains on: a file (e.g. the output of ``intellect filter``) or generated arithmetic."""
 
     file: str | None = Field(
-        None,
+        default=None,
         description="A .jsonl/.parquet math task file (prompt, answer, id), a path or a path relative to the "
         "run storage root (e.g. 'filter/tasks.jsonl' of a filter run); None: generate arithmetic.",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="The arithmetic generator (held-out excluded).")
-    size: int = Field(20000, ge=1, le=10_000_000, description="Distinct generated problems in the pool.")
-    seed: int = Field(1234, ge=0, description="Seed of the generated pool (not of the held-out split).")
+    size: int = Field(default=20000, ge=1, le=10_000_000, description="Distinct generated problems in the pool.")
+    seed: int = Field(default=1234, ge=0, description="Seed of the generated pool (not of the held-out split).")
 
 
 class WorkersConfig(StrictModel):
@@ -73,24 +75,24 @@ class WorkersConfig(StrictModel):
         "submission_timeout), e.g. the allowlisted ones. Submissions of workers not listed count when they "
         "arrive before their step is validated.",
     )
-    threads: int = Field(1, ge=1, le=256, description="torch threads of each worker process.")
+    threads: int = Field(default=1, ge=1, le=256, description="torch threads of each worker process.")
     validate_parallel: int = Field(
-        4, ge=1, le=256,
+        default=4, ge=1, le=256,
         description="Workers' files the validator checks at once: however many keys submit, the trusted "
         "process holds at most this many files in memory.",
     )
     min_signal_samples: int = Field(
-        0, ge=0, le=1 << 20,
+        default=0, ge=0, le=1 << 20,
         description="Online filter: a worker adds submissions for a step until its samples in groups with "
         "unequal rewards reach this many (0: one submission per step).",
     )
-    max_submissions: int = Field(4, ge=1, le=1024, description="Most submissions per worker and step.")
-    poll_interval: float = Field(0.05, gt=0, le=60, description="Seconds between looks for a new checkpoint.")
+    max_submissions: int = Field(default=4, ge=1, le=1024, description="Most submissions per worker and step.")
+    poll_interval: float = Field(default=0.05, gt=0, le=60, description="Seconds between looks for a new checkpoint.")
     checkpoint_timeout: float = Field(
-        600.0, gt=0, le=86400, description="A worker gives up after waiting this long for a fresh checkpoint."
+        default=600.0, gt=0, le=86400, description="A worker gives up after waiting this long for a fresh checkpoint."
     )
     submission_timeout: float = Field(
-        600.0, gt=0, le=86400,
+        default=600.0, gt=0, le=86400,
         description="The trainer waits this long for a worker's submissions of a step, then goes on without it.",
     )
 
@@ -107,30 +109,34 @@ class WorkersConfig(StrictModel):
 class EvalConfig(StrictModel):
     """Held-out greedy exact-match accuracy of published checkpoints."""
 
-    every: int = Field(10, ge=0, le=1_000_000, description="Evaluate every N steps (0: only first and last).")
-    size: int = Field(512, ge=1, le=100_000, description="Held-out problems per evaluation.")
+    every: int = Field(default=10, ge=0, le=1_000_000, description="Evaluate every N steps (0: only first and last).")
+    size: int = Field(default=512, ge=1, le=100_000, description="Held-out problems per evaluation.")
 
 
 class RLRunConfig(StrictModel):
     """An RL run: ``intellect rl --config configs/rl-tiny.toml``."""
 
-    run_name: str = Field("rl", pattern=RUN_NAME, description="Folder of the run; written into every rollout.")
+    run_name: str = Field(default="rl", pattern=RUN_NAME, description="Folder of the run; written into every rollout.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     ledger: str | None = Field(
-        None, description="Local DuckDB file of the run; None: ledger.duckdb in the run folder (local storage) "
+        default=None, description="Local DuckDB file of the run; None: ledger.duckdb in the run folder (local storage) "
         "or ./runs/<run_name>/ledger.duckdb (S3 storage).",
     )
     init: InitConfig = Field(default_factory=InitConfig)
     tasks: TaskPoolConfig = Field(default_factory=TaskPoolConfig)
-    steps: int = Field(100, ge=1, le=10_000_000, description="RL steps (checkpoints 1..steps are written).")
-    async_level: int = Field(DEFAULT_ASYNC_LEVEL, ge=0, le=1024, description="Most policy lag of a sample.")
+    steps: int = Field(default=100, ge=1, le=10_000_000, description="RL steps (checkpoints 1..steps are written).")
+    async_level: int = Field(default=DEFAULT_ASYNC_LEVEL, ge=0, le=1024, description="Most policy lag of a sample.")
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     submission: SubmissionConfig = Field(default_factory=SubmissionConfig)
     trainer: RLTrainerConfig = Field(default_factory=RLTrainerConfig)
-    trainer_threads: int = Field(0, ge=0, le=1024, description="torch threads of the trainer (0: torch's default).")
-    limits: RolloutLimits | None = Field(None, description="Validator bounds; None: defaults, vocab from the model.")
+    trainer_threads: int = Field(
+        default=0, ge=0, le=1024, description="torch threads of the trainer (0: torch's default).",
+    )
+    limits: RolloutLimits | None = Field(
+        default=None, description="Validator bounds; None: defaults, vocab from the model.",
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    seed: int = Field(0, ge=0, description="Seed of the trainer's torch RNG.")
+    seed: int = Field(default=0, ge=0, description="Seed of the trainer's torch RNG.")
     toploc: ToplocConfig | None = Field(
         default_factory=ToplocConfig,
         description="TOPLOC proofs: workers commit to their hidden states, the validator checks them "
@@ -138,10 +144,10 @@ class RLRunConfig(StrictModel):
         "it a worker may hand-write completions. Off (None; `toploc = false` in TOML) needs trusted_workers = true.",
     )
     trusted_workers: bool = Field(
-        False, description="Every inference worker is the operator's own: only then may toploc be None.",
+        default=False, description="Every inference worker is the operator's own: only then may toploc be None.",
     )
     alert_rejection_rate: float = Field(
-        0.5, ge=0, le=1,
+        default=0.5, ge=0, le=1,
         description="A worker whose share of rejected samples in a step reaches this emits the event "
         "intellect.rl.worker.rejections-high (the automation intellect-worker-rejections reacts to it).",
     )
@@ -157,7 +163,7 @@ class RLRunConfig(StrictModel):
         "max_submissions_per_step from workers.max_submissions.",
     )
     shardcast: ShardcastConfig | None = Field(
-        None, description="SHARDCAST weight broadcast: the trainer publishes each signed checkpoint to an "
+        default=None, description="SHARDCAST weight broadcast: the trainer publishes each signed checkpoint to an "
         "origin, workers download it from relays (by default an origin and two relays the run starts on this "
         "machine). None: rl-train still starts a local origin, without relays, which its workers download "
         "from (they never read run storage); rl-step and the rl-generate stage read run storage.",
@@ -188,13 +194,13 @@ class RLRunConfig(StrictModel):
 class FilterConfig(StrictModel):
     """Offline difficulty filter: keep prompts the current model solves sometimes, not always."""
 
-    k: int = Field(8, ge=1, le=1024, description="Samples per prompt.")
-    min_rate: float = Field(1 / 8, ge=0, le=1, description="Lowest kept pass rate (inclusive).")
-    max_rate: float = Field(4 / 8, ge=0, le=1, description="Highest kept pass rate (inclusive).")
-    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature.")
-    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most completion tokens.")
-    chunk_size: int = Field(256, ge=1, le=1 << 20, description="Prompts per Prefect task.")
-    seed: int = Field(0, ge=0, description="Base of the per-sample seeds.")
+    k: int = Field(default=8, ge=1, le=1024, description="Samples per prompt.")
+    min_rate: float = Field(default=1 / 8, ge=0, le=1, description="Lowest kept pass rate (inclusive).")
+    max_rate: float = Field(default=4 / 8, ge=0, le=1, description="Highest kept pass rate (inclusive).")
+    temperature: float = Field(default=1.0, ge=0, le=100, description="Sampling temperature.")
+    max_tokens: int = Field(default=16, ge=1, le=1 << 20, description="Most completion tokens.")
+    chunk_size: int = Field(default=256, ge=1, le=1 << 20, description="Prompts per Prefect task.")
+    seed: int = Field(default=0, ge=0, description="Base of the per-sample seeds.")
 
     @model_validator(mode="after")
     def _window(self) -> "FilterConfig":
@@ -217,11 +223,13 @@ class FilterConfig(StrictModel):
 class FilterRunConfig(StrictModel):
     """``intellect filter --config configs/filter-tiny.toml``: score a task pool with the current model."""
 
-    run_name: str = Field("filter", pattern=RUN_NAME, description="Folder of the filter's outputs.")
+    run_name: str = Field(default="filter", pattern=RUN_NAME, description="Folder of the filter's outputs.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
-    ledger: str | None = Field(None, description="Local DuckDB file for the solve rates; None: as RLRunConfig.ledger.")
+    ledger: str | None = Field(
+        default=None, description="Local DuckDB file for the solve rates; None: as RLRunConfig.ledger.",
+    )
     init: InitConfig = Field(default_factory=InitConfig)
     tasks: TaskPoolConfig = Field(default_factory=TaskPoolConfig)
     filter: FilterConfig = Field(default_factory=FilterConfig)
-    threads: int = Field(0, ge=0, le=1024, description="torch threads (0: torch's default).")
-    engine: Literal["torch"] = Field("torch", description="Inference engine (vLLM is its own issue).")
+    threads: int = Field(default=0, ge=0, le=1024, description="torch threads (0: torch's default).")
+    engine: Literal["torch"] = Field(default="torch", description="Inference engine (vLLM is its own issue).")

@@ -59,14 +59,3 @@ def policy_for(step: int, async_level: int, available_steps: Iterable[int]) -> i
     fresh = [c for c in available_steps if is_fresh(step, c, async_level)]
     return max(fresh) if fresh else None
 
-
-def max_generation_step(latest_policy_step: int, async_level: int = DEFAULT_ASYNC_LEVEL) -> int:
-    """The furthest step that may be generated while ``latest_policy_step`` is the newest checkpoint.
-
-    Generation for step ``n`` needs checkpoint ``n - async_level``, so with checkpoint ``c``
-    published, steps up to ``c + async_level`` can run ahead of the trainer.
-
-    >>> max_generation_step(3, 0), max_generation_step(3, 1), max_generation_step(3, 2)
-    (3, 4, 5)
-    """
-    return _check_int("latest_policy_step", latest_policy_step) + _check_int("async_level", async_level)

@@ -53,29 +53,29 @@ KL_CLAMP = 10.0
 class GRPOLossConfig(StrictModel):
     """The policy-gradient loss of the RL trainer (defaults: INTELLECT-2)."""
 
-    epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: coef2 >= 1 - epsilon_low.")
-    epsilon_high: float = Field(0.2, gt=0, le=10, description="Upper clip: coef2 <= 1 + epsilon_high.")
+    epsilon_low: float = Field(default=0.2, gt=0, lt=1, description="Lower clip: coef2 >= 1 - epsilon_low.")
+    epsilon_high: float = Field(default=0.2, gt=0, le=10, description="Upper clip: coef2 <= 1 + epsilon_high.")
     delta: float | None = Field(
-        4.0, gt=1, le=1000,
+        default=4.0, gt=1, le=1000,
         description="Cap on the unclipped ratio (coef1 = clamp(r, 0, delta)); binds only for negative "
         "advantages. None disables it (plain PPO clipping).",
     )
     normalization: Literal["constant", "token", "sequence"] = Field(
-        "constant",
+        default="constant",
         description="constant: sum / (batch x max_len), Dr. GRPO as in INTELLECT-2; token: mean over "
         "completion tokens; sequence: per-sequence token mean, then mean over sequences.",
     )
     old_logprobs: Literal["recomputed", "behaviour"] = Field(
-        "recomputed",
+        default="recomputed",
         description="Denominator of the ratio: log-probs recomputed by the trainer with the weights at the "
         "start of the step (INTELLECT-2), or the behaviour policy's (the inference engine's, which "
         "importance-corrects the async lag). Read by the trainer, which passes the matching logp_old.",
     )
     kl_coef: float = Field(
-        0.0, ge=0, le=10, description="Weight of the k3 KL to the reference model; 0 disables it."
+        default=0.0, ge=0, le=10, description="Weight of the k3 KL to the reference model; 0 disables it."
     )
     entropy_coef: float = Field(
-        0.0, ge=0, le=1, description="Weight of the entropy bonus (subtracted from the loss); 0 disables it."
+        default=0.0, ge=0, le=1, description="Weight of the entropy bonus (subtracted from the loss); 0 disables it."
     )
 
     @model_validator(mode="after")

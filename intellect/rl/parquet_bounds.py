@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
 if TYPE_CHECKING:
     from intellect.storage import RunStorage
@@ -34,6 +34,7 @@ __all__ = [
     "read_local", "read_struct",
 ]
 
+_T = TypeVar("_T")
 MAGIC = b"PAR1"
 #: Largest page header read; a writer's headers hold sizes, counts and at most small statistics.
 MAX_PAGE_HEADER_BYTES = 64 << 10
@@ -48,12 +49,15 @@ DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
 ACCEPTED_ENCODINGS = frozenset({0, 2, 3, 8})
 
 
+LayoutReason = Literal["unreadable", "too_large", "size_mismatch"]
+
+
 class LayoutError(ValueError):
     """The file is off; ``reason`` is ``unreadable``, ``too_large`` or ``size_mismatch``."""
 
-    def __init__(self, reason: Literal["unreadable", "too_large", "size_mismatch"], detail: str) -> None:
+    def __init__(self, reason: LayoutReason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason: LayoutReason = reason
         self.detail = detail
 
 
@@ -238,9 +242,9 @@ def chunk_layouts(data: bytes | memoryview, *, max_pages: int = 1 << 16) -> list
     return out
 
 
-def _field(struct_: dict, fid: int, kind: type, what: str):
+def _field(struct_: dict, fid: int, kind: type[_T], what: str) -> _T:
     v = struct_.get(fid)
-    if type(v) is not kind or (kind is int and v < 0):
+    if type(v) is not kind or (isinstance(v, int) and v < 0):
         raise LayoutError("unreadable", f"footer without a valid {what}")
     return v
 
@@ -348,6 +352,8 @@ def read_capped(storage: RunStorage, rel: str, cap: int, *, size: int | None = N
         data = storage.fs.cat_file(uri, start=0, end=(cap if size is None else min(cap, size)) + 1)
     except OSError as e:
         raise LayoutError("unreadable", f"{type(e).__name__}: {e}") from None
+    if not isinstance(data, bytes):
+        raise LayoutError("unreadable", f"storage returned {type(data).__name__}, not bytes")
     return _check_read(data, cap, size)
 
 

@@ -2,33 +2,8 @@
 
 A submission is written atomically to ``rollouts/step_{n}/{worker}-{k}.parquet`` in run storage
 (:func:`submission_path`), where ``worker`` is the canonical worker id
-(:func:`~intellect.rl.assignment.canonical_worker`) and ``k`` counts that worker's submissions for
-step ``n``. Every row is one sample; the rows of a submission share run, step, policy step, worker
-and ``k``. Schema version 1 (:data:`SCHEMA`, version in the schema metadata under
-:data:`VERSION_KEY`), no column nullable unless said:
-
-===============  ==============  =============================================================
-column           type            meaning
-===============  ==============  =============================================================
-run              string          run name
-step             int64           training step the sample is for
-policy_step      int64           checkpoint that generated it (see :mod:`intellect.rl.lag`)
-worker           string          canonical worker id
-submission       int64           ``k``: index of this submission of the worker at this step
-seed             uint64          sampling seed of the sample
-prompt_id        string          task id of the prompt
-group_id         int32           GRPO group within the submission; group ``j`` answers the
-                                 ``j``-th assigned prompt (:mod:`intellect.rl.assignment`)
-prompt_tokens    list<int32>     prompt token ids
-output_tokens    list<int32>     completion token ids
-finish_reason    string          ``stop`` (EOS) or ``length`` (hit the token limit)
-reward           float32         reward trained on (task reward minus length penalty)
-task_reward      float32         verifier's reward
-length_penalty   float32         thinking-budget penalty
-advantage        float32         group-normalized advantage
-target_length    int32, null     thinking budget in tokens; null without a length reward
-proof            binary          TOPLOC proofs of the output (may be empty)
-===============  ==============  =============================================================
+(:func:`~intellect.ids.canonical_worker`) and ``k`` counts that worker's submissions for
+step ``n``. The rows' columns and bounds are :mod:`intellect.rl.rollout_schema`'s.
 
 Files come from untrusted workers, so :func:`read_submission` never trusts one: it rejects
 anything off-contract with :class:`RolloutRejected`, whose ``reason`` is one of :data:`REASONS`,
@@ -46,59 +21,36 @@ import hashlib
 import io
 import os
 import re
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Literal, NoReturn, Sequence, get_args
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import Field, model_validator
 
-from intellect.config import StrictModel
-from intellect.rl.assignment import canonical_worker
+from intellect.ids import canonical_worker
 from intellect.rl.lag import is_fresh
 from intellect.rl.parquet_bounds import (
     ColumnBound, LayoutError, check_bounds, chunk_layouts, footer_length, read_capped, read_local,
+)
+from intellect.rl.rollout_schema import (
+    FINISH_REASONS, MAX_ID_CHARS, REASONS, SCHEMA, SCHEMA_VERSION, VERSION_KEY, Reason, Rollout, RolloutLimits,
+    RolloutRejected, content_hash, rows_to_table, table_to_rows,
 )
 
 if TYPE_CHECKING:
     from intellect.storage import RunStorage
 
-SCHEMA_VERSION = 1
-VERSION_KEY = b"intellect.rollouts.schema_version"
-KIND = "rollouts"
-FINISH_REASONS = ("stop", "length")
-MAX_ID_CHARS = 256
-
-Reason = Literal[
-    "unreadable", "too_large", "version", "schema", "empty", "nan", "range", "identity", "wrong_step", "stale",
-    "sha256_mismatch", "size_mismatch",
+# the row model is imported from here by most callers; its home is intellect.rl.rollout_schema
+__all__ = [
+    "BATCH_ROWS", "FINISH_REASONS", "KIND", "MAX_FOOTER_BYTES", "MAX_ID_CHARS", "REASONS", "SCHEMA", "SCHEMA_VERSION",
+    "VERSION_KEY", "Reason", "Rollout", "RolloutLimits", "RolloutRejected", "check_layout", "content_hash",
+    "encode_submission", "list_submissions", "load_submission", "parse_submission_path", "read_submission",
+    "read_submission_table", "rows_to_table", "submission_path", "table_to_rows", "validate_table",
+    "write_submission",
 ]
-REASONS: tuple[str, ...] = get_args(Reason)
 
-SCHEMA = pa.schema(
-    [
-        pa.field("run", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("policy_step", pa.int64(), nullable=False),
-        pa.field("worker", pa.string(), nullable=False),
-        pa.field("submission", pa.int64(), nullable=False),
-        pa.field("seed", pa.uint64(), nullable=False),
-        pa.field("prompt_id", pa.string(), nullable=False),
-        pa.field("group_id", pa.int32(), nullable=False),
-        pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("output_tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("reward", pa.float32(), nullable=False),
-        pa.field("task_reward", pa.float32(), nullable=False),
-        pa.field("length_penalty", pa.float32(), nullable=False),
-        pa.field("advantage", pa.float32(), nullable=False),
-        pa.field("target_length", pa.int32(), nullable=True),
-        pa.field("proof", pa.binary(), nullable=False),
-    ],
-    metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()},
-)
+KIND = "rollouts"
 
 #: Largest footer read (an honest one holds a few KiB per row group).
 MAX_FOOTER_BYTES = 1 << 20
@@ -108,89 +60,6 @@ _STRING_COLUMNS = [f.name for f in SCHEMA if pa.types.is_string(f.type) or pa.ty
 
 _NAME_RE = re.compile(r"(?P<worker>[a-z0-9][a-z0-9._-]{0,127})-(?P<k>0|[1-9][0-9]{0,17})\.parquet")
 _RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-
-class RolloutRejected(ValueError):
-    """A submission that breaks the contract; ``reason`` is one of :data:`REASONS`."""
-
-    def __init__(self, reason: Reason, detail: str) -> None:
-        if reason not in REASONS:
-            raise ValueError(f"unknown rejection reason {reason!r}")
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-class RolloutLimits(StrictModel):
-    """Bounds a submission must respect; everything outside them is rejected, not clipped."""
-
-    vocab_size: int = Field(..., ge=1, le=2**31 - 1, description="Token ids must lie in [0, vocab_size).")
-    max_rows: int = Field(4096, ge=1, le=1 << 20, description="Most samples in one submission.")
-    max_prompt_tokens: int = Field(32768, ge=1, le=1 << 22, description="Longest prompt, in tokens.")
-    max_output_tokens: int = Field(32768, ge=1, le=1 << 22, description="Longest completion, in tokens.")
-    max_proof_bytes: int = Field(
-        1 << 20, ge=0, le=1 << 30, description="Largest TOPLOC proof of one sample (258 bytes per 32 tokens)."
-    )
-    max_file_bytes: int = Field(256 << 20, ge=1024, le=1 << 40, description="Largest file, as stored.")
-    max_decoded_bytes: int = Field(
-        1 << 30, ge=1024, le=1 << 40,
-        description="Largest size the file may decode to in memory (decompressed pages plus decoded arrays).",
-    )
-    reward_min: float = Field(-10.0, ge=-1e6, le=1e6, description="Lowest allowed reward and task reward.")
-    reward_max: float = Field(10.0, ge=-1e6, le=1e6, description="Highest allowed reward and task reward.")
-    max_abs_advantage: float = Field(100.0, gt=0, le=1e6, description="Largest allowed |advantage|.")
-    max_abs_length_penalty: float = Field(100.0, ge=0, le=1e6, description="Largest allowed |length penalty|.")
-
-    @model_validator(mode="after")
-    def _bounds_ordered(self) -> "RolloutLimits":
-        if self.reward_min >= self.reward_max:
-            raise ValueError(f"reward_min ({self.reward_min}) must be < reward_max ({self.reward_max})")
-        return self
-
-
-@dataclass(frozen=True, slots=True)
-class Rollout:
-    """One sample: a row of a rollout file (columns as in the module docstring)."""
-
-    run: str
-    step: int
-    policy_step: int
-    worker: str
-    submission: int
-    seed: int
-    prompt_id: str
-    group_id: int
-    prompt_tokens: tuple[int, ...]
-    output_tokens: tuple[int, ...]
-    finish_reason: str
-    reward: float
-    task_reward: float
-    length_penalty: float
-    advantage: float
-    target_length: int | None = None
-    proof: bytes = b""
-
-    @property
-    def content_hash(self) -> str:
-        return content_hash(self.prompt_tokens, self.output_tokens, self.seed)
-
-
-assert [f.name for f in fields(Rollout)] == SCHEMA.names
-
-
-def content_hash(prompt_tokens: Sequence[int], output_tokens: Sequence[int], seed: int) -> str:
-    """Hex sha256 of what a sample *is*: its seed, prompt and output tokens, nothing about who sent it.
-
-    Two submissions with the same content hash are copies (honest workers draw different seeds);
-    changing the seed to disguise a copy is the sampling check's job, not this hash's.
-    """
-    h = hashlib.sha256(b"intellect/rollout-content/v1\0")
-    h.update(int(seed).to_bytes(8, "big"))
-    for tokens in (prompt_tokens, output_tokens):
-        arr = np.asarray(tokens, dtype="<i4")
-        h.update(len(arr).to_bytes(8, "big"))
-        h.update(arr.tobytes())
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------- paths
@@ -209,7 +78,7 @@ def parse_submission_path(rel: str) -> tuple[int, str, int]:
     """``(step, worker, k)`` of a path made by :func:`submission_path`; ``ValueError`` otherwise."""
     m = re.fullmatch(rf"{KIND}/step_(0|[1-9][0-9]*)/([^/]+)", rel)
     name = _NAME_RE.fullmatch(m.group(2)) if m else None
-    if name is None:
+    if m is None or name is None:
         raise ValueError(f"{rel!r} is not a rollout file path ({KIND}/step_N/WORKER-K.parquet)")
     return int(m.group(1)), name["worker"], int(name["k"])
 
@@ -218,24 +87,6 @@ def list_submissions(storage: RunStorage, step: int) -> list[str]:
     """Relative paths of the well-named submission files of ``step``, sorted (others are ignored)."""
     folder = storage.step_path(step, KIND)
     return [f"{folder}/{n}" for n in storage.listdir(folder) if _NAME_RE.fullmatch(n)]
-
-
-# --------------------------------------------------------------------- rows <-> tables
-
-
-def rows_to_table(rows: Sequence[Rollout]) -> pa.Table:
-    """The rows as a table of :data:`SCHEMA` (``TypeError``/``ArrowInvalid`` on ill-typed values)."""
-    cols = [pa.array([getattr(r, f.name) for r in rows], type=f.type) for f in SCHEMA]
-    return pa.Table.from_arrays(cols, schema=SCHEMA)
-
-
-def table_to_rows(table: pa.Table) -> list[Rollout]:
-    out = []
-    for d in table.to_pylist():
-        d["prompt_tokens"] = tuple(d["prompt_tokens"])
-        d["output_tokens"] = tuple(d["output_tokens"])
-        out.append(Rollout(**d))
-    return out
 
 
 # --------------------------------------------------------------------- validation
@@ -275,7 +126,11 @@ def _min_max(arr: pa.ChunkedArray | pa.Array) -> tuple:
 
 
 def _check_range(table: pa.Table, name: str, lo: float, hi: float, values=None) -> None:
-    vmin, vmax = _min_max(table[name] if values is None else values)
+    _check_values(name, lo, hi, table[name] if values is None else values)
+
+
+def _check_values(name: str, lo: float, hi: float, values) -> None:
+    vmin, vmax = _min_max(values)
     if vmin is not None and (vmin < lo or vmax > hi):
         _reject("range", f"{name} spans [{vmin}, {vmax}], allowed [{lo}, {hi}]")
 
@@ -318,8 +173,8 @@ def validate_table(
         if not pc.all(pc.is_finite(table[name])).as_py():
             _reject("nan", f"non-finite values in {name}")
     # bounds rounded to float32 like the values, so a reward of exactly reward_max=0.1 still passes
-    lo, hi, adv, pen = np.float32([limits.reward_min, limits.reward_max, limits.max_abs_advantage,
-                                   limits.max_abs_length_penalty]).tolist()
+    lo, hi, adv, pen = np.array([limits.reward_min, limits.reward_max, limits.max_abs_advantage,
+                                 limits.max_abs_length_penalty], dtype=np.float32).tolist()
     _check_range(table, "reward", lo, hi)
     _check_range(table, "task_reward", lo, hi)
     _check_range(table, "advantage", -adv, adv)
@@ -435,11 +290,13 @@ def check_layout(data: bytes, meta: pq.FileMetaData, limits: RolloutLimits) -> i
 
 def _dense_nbytes(name: str, col: pa.Array, limits: RolloutLimits) -> int:
     """Bytes ``col`` takes once dictionary-decoded, computed (and each value's size checked) before it is."""
-    if not pa.types.is_dictionary(col.type):
+    if not isinstance(col, pa.DictionaryArray):
         return col.nbytes
-    lengths = pc.take(pc.binary_length(col.dictionary), col.indices)
+    # pyarrow-stubs types binary_length's argument as an expression only
+    sizes = pc.binary_length(col.dictionary)  # pyright: ignore[reportCallIssue, reportArgumentType]
+    lengths = pc.take(sizes, col.indices)
     most = limits.max_proof_bytes if name == "proof" else 4 * MAX_ID_CHARS
-    _check_range(None, f"{name} bytes", 0, most, lengths)
+    _check_values(f"{name} bytes", 0, most, lengths)
     return 4 * (len(col) + 1) + (pc.sum(lengths).as_py() or 0)
 
 
@@ -471,7 +328,8 @@ def read_submission_table(
             raise LayoutError("too_large", f"footer of {footer_length(data)} bytes, at most {MAX_FOOTER_BYTES} allowed")
         footer = pq.ParquetFile(
             pa.BufferReader(data), pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
-            thrift_container_size_limit=MAX_FOOTER_BYTES // 4, schema_depth_limit=16,
+            thrift_container_size_limit=MAX_FOOTER_BYTES // 4,
+            schema_depth_limit=16,  # pyright: ignore[reportCallIssue] - pyarrow-stubs predates the argument
         )
         meta, schema = footer.metadata, footer.schema_arrow
     except LayoutError as e:
@@ -488,7 +346,7 @@ def read_submission_table(
             decoded += sum(_dense_nbytes(name, col, limits) for name, col in zip(batch.schema.names, batch.columns))
             if decoded > limits.max_decoded_bytes:
                 break
-            cols = [_decode_dictionary(col) if pa.types.is_dictionary(col.type) else col for col in batch.columns]
+            cols = [_decode_dictionary(col) if isinstance(col, pa.DictionaryArray) else col for col in batch.columns]
             batches.append(pa.RecordBatch.from_arrays(cols, schema=schema))
         table = pa.Table.from_batches(batches, schema=schema)
     except RolloutRejected:

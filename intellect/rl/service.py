@@ -60,7 +60,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 import uvicorn
 from pydantic import Field, field_validator
@@ -73,6 +73,7 @@ from intellect.rl.admission import (
 from intellect.rl.assignment import assign_prompts
 from intellect.rl.rollouts import submission_path
 from intellect.rl.service_http import SPILL, Body, guarded_server, read_body, respond
+from intellect.rl.service_s3 import Presigner
 from intellect.shardcast.server import bind
 from intellect.trust.keys import VerifyKey
 from intellect.trust.requests import CONTENT_HEADER, AuthError, ReplayGuard, RequestVerifier
@@ -91,51 +92,55 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 class ServiceConfig(StrictModel):
     """Where the submission service listens and what it admits."""
 
-    host: str = Field("127.0.0.1", min_length=1, max_length=255,
+    host: str = Field(default="127.0.0.1", min_length=1, max_length=255,
                       description="Listen address; 127.0.0.1 keeps the service on this machine.")
-    port: int = Field(0, ge=0, le=65535, description="Listen port; 0 picks a free one.")
+    port: int = Field(default=0, ge=0, le=65535, description="Listen port; 0 picks a free one.")
     admission: Literal["allowlist", "open"] = Field(
-        "open", description="allowlist: only the keys in `allowlist`; open: any key, registrations rate-limited.")
+        default="open",
+        description="allowlist: only the keys in `allowlist`; open: any key, registrations rate-limited.")
     allowlist: list[str] = Field(default_factory=list, max_length=1 << 16,
                                  description="Hex Ed25519 public keys admitted in allowlist mode.")
     registrations_per_minute: int = Field(
-        10, ge=1, le=1 << 20, description="New keys admitted per client address (IPv6: per /64) per minute (open).")
-    registrations_per_minute_total: int = Field(120, ge=1, le=1 << 24,
+        default=10, ge=1, le=1 << 20,
+        description="New keys admitted per client address (IPv6: per /64) per minute (open).")
+    registrations_per_minute_total: int = Field(default=120, ge=1, le=1 << 24,
                                                 description="New keys admitted per minute from all addresses (open).")
-    max_workers: int = Field(10_000, ge=1, le=1 << 24, description="Most admitted workers.")
-    worker_expiry: float = Field(3600.0, ge=1, le=365 * 86400,
+    max_workers: int = Field(default=10_000, ge=1, le=1 << 24, description="Most admitted workers.")
+    worker_expiry: float = Field(default=3600.0, ge=1, le=365 * 86400,
                                  description="Seconds after which an admitted key that stored nothing may be "
                                              "dropped to admit a new one when `max_workers` are admitted.")
-    max_body_bytes: int = Field(64 << 20, ge=1024, le=1 << 40, description="Largest upload (one Parquet file).")
-    max_json_bytes: int = Field(64 << 10, ge=1024, le=SPILL, description="Largest JSON body.")
-    max_concurrent_uploads: int = Field(16, ge=1, le=4096,
+    max_body_bytes: int = Field(default=64 << 20, ge=1024, le=1 << 40, description="Largest upload (one Parquet file).")
+    max_json_bytes: int = Field(default=64 << 10, ge=1024, le=SPILL, description="Largest JSON body.")
+    max_concurrent_uploads: int = Field(default=16, ge=1, le=4096,
                                         description="Uploads read at once (one per key); more are refused as busy.")
-    max_uploads_per_address: int = Field(8, ge=1, le=4096,
+    max_uploads_per_address: int = Field(default=8, ge=1, le=4096,
                                          description="Uploads read at once from one client address (IPv6: per /64).")
-    max_worker_step_bytes: int = Field(512 << 20, ge=1024, le=1 << 44,
+    max_worker_step_bytes: int = Field(default=512 << 20, ge=1024, le=1 << 44,
                                        description="Bytes one worker may store (or declare, S3) per step.")
-    max_spool_bytes: int = Field(1 << 30, ge=1024, le=1 << 44,
+    max_spool_bytes: int = Field(default=1 << 30, ge=1024, le=1 << 44,
                                  description="Declared bytes of the uploads being read at once.")
-    min_free_bytes: int = Field(256 << 20, ge=0, le=1 << 44,
+    min_free_bytes: int = Field(default=256 << 20, ge=0, le=1 << 44,
                                 description="Free disk an upload must leave in the spool and local run storage.")
-    min_body_rate: int = Field(64 << 10, ge=1, le=1 << 34,
+    min_body_rate: int = Field(default=64 << 10, ge=1, le=1 << 34,
                                description="Bytes per second a body must average after `body_grace`.")
-    body_grace: float = Field(10.0, gt=0, le=3600, description="Seconds a body may take before its rate counts.")
-    header_timeout: float = Field(10.0, gt=0, le=3600,
+    body_grace: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds a body may take before its rate counts.",
+    )
+    header_timeout: float = Field(default=10.0, gt=0, le=3600,
                                   description="Seconds a request head (line and headers) may take to arrive.")
-    max_connections: int = Field(1024, ge=8, le=1 << 16, description="Open connections; more get 503.")
-    max_connections_per_address: int = Field(64, ge=1, le=1 << 16,
+    max_connections: int = Field(default=1024, ge=8, le=1 << 16, description="Open connections; more get 503.")
+    max_connections_per_address: int = Field(default=64, ge=1, le=1 << 16,
                                              description="Open connections per client address (IPv6: per /64).")
-    replay_per_key: int = Field(4096, ge=16, le=1 << 20,
+    replay_per_key: int = Field(default=4096, ge=16, le=1 << 20,
                                 description="Signed requests of one key remembered by the replay guard "
                                             "(2 x request_window); more are refused as busy.")
-    request_window: float = Field(30.0, ge=1, le=3600,
+    request_window: float = Field(default=30.0, ge=1, le=3600,
                                   description="Seconds a signed request's timestamp may be off the service's clock.")
-    max_submissions_per_step: int = Field(64, ge=1, le=1 << 16, description="Submissions per worker per step.")
-    ahead: int = Field(2, ge=0, le=1 << 20,
+    max_submissions_per_step: int = Field(default=64, ge=1, le=1 << 16, description="Submissions per worker per step.")
+    ahead: int = Field(default=2, ge=0, le=1 << 20,
                        description="Steps past the newest committed one a worker may submit for.")
     presign_expiry: int = Field(
-        120, ge=1, le=86400,
+        default=120, ge=1, le=86400,
         description="Seconds a name's presigned POSTs stay valid, from its declaration (S3). The validator reads "
         "an object only after its window, so this is also the delay before a step's S3 files are validated.")
 
@@ -173,7 +178,7 @@ class SubmissionService:
         self._reading, self._uploading, self._spooled = 0, set(), 0
         self._uploads_from: collections.Counter[str] = collections.Counter()
         self._connections: collections.Counter[str] = collections.Counter()
-        self._s3 = self._presigner() if storage.scheme == "s3" else None
+        self._s3 = Presigner(storage, self.registry, cfg.presign_expiry) if storage.scheme == "s3" else None
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="submission-io")
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -444,9 +449,9 @@ class SubmissionService:
             else:
                 body.store(self.storage, rel)
             rec = SubmissionRecord(worker, step, k, rel, sha, body.size, time.time())
+            return 201, rec
         finally:
             self.registry.release(step, worker, k, rec)
-        return 201, rec
 
     def _same_file(self, rel: str, sha: str) -> bool:
         """Whether the unrecorded file ``rel`` (a crash between its write and its record) has ``sha``."""
@@ -468,32 +473,7 @@ class SubmissionService:
         if want.size > self.cfg.max_body_bytes:
             raise Refusal(413, "too_large", f"{want.size} bytes declared, at most {self.cfg.max_body_bytes}")
         self._quota(key.id, step, k, want.size)
-        return await self._io(self._presign, key.id, step, k, want)
-
-    def _presign(self, worker: str, step: int, k: int, want: UploadBody) -> tuple[int, dict]:
-        rel = submission_path(step, worker, k)
-        old = self.registry.claim(step, worker, k)
-        if old is not None and (old.sha256, old.size) != (want.sha256, want.size):
-            raise Refusal(409, "exists", f"{rel} was declared already, with another sha256 or size")
-        if old is not None and worker in self.registry.done(step):
-            raise Refusal(409, "finished", f"step {step} is finished: no new uploads")
-        rec, now = old, time.time()
-        # Every POST for a name expires with the window its declaration opened: the validator reads
-        # the object once that window is over (uploads_settled_at), so a re-upload cannot follow it.
-        left = self.cfg.presign_expiry if old is None else int(old.time + self.cfg.presign_expiry - now)
-        if left < 1:
-            raise Refusal(409, "closed", f"the upload window of {rel} is over")
-        try:
-            bucket, _, obj = self.storage.uri(rel).removeprefix("s3://").partition("/")
-            post = self._s3.generate_presigned_post(
-                Bucket=bucket, Key=obj, Conditions=[["content-length-range", want.size, want.size]],
-                ExpiresIn=left)
-            if old is None:
-                rec = SubmissionRecord(worker, step, k, rel, want.sha256, want.size, now)
-        finally:
-            if old is None:
-                self.registry.release(step, worker, k, rec)
-        return (200 if old else 201), {"url": post["url"], "fields": post["fields"], "record": asdict(rec)}
+        return await self._io(self._s3.presign, key.id, step, k, want)
 
     async def _done(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
@@ -506,11 +486,3 @@ class SubmissionService:
         rec = DoneRecord(key.id, step, list(got.files), got.policy_step, time.time())
         new = await self._io(self.registry.finish, rec)
         return (201 if new else 200), {"worker": key.id, "step": step, "done": True}
-
-    def _presigner(self) -> Any:
-        import boto3  # noqa: PLC0415 - only S3 runs need it
-
-        fs = self.storage.fs  # the run's own S3 credentials: they never leave this process
-        return boto3.client(
-            "s3", endpoint_url=fs.endpoint_url, aws_access_key_id=fs.key, aws_secret_access_key=fs.secret,
-            aws_session_token=getattr(fs, "token", None), region_name=(fs.client_kwargs or {}).get("region_name"))

@@ -63,7 +63,7 @@ class Body:
             self.buf += chunk
 
     def store(self, storage: RunStorage, rel: str) -> None:
-        if self.file is None:
+        if self.file is None or self.path is None:
             storage.write_bytes(rel, bytes(self.buf))
         else:
             self.file.flush()
@@ -72,6 +72,7 @@ class Body:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.path is not None:
             os.unlink(self.path)
             self.file = None
 

@@ -25,12 +25,13 @@ import torch
 from pydantic import Field
 
 from intellect.config import StrictModel
+from intellect.ids import canonical_worker
 from intellect.inference.protocol import Request
 from intellect.inference.sampling import MAX_SEED, SamplingParams
 from intellect.rl.advantages import group_advantages
-from intellect.rl.assignment import assign_prompts, assignment_seed, canonical_worker
+from intellect.rl.assignment import assign_prompts, assignment_seed
 from intellect.rl.rewards.math import math_reward, math_rewards
-from intellect.rl.rollouts import Rollout
+from intellect.rl.rollout_schema import Rollout
 from intellect.toploc.check import completion_proofs
 from intellect.toploc.proofs import ToplocConfig
 
@@ -61,11 +62,13 @@ def task_rewards(reward_fn: RewardFn, completions: Sequence[str], tasks: Sequenc
 class SubmissionConfig(StrictModel):
     """What one submission holds and how it is sampled (workers and validators must agree)."""
 
-    prompts_per_submission: int = Field(4, ge=1, le=4096, description="Assigned prompts (GRPO groups) per file.")
-    group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (INTELLECT-2: 16).")
-    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass kept before sampling.")
-    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most completion tokens, EOS included.")
+    prompts_per_submission: int = Field(
+        default=4, ge=1, le=4096, description="Assigned prompts (GRPO groups) per file.",
+    )
+    group_size: int = Field(default=8, ge=2, le=1024, description="Samples per prompt (INTELLECT-2: 16).")
+    temperature: float = Field(default=1.0, ge=0, le=100, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus mass kept before sampling.")
+    max_tokens: int = Field(default=16, ge=1, le=1 << 20, description="Most completion tokens, EOS included.")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)

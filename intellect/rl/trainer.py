@@ -35,32 +35,35 @@ from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
 from intellect.train import lr_at
 
 if TYPE_CHECKING:
-    from intellect.rl.rollouts import Rollout, RolloutLimits
+    from intellect.rl.rollout_schema import Rollout, RolloutLimits
     from intellect.storage import RunStorage
 
 
 class RLTrainerConfig(StrictModel):
     """The GRPO trainer: AdamW, schedule, batching and the loss."""
 
-    lr: float = Field(3e-4, gt=0, le=1.0, description="Peak AdamW learning rate.")
-    min_lr_ratio: float = Field(1.0, ge=0, le=1, description="Final lr as a fraction of the peak (1: constant).")
-    warmup_steps: int = Field(10, ge=0, le=1_000_000, description="Linear warmup, in optimizer steps.")
-    total_steps: int = Field(
-        1000, ge=1, le=10_000_000, description="Optimizer steps the cosine decay spans (RL steps x steps_per_rollout)."
+    lr: float = Field(default=3e-4, gt=0, le=1.0, description="Peak AdamW learning rate.")
+    min_lr_ratio: float = Field(
+        default=1.0, ge=0, le=1, description="Final lr as a fraction of the peak (1: constant).",
     )
-    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay (matrices only).")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
-    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global gradient norm of each optimizer step.")
+    warmup_steps: int = Field(default=10, ge=0, le=1_000_000, description="Linear warmup, in optimizer steps.")
+    total_steps: int = Field(
+        default=1000, ge=1, le=10_000_000,
+        description="Optimizer steps the cosine decay spans (RL steps x steps_per_rollout).",
+    )
+    weight_decay: float = Field(default=0.0, ge=0, le=1, description="AdamW decoupled weight decay (matrices only).")
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(default=0.99, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(default=1.0, gt=0, le=1e6, description="Max global gradient norm of each optimizer step.")
     steps_per_rollout: int = Field(
-        8, ge=1, le=1024,
+        default=8, ge=1, le=1024,
         description="Optimizer steps per RL step; the step's samples are split into this many mini-batches "
         "(INTELLECT-2: 8). A step with fewer samples takes one optimizer step per sample.",
     )
-    micro_batch_size: int = Field(32, ge=1, le=65536, description="Samples per forward/backward pass.")
-    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature; logits are divided by it.")
+    micro_batch_size: int = Field(default=32, ge=1, le=65536, description="Samples per forward/backward pass.")
+    temperature: float = Field(default=1.0, gt=0, le=100, description="Sampling temperature; logits are divided by it.")
     max_completion_tokens: int | None = Field(
-        None, ge=1, le=1 << 22,
+        default=None, ge=1, le=1 << 22,
         description="Per-sequence token budget of constant normalization (the sampler's max tokens); "
         "None: the longest completion of each mini-batch.",
     )
@@ -90,7 +93,7 @@ def _field(row: Any, name: str, default: Any = None) -> Any:
 
 
 def samples_from_rows(rows: Iterable[Rollout | Mapping[str, Any]]) -> list[Sample]:
-    """Samples from :class:`~intellect.rl.rollouts.Rollout` rows or mappings with token lists.
+    """Samples from :class:`~intellect.rl.rollout_schema.Rollout` rows or mappings with token lists.
 
     Ledger rows (:meth:`intellect.ledger.Ledger.accepted`) hold token *counts*; load them with
     :func:`load_accepted` first.
@@ -153,16 +156,16 @@ class StepStats(MiniStepStats):
     def of(cls, minis: Sequence[MiniStepStats], seconds: float) -> StepStats:
         n = sum(m.tokens for m in minis)
 
-        def tmean(key: str) -> float | None:
-            vals = [(getattr(m, key), m.tokens) for m in minis]
-            if any(v is None for v, _ in vals):
-                return None
-            return sum(v * t for v, t in vals) / n if n else math.nan
+        def wmean(key: str) -> float:
+            return sum(getattr(m, key) * m.tokens for m in minis) / n if n else math.nan
+
+        def tmean(key: str) -> float | None:  # None when a mini-step has none (kl without a reference model)
+            return None if any(getattr(m, key) is None for m in minis) else wmean(key)
 
         return cls(
             loss=sum(m.loss for m in minis) / len(minis),
-            clip_fraction=tmean("clip_fraction"),
-            ratio_mean=tmean("ratio_mean"),
+            clip_fraction=wmean("clip_fraction"),
+            ratio_mean=wmean("ratio_mean"),
             ratio_min=min(m.ratio_min for m in minis),
             ratio_max=max(m.ratio_max for m in minis),
             grad_norm=sum(m.grad_norm for m in minis) / len(minis),
@@ -286,14 +289,14 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _accumulate(self, mini: list[_Micro]) -> dict[str, float]:
+    def _accumulate(self, mini: list[_Micro]) -> dict[str, Any]:
         """Backward over one mini-batch; ``.grad`` ends up holding its full-batch gradient."""
         cfg = self.cfg.loss
         rows = sum(mb.rows for mb in mini)
         tokens = int(sum(int(mb.mask.sum()) for mb in mini))
         max_len = self.cfg.max_completion_tokens or max(int(mb.mask.sum(-1).max()) for mb in mini)
         max_len = max(max_len, 1)
-        acc = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "kl": 0.0, "entropy": 0.0}
+        acc: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "kl": 0.0, "entropy": 0.0}
         lo, hi = math.inf, -math.inf
         for mb in mini:
             logp, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
@@ -320,15 +323,6 @@ class GRPOTrainer:
         if self.ref_model is None:
             acc["kl"] = None
         return acc
-
-    def accumulate_gradients(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """The gradient one optimizer step would take on ``samples`` as one mini-batch, left in
-        ``.grad`` without stepping (old log-probs as in :meth:`train_step`). For checks and probes."""
-        self.model.train()
-        mini = self._micro_batches(samples)
-        self._prepare([mini])
-        self.optimizer.zero_grad(set_to_none=True)
-        return self._accumulate(mini)
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
         """One RL step: ``steps_per_rollout`` optimizer steps over ``samples``, split in order."""

@@ -7,7 +7,7 @@ Checks, in order (the first failing one is the recorded reason):
    hash as recorded; unreadable, too large, wrong schema
    or version, NaN, out-of-range values, an identity or step that disagrees with its path, or a
    policy step outside the lag bound (``stale``): one file-level verdict (``row = -1``) with the
-   :class:`~intellect.rl.rollouts.RolloutRejected` reason.
+   :class:`~intellect.rl.rollout_schema.RolloutRejected` reason.
 2. **The assignment** (:func:`~intellect.rl.assignment.check_assignment`, with group sizes and
    prompt tokens): every row of a file that answers other prompts than its assigned ones is
    rejected as ``assignment``.

@@ -3,9 +3,8 @@
 The validator writes its verdicts on a worker's files of step ``n`` to
 ``verdicts/step_{n}/{name}.parquet`` (columns :data:`~intellect.verdict.VERDICT_SCHEMA`), and the
 recorder reads them back into the ledger in one transaction. Between processes, or between
-Prefect tasks, a path travels instead of hundreds of verdict objects: handing 512 verdicts to a
-task as a parameter costs ~40 ms of Python per call, measured, while writing and reading the file
-costs a few. The files stay as an audit trail of what the validator decided.
+Prefect tasks, a path travels instead of hundreds of verdict objects, which a task parameter would
+serialize on every call. The files stay as an audit trail of what the validator decided.
 
 A verdict file is trusted only with its tag: an HMAC (:mod:`intellect.trust.mac`, key derived from
 the run's secret, which only the trainer holds, for ``"verdicts"`` and the step) over the path and
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from intellect.rl.assignment import canonical_worker
+from intellect.ids import canonical_worker
 from intellect.storage import parse_step
 from intellect.trust import mac
 from intellect.verdict import VERDICT_SCHEMA, verdict_table

@@ -182,7 +182,7 @@ def run_worker(
                                          info.poll_interval, stop)
                 if policy is None:
                     break
-                if policy != held:
+                if engine is None or policy != held:
                     model, tok = weights.load(policy)
                     engine, held = torch_engine(model, tok, capture_hidden=info.toploc is not None), policy
                     limits = info.limits or RolloutLimits(vocab_size=len(tok))

@@ -96,19 +96,22 @@ def test_docstring_examples_hold():
 # ------------------------------------------------------------------ honest code
 
 
-def test_honest_solution_scores_1(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_honest_solution_scores_1():
     result, seconds = judge("def add(a, b):\n    return a + b")
     assert (result.reward, result.reason) == (1.0, "ok"), result
     assert seconds < TIMEOUT
 
 
-def test_wrong_solution_scores_0_and_names_the_test(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_wrong_solution_scores_0_and_names_the_test():
     result, _ = judge("def add(a, b):\n    return a + b if a >= 0 else 7")
     assert (result.reward, result.reason) == (0.0, "failed")
     assert "<test 2>" in result.detail and "AssertionError" in result.detail
 
 
-def test_code_task_from_the_loader(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_code_task_from_the_loader():
     task = CodeTask(id="sq", prompt="write sq", tests=("assert sq(3) == 9", "assert sq(-2) == 4"))
     assert code_reward(fenced("def sq(x):\n    return x * x"), task.tests, CFG).reward == 1.0
     assert code_reward(fenced("def sq(x):\n    return x + x"), task.tests, CFG).reward == 0.0
@@ -122,18 +125,21 @@ def test_no_code_block_runs_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("exit_call", ["import sys; sys.exit(0)", "import os; os._exit(0)", "raise SystemExit"])
-def test_exiting_before_the_tests_is_not_a_pass(bwrap, exit_call):
+@pytest.mark.usefixtures("bwrap")
+def test_exiting_before_the_tests_is_not_a_pass(exit_call):
     result, _ = judge(exit_call, tests=["assert False"], honest_tail=True)
     assert result.reward == 0.0 and result.reason in ("failed", "early_exit"), result
 
 
-def test_environment_is_not_leaked(bwrap, monkeypatch):
+@pytest.mark.usefixtures("bwrap")
+def test_environment_is_not_leaked(monkeypatch):
     monkeypatch.setenv("INTELLECT_TEST_SECRET", "hunter2")
     result, _ = judge("import os\nassert 'INTELLECT_TEST_SECRET' not in os.environ", honest_tail=True)
     assert result.reward == 1.0, result
 
 
-def test_output_flood_is_bounded(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_output_flood_is_bounded():
     code = "import sys\nsys.stdout.write('x' * (1 << 25))\nsys.stderr.write('y' * (1 << 25))"
     result, seconds = judge(code, honest_tail=True)
     assert result.reward == 1.0 and seconds < TIMEOUT, result
@@ -143,7 +149,8 @@ def test_output_flood_is_bounded(bwrap):
 # ------------------------------------------------------------------ attacks
 
 
-def test_socket_to_the_host_fails(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_socket_to_the_host_fails():
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(8)
@@ -162,20 +169,23 @@ def test_socket_to_the_host_fails(bwrap):
 
 
 @pytest.mark.parametrize("path", ["/etc/shadow", "/etc/passwd", str(REPO_FILE), "/root/.bashrc", "/home"])
-def test_files_outside_the_sandbox_are_invisible(bwrap, path):
+@pytest.mark.usefixtures("bwrap")
+def test_files_outside_the_sandbox_are_invisible(path):
     result, _ = judge(f"import os\nprint(os.listdir({path!r}) if os.path.isdir({path!r}) else open({path!r}).read())",
                       honest_tail=True)
     assert (result.reward, result.reason) == (0.0, "failed"), result
     assert "Error" in result.detail
 
 
-def test_host_processes_are_invisible(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_host_processes_are_invisible():
     result, _ = judge("import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nassert len(pids) <= 3, pids",
                       honest_tail=True)
     assert result.reward == 1.0, result
 
 
-def test_writes_outside_the_work_dir_fail(bwrap, tmp_path):
+@pytest.mark.usefixtures("bwrap")
+def test_writes_outside_the_work_dir_fail(tmp_path):
     targets = [tmp_path / "escaped", REPO_FILE.parent / "escaped", Path("/usr/escaped"), Path("/escaped"),
                Path("/dev/escaped")]
     for target in targets:
@@ -187,7 +197,8 @@ def test_writes_outside_the_work_dir_fail(bwrap, tmp_path):
     assert result.reward == 1.0, result
 
 
-def test_filling_the_work_dir_stops_at_its_size(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_filling_the_work_dir_stops_at_its_size():
     code = "i = 0\nwhile True:\n    open(f'/work/f{i}', 'w').write('a' * (1 << 20))\n    i += 1"
     result, seconds = judge(code, honest_tail=True)
     assert result.reward == 0.0 and "No space left" in result.detail, result
@@ -195,13 +206,15 @@ def test_filling_the_work_dir_stops_at_its_size(bwrap):
 
 
 @pytest.mark.parametrize("code", ["x = bytearray(1 << 40)", "x = []\nwhile True:\n    x.append(bytearray(1 << 20))"])
-def test_memory_bomb_is_stopped(bwrap, code):
+@pytest.mark.usefixtures("bwrap")
+def test_memory_bomb_is_stopped(code):
     result, seconds = judge(code, honest_tail=True)
     assert result.reward == 0.0 and result.reason in ("failed", "killed:SIGKILL", "killed:SIGSEGV"), result
     assert seconds < TIMEOUT + SLACK
 
 
-def test_process_limit_is_enforced(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_process_limit_is_enforced():
     # forks sleeping children until the kernel refuses; the test passes iff it refused below the limit
     code = ("import os, time\nn = 0\nwhile n < 1000:\n    try:\n        pid = os.fork()\n    except OSError:\n"
             "        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n    n += 1")
@@ -222,7 +235,8 @@ def test_process_limit_is_enforced(bwrap):
         ),
     ],
 )
-def test_fork_bomb_is_contained(bwrap, code):
+@pytest.mark.usefixtures("bwrap")
+def test_fork_bomb_is_contained(code):
     before = sandbox_pids()
     result, seconds = judge(code, cfg=SHORT, honest_tail=True)
     assert result.reward == 0.0, result
@@ -236,7 +250,8 @@ def test_fork_bomb_is_contained(bwrap, code):
 @pytest.mark.parametrize(
     "code", ["while True:\n    pass", "import time\ntime.sleep(3600)", "import os\nos.read(0, 1)\nwhile 1: pass"]
 )
-def test_endless_code_is_stopped_in_time(bwrap, code):
+@pytest.mark.usefixtures("bwrap")
+def test_endless_code_is_stopped_in_time(code):
     before = sandbox_pids()
     result, seconds = judge(code, cfg=SHORT, honest_tail=True)
     assert result.reward == 0.0 and result.reason in ("timeout", "killed:SIGXCPU", "killed:SIGKILL"), result
@@ -244,7 +259,8 @@ def test_endless_code_is_stopped_in_time(bwrap, code):
     assert_no_survivors(before)
 
 
-def test_detached_children_die_with_the_sandbox(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_detached_children_die_with_the_sandbox():
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)"
     before = sandbox_pids()
     result, _ = judge(code, honest_tail=True)

@@ -7,8 +7,11 @@ including code that is only partly right, gets exactly the score its tests give 
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
+import intellect.rl.rewards.sandbox_runner as runner
 from intellect.rl.rewards import CodeRewardConfig, SandboxConfig, code_reward, run_python, sandbox_status
 
 CFG = SandboxConfig(timeout_s=4.0, cpu_s=2, memory_mb=256, max_processes=16)
@@ -110,14 +113,16 @@ PAYLOADS = {
 
 
 @pytest.mark.parametrize("name", list(PAYLOADS))
-def test_forgery_scores_0(bwrap, name):
+@pytest.mark.usefixtures("bwrap")
+def test_forgery_scores_0(name):
     result = score(PAYLOADS[name])
     assert not result.passed and result.tests_passed == 0, (name, result)
     reward = code_reward(f"```python\n{PAYLOADS[name]}\n```", TESTS, CodeRewardConfig(sandbox=CFG))
     assert reward.reward == 0.0, (name, reward)
 
 
-def test_the_candidate_never_sees_the_tests(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_the_candidate_never_sees_the_tests():
     # the tests live only in the judge's process: nothing in the candidate's frames or argv names them
     code = (
         "import sys\n"
@@ -137,7 +142,8 @@ def test_the_candidate_never_sees_the_tests(bwrap):
     assert result.passed, result
 
 
-def test_honest_code_passes_with_objects_exceptions_and_iteration(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_honest_code_passes_with_objects_exceptions_and_iteration():
     code = '''
 class Stack:
     def __init__(self):
@@ -174,7 +180,8 @@ LIMIT = 10
     assert result.passed and result.tests_passed == 7 == result.tests_total, result
 
 
-def test_partial_solutions_get_their_true_partial_score(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_partial_solutions_get_their_true_partial_score():
     code = "def add(a, b):\n    return a + b if a >= 0 else 7"
     result = run_python(code, TESTS, CFG)
     assert (result.passed, result.tests_passed, result.tests_total, result.score) == (False, 1, 2, 0.5), result
@@ -188,7 +195,8 @@ def test_partial_solutions_get_their_true_partial_score(bwrap):
     assert (result.tests_passed, result.reason) == (1, "exit:3"), result
 
 
-def test_a_timeout_keeps_the_tests_passed_before_it(bwrap):
+@pytest.mark.usefixtures("bwrap")
+def test_a_timeout_keeps_the_tests_passed_before_it():
     code = "def add(a, b):\n    return a + b\ndef spin():\n    while True:\n        pass"
     cfg = CFG.model_copy(update={"timeout_s": 2.0, "cpu_s": 5})
     result = run_python(code, ["assert add(1, 2) == 3", "spin()", "assert add(2, 2) == 4"], cfg)
@@ -196,9 +204,5 @@ def test_a_timeout_keeps_the_tests_passed_before_it(bwrap):
 
 
 def test_runner_docstring_examples_hold():
-    import doctest
-
-    import intellect.rl.rewards.sandbox_runner as runner
-
     result = doctest.testmod(runner)
     assert result.attempted > 0 and result.failed == 0

@@ -423,7 +423,7 @@ def test_a_failing_handler_is_an_answer_not_a_crash(make_service) -> None:
     assert c.status(0)["done"] is False
 
 
-def test_uploads_read_at_once_are_bounded(make_service, tmp_path: Path) -> None:
+def test_uploads_read_at_once_are_bounded(make_service) -> None:
     svc = make_service(max_concurrent_uploads=1)
     c = _client(svc)
     u = urlsplit(svc.url)

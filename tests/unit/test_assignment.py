@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from intellect import ids
+from intellect.ids import canonical_worker
 from intellect.rl import assignment
-from intellect.rl.assignment import assign_prompts, assignment_seed, canonical_worker, check_assignment
+from intellect.rl.assignment import assign_prompts, assignment_seed, check_assignment
 from intellect.rl.rollouts import Rollout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_doctests():
     assert doctest.testmod(assignment).failed == 0
+    assert doctest.testmod(ids).failed == 0
 
 
 def test_seed_follows_the_documented_formula():

@@ -1,8 +1,10 @@
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from intellect import config as C
+from intellect.diloco.quantize import CODECS
 from intellect.pipeline import DemoConfig
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 
@@ -89,10 +91,8 @@ def test_every_field_is_documented_and_configs_are_strict():
 
 
 def test_diloco_wire_codec_is_strict_and_reaches_the_codec_list():
-    from intellect.diloco.quantize import CODECS
-
     assert C.DilocoConfig().wire_codec == "zstd"
-    assert set(C.DilocoConfig.model_fields["wire_codec"].annotation.__args__) == set(CODECS)
+    assert set(get_args(C.DilocoConfig.model_fields["wire_codec"].annotation)) == set(CODECS)
     cfg = C.load_config(C.DilocoRunConfig, overrides=["diloco.wire_codec=none"], environ={})
     assert cfg.diloco.wire_codec == "none"
     with pytest.raises(C.ConfigError, match="diloco.wire_codec: Input should be 'none' or 'zstd'"):

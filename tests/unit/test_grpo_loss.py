@@ -1,4 +1,7 @@
 import doctest
+import subprocess
+import sys
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -231,10 +234,6 @@ def test_ratio_stats_skip_padding():
 @pytest.mark.slow
 def test_parity_with_trl():
     """benchmarks/grpo_loss_parity.py against TRL's own _compute_loss, where its venv was set up."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks/peers/trl/venv/bin/python").exists():
         pytest.skip("no TRL venv: bash benchmarks/peers/trl/setup.sh")

@@ -41,6 +41,25 @@ def counts(ledger):
     return [(r["step"], r["status"], r["reason"], r["n"]) for r in ledger.summary()]
 
 
+def worker_rows(ledger):
+    """The ``workers`` table that ``record_verdicts`` keeps, with each worker's sample counts."""
+    return ledger._query(
+        "SELECT w.worker, w.first_seen, w.last_seen, w.info, "
+        "count(r.file) FILTER (WHERE r.status = 'accepted') AS accepted, "
+        "count(r.file) FILTER (WHERE r.status = 'rejected') AS rejected "
+        "FROM workers w LEFT JOIN rollouts r USING (worker) GROUP BY ALL ORDER BY w.worker"
+    )
+
+
+def accepted_elsewhere(ledger, content_hash, file=None, row=None):
+    """Whether ``content_hash`` is accepted other than at ``(file, row)``: the ledger's duplicate rule."""
+    return bool(ledger._query(
+        "SELECT 1 FROM rollouts WHERE content_hash = ? AND status = 'accepted' "
+        "AND NOT (file IS NOT DISTINCT FROM ? AND row_index IS NOT DISTINCT FROM ?) LIMIT 1",
+        [content_hash, file, row],
+    ))
+
+
 def test_schema_is_versioned(tmp_path):
     path = tmp_path / "l.duckdb"
     Ledger(path).close()
@@ -113,9 +132,9 @@ def test_identical_outputs_with_different_seeds_are_not_duplicates(ledger):
     same = [Verdict.of(rollout(0, seed=s, output=(7, 7)), "rollouts/step_1/w1-0.parquet", s) for s in range(4)]
     assert ledger.record_verdicts(1, same).duplicates == 0
     assert len(ledger.accepted(1)) == 4
-    assert ledger.is_duplicate(same[0].content_hash)
-    assert not ledger.is_duplicate(same[0].content_hash, same[0].file, 0)
-    assert not ledger.is_duplicate("0" * 64)
+    assert accepted_elsewhere(ledger, same[0].content_hash)
+    assert not accepted_elsewhere(ledger, same[0].content_hash, same[0].file, 0)
+    assert not accepted_elsewhere(ledger, "0" * 64)
 
 
 def test_a_changed_file_keeps_its_first_verdict(ledger):
@@ -126,14 +145,14 @@ def test_a_changed_file_keeps_its_first_verdict(ledger):
 
 
 def test_interrupted_transaction_leaves_nothing(ledger, monkeypatch):
-    def boom(con, now):
+    def boom(_con, _now):
         raise RuntimeError("killed midway")
 
     monkeypatch.setattr(Ledger, "_touch_workers", staticmethod(boom))
     with pytest.raises(RuntimeError, match="midway"):
         ledger.record_verdicts(1, verdicts(4))
     monkeypatch.undo()
-    assert ledger.summary() == [] and ledger.workers() == []
+    assert ledger.summary() == [] and worker_rows(ledger) == []
     assert ledger.record_verdicts(1, verdicts(4)).inserted == 4
 
 
@@ -217,15 +236,14 @@ def test_checkpoints(ledger):
     assert ledger.checkpoint(2) == ("file:///r/checkpoints/step_2", "ab" * 32) and ledger.checkpoint(3) is None
 
 
-def test_workers(ledger):
-    ledger.upsert_worker("W1", {"gpu": "H100"})
-    first = ledger.workers()[0]
+def test_recording_verdicts_registers_their_workers(ledger):
     ledger.record_verdicts(1, verdicts(3, reject={0}))
-    ledger.upsert_worker("w1")  # no info: keep the old one
+    first = worker_rows(ledger)[0]
     ledger.record_verdicts(1, verdicts(1, worker="w2", seed0=50))
-    ws = {w["worker"]: w for w in ledger.workers()}
+    ledger.record_verdicts(1, verdicts(4, k=1, seed0=60))
+    ws = {w["worker"]: w for w in worker_rows(ledger)}
     assert set(ws) == {"w1", "w2"}
-    assert (ws["w1"]["info"], ws["w1"]["accepted"], ws["w1"]["rejected"]) == ({"gpu": "H100"}, 2, 1)
+    assert (ws["w1"]["info"], ws["w1"]["accepted"], ws["w1"]["rejected"]) == (None, 6, 1)
     assert ws["w1"]["first_seen"] == first["first_seen"] and ws["w1"]["last_seen"] >= first["last_seen"]
     assert ws["w2"]["info"] is None and ws["w2"]["accepted"] == 1
 

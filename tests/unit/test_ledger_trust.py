@@ -11,10 +11,11 @@ import pyarrow as pa
 import pytest
 
 import intellect.ledger as ledger_mod
+import intellect.verdict as verdict_mod
 from intellect.ledger import Ledger, RecordResult
 from intellect.rl.submission import advantages_of
 from intellect.verdict import MAX_ABS_ADVANTAGE, MAX_GROUP_SIZE, BadVerdictTable, LedgerError, Verdict, verdict_table
-from test_ledger import counts, verdicts
+from test_ledger import accepted_elsewhere, counts, verdicts, worker_rows
 
 
 @pytest.fixture
@@ -46,11 +47,11 @@ def test_a_squatters_rejected_copy_does_not_poison_the_honest_rows_in_one_call(l
 def test_a_squatters_rejected_copy_does_not_poison_the_honest_rows_across_calls(ledger):
     honest = verdicts(16, worker="worker-b")
     ledger.record_verdicts(1, copy_of(honest, "a-mallory", reason="assignment"))
-    assert not ledger.is_duplicate(honest[0].content_hash)
+    assert not accepted_elsewhere(ledger, honest[0].content_hash)
     assert ledger.record_verdicts(1, honest).duplicates == 0
     assert len(ledger.accepted(1)) == 16 and {a["worker"] for a in ledger.accepted(1)} == {"worker-b"}
-    assert ledger.is_duplicate(honest[0].content_hash) and not ledger.is_duplicate(honest[0].content_hash,
-                                                                                     honest[0].file, 0)
+    assert accepted_elsewhere(ledger, honest[0].content_hash) and not accepted_elsewhere(ledger, honest[0].content_hash,
+                                                                                       honest[0].file, 0)
 
 
 def test_only_the_first_accepted_copy_stays_accepted(ledger):
@@ -87,7 +88,7 @@ def test_the_forged_verdict_file_is_refused_whole(ledger):
     with pytest.raises(BadVerdictTable, match=r"verdict row 0 \(rollouts/step_1/mallory-0.parquet:0\): advantage") as e:
         ledger.record_table(1, table)
     assert isinstance(e.value, LedgerError) and isinstance(e.value, ValueError)
-    assert ledger.summary() == [] and ledger.workers() == [] and ledger.accepted(1) == []
+    assert ledger.summary() == [] and worker_rows(ledger) == [] and ledger.accepted(1) == []
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,7 @@ def test_every_field_is_bounded_and_a_bad_row_writes_nothing(ledger, row, values
     table = forge(verdict_table(verdicts(4, reject={3})), row, **values)
     with pytest.raises(BadVerdictTable, match=rf"verdict row {row} .*{field}"):
         ledger.record_table(1, table)
-    assert ledger.summary() == [] and ledger.workers() == []  # the good rows before it are not written either
+    assert ledger.summary() == [] and worker_rows(ledger) == []  # the good rows before it are not written either
     assert ledger.record_table(1, verdict_table(verdicts(4, reject={3}))).inserted == 4
 
 
@@ -159,7 +160,5 @@ def test_an_honest_validator_table_records(ledger):
 
 
 def test_verdict_docstring_examples_hold():
-    import intellect.verdict as verdict_mod
-
     result = doctest.testmod(verdict_mod)
     assert result.attempted > 0 and result.failed == 0

@@ -107,7 +107,7 @@ def test_equivalence(answer, reference, reason):
     ],
 )
 def test_anything_outside_the_allowlist_never_reaches_the_parser(answer, monkeypatch):
-    def boom(*args):
+    def boom(*_args):
         raise AssertionError("the symbolic checker must not see this input")
 
     monkeypatch.setattr(math_reward_mod._CHECKER, "check", boom)

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from intellect.config import ModelConfig
+from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.pretrain import fetch_checkpoint
 from intellect.rl.loss import GRPOLossConfig
-from intellect.rl.rollouts import Rollout
+from intellect.rl.rollouts import Rollout, RolloutLimits, write_submission
 from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample, StepStats, load_accepted, samples_from_rows
 from intellect.storage import RunStorage
+from intellect.verdict import Verdict
 
 TINY = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 
@@ -40,6 +42,16 @@ def make_samples(n, seed=0, vocab=20, behaviour=False):
         lp = (-torch.rand(len(o), generator=g) * 3).tolist() if behaviour else None
         out.append(Sample(p, o, float(torch.randn(1, generator=g)), lp))
     return out
+
+
+def accumulate_gradients(t: GRPOTrainer, samples) -> dict:
+    """The gradient one optimizer step would take on ``samples`` as one mini-batch, left in ``.grad``
+    without stepping (old log-probs as in ``train_step``)."""
+    t.model.train()
+    mini = t._micro_batches(samples)
+    t._prepare([mini])
+    t.optimizer.zero_grad(set_to_none=True)
+    return t._accumulate(mini)
 
 
 def manual_logprobs(model, s: Sample, temperature: float) -> torch.Tensor:
@@ -76,7 +88,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny, normalization
     grads, stats = [], []
     for mbs in (2, 64):
         t = trainer(tiny, torch.float64, micro_batch_size=mbs, loss=loss)
-        stats.append(t.accumulate_gradients(samples))
+        stats.append(accumulate_gradients(t, samples))
         grads.append(torch.cat([p.grad.flatten() for p in t.model.parameters()]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
@@ -112,7 +124,7 @@ def test_behaviour_logprobs_are_the_ratio_denominator(tiny):
     plain = make_samples(6, seed=3)
     shifted = [Sample(s.prompt_tokens, s.output_tokens, s.advantage, (lp - 0.1).tolist())
                for s, lp in zip(plain, t.logprobs(plain))]
-    stats = t.accumulate_gradients(shifted)
+    stats = accumulate_gradients(t, shifted)
     assert stats["ratio_min"] == pytest.approx(math.exp(0.1), abs=1e-5)
     assert stats["ratio_max"] == pytest.approx(math.exp(0.1), abs=1e-5)
     with pytest.raises(ValueError, match="behaviour_logprobs"):
@@ -135,7 +147,7 @@ def test_positive_advantages_become_more_likely_and_negative_less(tiny):
 def test_zero_advantages_give_no_policy_gradient(tiny):
     t = trainer(tiny, torch.float64, micro_batch_size=2)
     samples = [Sample(s.prompt_tokens, s.output_tokens, 0.0) for s in make_samples(5, seed=4)]
-    t.accumulate_gradients(samples)
+    accumulate_gradients(t, samples)
     assert max(p.grad.abs().max().item() for p in t.model.parameters() if p.grad is not None) < 1e-12
     assert t.train_step(samples).grad_norm < 1e-12
 
@@ -193,10 +205,6 @@ def rollout(i, prompt, output, adv):
 
 
 def test_samples_from_rows_and_load_accepted(tmp_path):
-    from intellect.ledger import Ledger
-    from intellect.rl.rollouts import RolloutLimits, write_submission
-    from intellect.verdict import Verdict
-
     rows = [rollout(i, [5, 6], [7 + i], float(i) - 0.5) for i in range(2)]
     assert samples_from_rows(rows) == [Sample((5, 6), (7,), -0.5), Sample((5, 6), (8,), 0.5)]
     assert samples_from_rows([{"prompt_tokens": [1], "output_tokens": [2], "advantage": 1}])[0].advantage == 1.0

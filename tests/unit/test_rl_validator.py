@@ -2,6 +2,7 @@
 ledger, the honest submission of the same step is still accepted, and nothing raises."""
 
 import dataclasses
+import hashlib
 import io
 import math
 
@@ -25,6 +26,7 @@ from intellect.rl.submission import (
 )
 from intellect.rl.validator import seed_check, validate_submission
 from intellect.storage import RunStorage
+from intellect.trust.keys import SigningKey
 
 TINY = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 CFG = SubmissionConfig(prompts_per_submission=2, group_size=3, max_tokens=4)
@@ -220,9 +222,6 @@ def test_revalidating_a_file_records_nothing_twice(env):
 def test_the_service_record_binds_a_file_to_its_key_id_and_bytes(env):
     """A file is validated as the worker the service recorded it for (a key id), with the bytes it
     recorded: a named squatter, a record for another worker, and changed bytes are refused."""
-    import hashlib
-
-    from intellect.trust.keys import SigningKey
 
     wid = SigningKey.from_seed(b"w" * 32).public.id
     rel = write_submission(env.storage, 0, wid, 0, env.rows(wid))

@@ -8,6 +8,7 @@ process itself holds. Honest files load through the same path, unchanged.
 from __future__ import annotations
 
 import doctest
+import hashlib
 import io
 import json
 import os
@@ -21,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_rollouts import LIMITS, make_rows  # tests/unit is on sys.path (rootdir-less prepend import)
 
 import intellect.rl.parquet_bounds as bounds_mod
 from intellect.rl.parquet_bounds import LayoutError, read_struct
@@ -35,7 +37,6 @@ from intellect.rl.rollouts import (
     write_submission,
 )
 from intellect.storage import RunStorage
-from test_rollouts import LIMITS, make_rows  # tests/unit is on sys.path (rootdir-less prepend import)
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_GROWTH = 64 << 20
@@ -380,8 +381,6 @@ def test_expansion_past_the_decoded_bound_stops_at_that_batch():
 
 
 def test_load_reads_at_most_the_cap_and_checks_the_declared_digest(tmp_path):
-    import hashlib
-
     store = RunStorage(f"file://{tmp_path}/run")
     rel = write_submission(store, 3, "w1", 0, make_rows())
     data = store.read_bytes(rel)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import io
 import random
 from dataclasses import replace
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from intellect.rl import rollouts as ro
+from intellect.rl import rollout_schema
 from intellect.rl.rollouts import (
     REASONS,
     SCHEMA,
@@ -72,8 +73,13 @@ def store(tmp_path):
 def test_schema_is_versioned_and_documented():
     assert SCHEMA.metadata == {VERSION_KEY: str(SCHEMA_VERSION).encode()}
     for name in SCHEMA.names:
-        assert f"\n{name} " in ro.__doc__
+        assert f"\n{name} " in rollout_schema.__doc__
     assert [f.name for f in SCHEMA if f.nullable] == ["target_length"]
+
+
+def test_docstring_examples_hold():
+    result = doctest.testmod(rollout_schema)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_round_trip_through_run_storage(store):

@@ -2,13 +2,16 @@
 refused when their MAC does not verify (a file rewritten after validation, or forged)."""
 
 import doctest
+import io
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from intellect.rl import verdicts as V
 from intellect.rl.verdicts import VerdictTampered, read_verdicts, verdict_path, write_verdicts
-from intellect.verdict import Verdict
 from intellect.storage import RunStorage
+from intellect.verdict import Verdict
 
 SECRET = b"s" * 32
 
@@ -43,11 +46,6 @@ def test_round_trip_keeps_order_across_files(storage):
 
 
 def test_a_file_that_is_not_a_verdict_file_is_named(storage):
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     def planted(rel, data):  # a file the validator wrote: its MAC is right, its content is not a verdict file
         storage.write_bytes(rel, data)
         return rel, V._tag(SECRET, rel, data).hex()

@@ -4,6 +4,7 @@ validator accepts from the submission service."""
 from __future__ import annotations
 
 import json
+import socket
 import stat
 import subprocess
 import sys
@@ -52,8 +53,6 @@ def test_a_readable_key_or_a_bad_trainer_key_is_refused(tmp_path, capsys):
 
 
 def test_an_unreachable_service_is_a_refusal_exit_code(tmp_path):
-    import socket
-
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

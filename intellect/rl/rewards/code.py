@@ -35,7 +35,7 @@ class CodeRewardConfig(StrictModel):
     """The code verifier: what it accepts and the sandbox it runs in."""
 
     max_code_chars: int = Field(
-        65536, ge=1, le=10_000_000, description="Longer code blocks score 0 (too_long) without running."
+        default=65536, ge=1, le=10_000_000, description="Longer code blocks score 0 (too_long) without running."
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits and isolation of each run.")
 

@@ -39,11 +39,13 @@ class LengthRewardConfig(StrictModel):
     """The thinking-budget reward (defaults: INTELLECT-2's ``exact`` with 2k to 10k targets)."""
 
     mode: LengthMode = Field(
-        "exact", description="exact: r - coef*|N-len|; max: r*clip(coef*(N-len)+0.5, 0, 1); clip: 0 past N."
+        default="exact", description="exact: r - coef*|N-len|; max: r*clip(coef*(N-len)+0.5, 0, 1); clip: 0 past N."
     )
-    coef: float = Field(0.0003, ge=0, le=10, description="Penalty per token of distance (exact) or slope (max).")
+    coef: float = Field(
+        default=0.0003, ge=0, le=10, description="Penalty per token of distance (exact) or slope (max).",
+    )
     targets: list[Annotated[int, Field(ge=1, le=10**9)]] = Field(
-        [2000, 4000, 6000, 8000, 10000], min_length=1, max_length=1000,
+        default=[2000, 4000, 6000, 8000, 10000], min_length=1, max_length=1000,
         description="Target lengths in tokens, one drawn uniformly per prompt (each 1..10^9).",
     )
 

@@ -68,22 +68,22 @@ class MathRewardConfig(StrictModel):
     """Limits of the math answer checker."""
 
     timeout_s: float = Field(
-        2.0, gt=0, le=60,
+        default=2.0, gt=0, le=60,
         description="Row budget: wall-clock limit of one row's symbolic comparison (over it: 0, `timeout`).",
     )
     file_budget_s: float = Field(
-        60.0, gt=0, le=3600,
+        default=60.0, gt=0, le=3600,
         description="Wall-clock budget of one math_rewards call (a file's rows) for symbolic checks, waiting "
         "for a checker included; rows still needing one after it score 0 as `budget`.",
     )
     checkers: int = Field(
-        2, ge=1, le=64, description="Most symbolic checker processes in this process, shared by every caller."
+        default=2, ge=1, le=64, description="Most symbolic checker processes in this process, shared by every caller."
     )
     max_answer_chars: int = Field(
-        200, ge=1, le=10000, description="Longer extracted answers (after normalization) are invalid, unparsed."
+        default=200, ge=1, le=10000, description="Longer extracted answers (after normalization) are invalid, unparsed."
     )
     memory_mb: int = Field(
-        1024, ge=64, le=65536,
+        default=1024, ge=64, le=65536,
         description="Address space (RLIMIT_AS) the symbolic checker process may add to its start-up size, MiB.",
     )
 
@@ -274,8 +274,9 @@ def _rational(s: str) -> Fraction | None:
 
 
 def _sympy_equal(a: str, b: str) -> bool:
-    import sympy
-    from sympy.parsing.sympy_parser import (
+    # sympy is loaded by the checker process only, never by the trainer or the validator
+    import sympy  # noqa: PLC0415
+    from sympy.parsing.sympy_parser import (  # noqa: PLC0415
         convert_xor, implicit_multiplication, parse_expr, rationalize, standard_transformations,
     )
 
@@ -288,9 +289,9 @@ def _sympy_equal(a: str, b: str) -> bool:
 
 
 def _serve(conn: Any, memory_mb: int) -> None:
-    import resource
+    import resource  # noqa: PLC0415 - the checker process only
 
-    import sympy  # noqa: F401  (imported before "ready" so the first check is not charged for it)
+    import sympy  # noqa: F401, PLC0415 - imported before "ready", so the first check is not charged for it
 
     # On top of what the interpreter already maps (which depends on what the package imports).
     with open("/proc/self/statm") as f:
@@ -308,7 +309,7 @@ def _serve(conn: Any, memory_mb: int) -> None:
             conn.send(("ok" if _sympy_equal(a, b) else "mismatch", ""))
         except (SyntaxError, TypeError, ValueError, ZeroDivisionError, AttributeError, NameError) as exc:
             conn.send(("invalid", f"{type(exc).__name__}: {exc}"[:200]))
-        except BaseException as exc:  # MemoryError, RecursionError...: the worker survives them
+        except BaseException as exc:  # noqa: BLE001 - MemoryError, RecursionError...: the worker survives them
             conn.send(("error", f"{type(exc).__name__}: {exc}"[:200]))
 
 
@@ -375,7 +376,8 @@ class _Waiter:
     __slots__ = ("event", "checker")
 
     def __init__(self) -> None:
-        self.event, self.checker = threading.Event(), None
+        self.event = threading.Event()
+        self.checker: _Checker | None = None
 
 
 class _CheckerPool:

@@ -69,7 +69,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, Sequence
 
 from pydantic import Field
 
@@ -99,32 +99,40 @@ class SandboxError(RuntimeError):
 class SandboxConfig(StrictModel):
     """Limits of one sandboxed run of candidate code plus tests."""
 
-    timeout_s: float = Field(10.0, gt=0, le=600, description="Wall-clock limit of one run, sandbox start included.")
-    cpu_s: int = Field(5, ge=1, le=600, description="RLIMIT_CPU per process: SIGXCPU after this many CPU seconds.")
-    memory_mb: int = Field(512, ge=64, le=65536, description="RLIMIT_AS: address space per process, in MiB.")
-    max_processes: int = Field(
-        32, ge=1, le=4096, description="RLIMIT_NPROC: processes plus threads the code may have at once."
+    timeout_s: float = Field(
+        default=10.0, gt=0, le=600, description="Wall-clock limit of one run, sandbox start included.",
     )
-    max_file_mb: int = Field(8, ge=0, le=4096, description="RLIMIT_FSIZE: largest file the code may write, in MiB.")
-    max_open_files: int = Field(64, ge=16, le=4096, description="RLIMIT_NOFILE: open file descriptors per process.")
+    cpu_s: int = Field(
+        default=5, ge=1, le=600, description="RLIMIT_CPU per process: SIGXCPU after this many CPU seconds.",
+    )
+    memory_mb: int = Field(default=512, ge=64, le=65536, description="RLIMIT_AS: address space per process, in MiB.")
+    max_processes: int = Field(
+        default=32, ge=1, le=4096, description="RLIMIT_NPROC: processes plus threads the code may have at once."
+    )
+    max_file_mb: int = Field(
+        default=8, ge=0, le=4096, description="RLIMIT_FSIZE: largest file the code may write, in MiB.",
+    )
+    max_open_files: int = Field(
+        default=64, ge=16, le=4096, description="RLIMIT_NOFILE: open file descriptors per process.",
+    )
     work_mb: int = Field(
-        16, ge=1, le=4096, description="Size of each private tmpfs (/work, /tmp, /dev/shm), in MiB; it is RAM."
+        default=16, ge=1, le=4096, description="Size of each private tmpfs (/work, /tmp, /dev/shm), in MiB; it is RAM."
     )
     max_output_kb: int = Field(
-        64, ge=1, le=65536, description="Bytes of stdout and of stderr kept (KiB each); the rest is discarded."
+        default=64, ge=1, le=65536, description="Bytes of stdout and of stderr kept (KiB each); the rest is discarded."
     )
     python: str = Field(
-        "/usr/bin/python3",
+        default="/usr/bin/python3",
         description="Interpreter run inside the sandbox. It must live under /usr, /bin or /lib*: those are "
         "the only host folders the sandbox sees (a venv's python would not start, by design).",
     )
     uid: int = Field(
-        65534, ge=1, le=2**31 - 2,
+        default=65534, ge=1, le=2**31 - 2,
         description="When the validator runs as root, the sandbox runs as this uid/gid (RLIMIT_NPROC is not "
         "enforced for root). Ignored otherwise.",
     )
     allow_unsandboxed: bool = Field(
-        False,
+        default=False,
         description="Where bwrap is missing or unusable, run with rlimits only (no filesystem or network "
         "isolation) instead of refusing. Never for untrusted workers.",
     )
@@ -307,12 +315,13 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
             end.close()
         for fd in (status_w, verdict_w):
             os.close(fd)
+    (cand_in, cand_out, cand_stderr), (judge_in, _, judge_stderr) = (_pipes(p) for p in procs)
     cand, judge = procs
     cap = cfg.max_output_kb << 10
-    cand_err, judge_err = cand.stderr.fileno(), judge.stderr.fileno()
-    streams = {cand.stdout.fileno(): cap, cand_err: cap, status_r: 16, verdict_r: MAX_VERDICT_BYTES, judge_err: cap}
-    feeds = {cand.stdin.fileno(): (code.encode("utf-8", "surrogatepass"), cand.stdin.close),
-             judge.stdin.fileno(): (json.dumps(tests).encode(), judge.stdin.close)}
+    cand_err, judge_err = cand_stderr.fileno(), judge_stderr.fileno()
+    streams = {cand_out.fileno(): cap, cand_err: cap, status_r: 16, verdict_r: MAX_VERDICT_BYTES, judge_err: cap}
+    feeds = {cand_in.fileno(): (code.encode("utf-8", "surrogatepass"), cand_in.close),
+             judge_in.fileno(): (json.dumps(tests).encode(), judge_in.close)}
     ended_rc = None
     try:
         got, timed_out = _pump(feeds, streams, verdict_r, deadline)
@@ -413,6 +422,13 @@ def _finish(procs: list[subprocess.Popen], workdirs: list[str]) -> None:
             proc.wait()
     for workdir in workdirs:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pipes(proc: subprocess.Popen) -> tuple[IO[bytes], IO[bytes], IO[bytes]]:
+    """stdin, stdout and stderr of a process started with all three piped."""
+    if proc.stdin is None or proc.stdout is None or proc.stderr is None:
+        raise RuntimeError("sandbox process started without pipes")
+    return proc.stdin, proc.stdout, proc.stderr
 
 
 def _pump(
