@@ -47,7 +47,7 @@ from intellect.inference.torch_engine import TorchEngine
 from intellect.ledger import StepMetrics
 from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.rl.advantages import nonzero_signal
-from intellect.rl.assignment import canonical_worker
+from intellect.ids import canonical_worker
 from intellect.rl.rollouts import (
     KIND, RolloutLimits, load_submission, submission_path, write_submission,
 )

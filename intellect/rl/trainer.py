@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 from pydantic import Field
 
+from intellect import checkpoints
 from intellect.config import StrictModel, TrainConfig
 from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
 from intellect.train import lr_at
@@ -86,26 +87,6 @@ class Sample:
             raise ValueError(
                 f"{len(self.behaviour_logprobs)} behaviour log-probs for {len(self.output_tokens)} output tokens"
             )
-
-
-def _field(row: Any, name: str, default: Any = None) -> Any:
-    return row.get(name, default) if isinstance(row, Mapping) else getattr(row, name, default)
-
-
-def samples_from_rows(rows: Iterable[Rollout | Mapping[str, Any]]) -> list[Sample]:
-    """Samples from :class:`~intellect.rl.rollout_schema.Rollout` rows or mappings with token lists.
-
-    Ledger rows (:meth:`intellect.ledger.Ledger.accepted`) hold token *counts*; load them with
-    :func:`load_accepted` first.
-    """
-    out = []
-    for row in rows:
-        prompt, output = _field(row, "prompt_tokens"), _field(row, "output_tokens")
-        if isinstance(prompt, int) or isinstance(output, int):
-            raise TypeError("row holds token counts, not tokens (a ledger row?): load it with load_accepted")
-        out.append(Sample(tuple(prompt), tuple(output), float(_field(row, "advantage")),
-                          _field(row, "behaviour_logprobs")))
-    return out
 
 
 def load_accepted(
@@ -356,9 +337,8 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 
-    def publish(self, storage: RunStorage, step: int, extra: dict | None = None) -> str:
+    def publish(self, storage: RunStorage, step: int,
+                sidecars: Mapping[checkpoints.Sidecar, Any] | None = None) -> str:
         """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``); returns its URI."""
-        from intellect.pretrain import publish_checkpoint  # noqa: PLC0415 - pulls in the data and eval stack
-
         self.model.eval()
-        return publish_checkpoint(self.model, self.tokenizer, storage, step, extra)
+        return checkpoints.publish(self.model, self.tokenizer, storage, step, sidecars)

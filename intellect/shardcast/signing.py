@@ -45,13 +45,44 @@ bad_signature
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Protocol, Self, Sequence, TypeVar
 
 from intellect.trust.canonical import canonical
 from intellect.trust.keys import SIGNATURE_BYTES, SigningKey, VerifyKey
 
-if TYPE_CHECKING:
-    from intellect.shardcast.manifest import FileEntry, ShardEntry
+
+class FileEntry(Protocol):
+    """What a header signs of each file (:class:`intellect.shardcast.manifest.FileEntry`): declared
+    here as a protocol because the manifest module imports this one."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int | None: ...
+
+
+class ShardEntry(Protocol):
+    """What a shard signature covers (:class:`intellect.shardcast.manifest.ShardEntry`)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def chain(self) -> str | None: ...
+    @property
+    def signature(self) -> str | None: ...
+
+    def model_copy(self, *, update: dict) -> Self: ...
+
+
+S = TypeVar("S", bound=ShardEntry)
 
 HEADER_DOMAIN = "intellect/shardcast/header/v1"
 SHARD_DOMAIN = "intellect/shardcast/shard/v1"
@@ -76,7 +107,7 @@ class Untrusted(ValueError):
         self.reason, self.detail = reason, detail
 
 
-def header_message(version: int, publication: str | None, shard_size: int, files: Sequence["FileEntry"],
+def header_message(version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
                    total_size: int | None, sha256: str | None) -> bytes:
     """The bytes a header's signature covers (see the module docstring)."""
     fields: list = [version, publication, shard_size, total_size, sha256, len(files)]
@@ -85,7 +116,7 @@ def header_message(version: int, publication: str | None, shard_size: int, files
     return canonical(HEADER_DOMAIN, *fields)
 
 
-def shard_message(version: int, publication: str | None, e: "ShardEntry") -> bytes:
+def shard_message(version: int, publication: str | None, e: ShardEntry) -> bytes:
     """The bytes a shard's signature covers (see the module docstring)."""
     return canonical(SHARD_DOMAIN, version, publication, e.index, e.offset, e.size, e.sha256, e.chain)
 
@@ -101,13 +132,13 @@ class VersionSigner:
         self.key, self.version = key, version
         self.publication = publication or new_publication()
 
-    def header(self, files: Sequence["FileEntry"], shard_size: int, total_size: int | None = None,
+    def header(self, files: Sequence[FileEntry], shard_size: int, total_size: int | None = None,
                sha256: str | None = None) -> str:
         """The hex signature of a header of this writing."""
         return self.key.sign(header_message(self.version, self.publication, shard_size, files, total_size,
                                             sha256)).hex()
 
-    def shard(self, entry: "ShardEntry") -> "ShardEntry":
+    def shard(self, entry: S) -> S:
         """``entry`` with its signature."""
         sig = self.key.sign(shard_message(self.version, self.publication, entry)).hex()
         return entry.model_copy(update={"signature": sig})
@@ -133,7 +164,7 @@ class Verifier:
         self.key = key if isinstance(key, VerifyKey) else VerifyKey.from_hex(key)
         self._verified: set[tuple[bytes, bytes]] = set()
 
-    def header(self, version: int, publication: str | None, shard_size: int, files: Sequence["FileEntry"],
+    def header(self, version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
                total_size: int | None, sha256: str | None, signature: str | None) -> None:
         """Raise :class:`Untrusted` unless ``signature`` is the trainer's over this header."""
         sig = _signature(signature, f"the header of version {version}")
@@ -149,7 +180,7 @@ class Verifier:
             self._verified.clear()
         self._verified.add((msg, sig))
 
-    def shard(self, version: int, publication: str | None, entry: "ShardEntry") -> None:
+    def shard(self, version: int, publication: str | None, entry: ShardEntry) -> None:
         """Raise :class:`Untrusted` unless ``entry`` carries the trainer's signature for this writing."""
         sig = _signature(entry.signature, f"shard {entry.index} of version {version}")
         if not self.key.verify(sig, shard_message(version, publication, entry)):

@@ -15,12 +15,11 @@ import pytest
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import CHECKPOINTS, publish_checkpoint
+from intellect.checkpoints import CHECKPOINTS, OPTIMIZER, publish
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 from intellect.rl.report import CURVE, load_evals
 from intellect.rl.rollouts import list_submissions
 from intellect.rl.setup import ledger_path, run_storage
-from intellect.checkpoints import OPTIMIZER
 from intellect.shardcast.store import VersionStore
 from intellect.storage import RunStorage
 
@@ -35,7 +34,7 @@ PROMPTS, GROUP = 2, 4
 def base(tmp_path):
     """A run ``base`` whose checkpoint 0 is an untrained tiny model: where RL starts."""
     model, tok = build_model(TINY)
-    publish_checkpoint(model, tok, RunStorage(f"file://{tmp_path}/base"), 0)
+    publish(model, tok, RunStorage(f"file://{tmp_path}/base"), 0)
     return tmp_path
 
 

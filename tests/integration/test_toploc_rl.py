@@ -17,7 +17,7 @@ from intellect.inference import TorchEngine
 from intellect.model.checkpoint import build_model
 from intellect.rl.rollouts import RolloutLimits, write_submission
 from intellect.rl.submission import SubmissionConfig, generate_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, samples_from_rows
+from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample
 from intellect.rl.validator import validate_submission
 from intellect.storage import RunStorage
 from intellect.inference.protocol import Request
@@ -234,7 +234,7 @@ def rl_checkpoints(models):
         if step >= 3:
             out.append(copy.deepcopy(trainer.model).eval())
         if step < 6:
-            trainer.train_step(samples_from_rows(rows))
+            trainer.train_step([Sample(r.prompt_tokens, r.output_tokens, r.advantage) for r in rows])
     return out
 
 

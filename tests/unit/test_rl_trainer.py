@@ -8,10 +8,10 @@ import torch
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import fetch_checkpoint
+from intellect.checkpoints import fetch
 from intellect.rl.loss import GRPOLossConfig
 from intellect.rl.rollouts import Rollout, RolloutLimits, write_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample, StepStats, load_accepted, samples_from_rows
+from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample, StepStats, load_accepted
 from intellect.storage import RunStorage
 from intellect.verdict import Verdict
 
@@ -191,7 +191,7 @@ def test_publish_writes_a_loadable_checkpoint(tiny, tmp_path):
     t.train_step(make_samples(4, seed=10))
     uri = t.publish(storage, 1)
     assert storage.is_stable(1, "checkpoints") and uri.endswith("checkpoints/step_1")
-    model, _ = fetch_checkpoint(storage, 1)
+    model, _ = fetch(storage, 1)
     for (n, p), q in zip(t.model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), n
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -204,18 +204,14 @@ def rollout(i, prompt, output, adv):
                    reward=adv, task_reward=adv, length_penalty=0.0, advantage=adv)
 
 
-def test_samples_from_rows_and_load_accepted(tmp_path):
+def test_load_accepted(tmp_path):
     rows = [rollout(i, [5, 6], [7 + i], float(i) - 0.5) for i in range(2)]
-    assert samples_from_rows(rows) == [Sample((5, 6), (7,), -0.5), Sample((5, 6), (8,), 0.5)]
-    assert samples_from_rows([{"prompt_tokens": [1], "output_tokens": [2], "advantage": 1}])[0].advantage == 1.0
     storage = RunStorage(f"file://{tmp_path}/run")
     limits = RolloutLimits(vocab_size=64)
     rel = write_submission(storage, 1, "w", 0, rows, limits=limits)
     with Ledger(tmp_path / "ledger.duckdb") as ledger:
         ledger.record_verdicts(1, [Verdict.of(rows[0], rel, 0, "toploc"), Verdict.of(rows[1], rel, 1)])
         accepted = ledger.accepted(1)
-    with pytest.raises(TypeError, match="load_accepted"):
-        samples_from_rows(accepted)
     assert load_accepted(storage, accepted, limits) == [rows[1]]
     write_submission(storage, 1, "w", 0, [rows[1], rows[0]], limits=limits, overwrite=True)  # after validation
     with pytest.raises(ValueError, match="not what the ledger accepted"):
