@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -14,6 +16,47 @@ from intellect.rl.config import FilterRunConfig, RLRunConfig
 RUNS = {"smoke": SmokeConfig, "diloco": DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
         "demo": DemoConfig}
 EXAMPLES = {"smoke": "smoke", "diloco": "diloco-tiny", "rl": "rl-tiny", "filter": "filter-tiny", "demo": "demo"}
+# imported once the config parsed: Prefect's import is slow, wasted on a bad config
+FLOWS = {"smoke": ("flows.smoke", "smoke"), "diloco": ("flows.diloco", "diloco_train"), "rl": ("flows.rl", "rl_train"),
+         "filter": ("flows.filter", "filter_pass_at_k"), "demo": ("flows.demo", "demo")}
+
+
+# Set for the flow commands before Prefect is imported: Prefect reads its settings at import, and
+# the temporary server it starts inherits them; a user's own setting wins. With analytics on, the
+# server's telemetry service logs an error at start on a machine without network, or while its SQLite
+# file is busy with the first flow runs ("database is locked"). The startup bound is the one the test
+# suite uses: Prefect's default gives up on a server still migrating its database on a busy machine.
+PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+
+
+def prefect_defaults(environ=os.environ) -> dict[str, str]:
+    """Put :data:`PREFECT_DEFAULTS` into ``environ`` where unset; the values now in force.
+
+    >>> env = {"DO_NOT_TRACK": "0"}
+    >>> prefect_defaults(env)["DO_NOT_TRACK"], env["PREFECT_SERVER_ANALYTICS_ENABLED"]
+    ('0', 'false')
+    """
+    return {k: environ.setdefault(k, v) for k, v in PREFECT_DEFAULTS.items()}
+
+
+def _not_task_run_info(record: logging.LogRecord) -> bool:
+    return not (record.name.startswith("prefect.task_runs") and record.levelno < logging.WARNING)
+
+
+def quiet_task_runs() -> int:
+    """Keep task runs' records below WARNING off the console handlers Prefect installed on the root
+    logger, so a run prints one line per DiLoCo outer step or RL step rather than one per task run
+    (tens a step). Only the console: ``prefect.task_runs`` keeps its own API handler, so the dashboard
+    still shows every task run's logs. The number of handlers filtered."""
+    importlib.import_module("prefect.main")  # its import installs Prefect's logging configuration
+    from prefect.logging.handlers import PrefectConsoleHandler  # noqa: PLC0415 - Prefect only for flow commands
+
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    for h in handlers:
+        if _not_task_run_info not in h.filters:
+            h.addFilter(_not_task_run_info)
+    return len(handlers)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,45 +88,28 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:  # its own parser, and no Prefect: it runs on machines nobody here owns
-        from intellect.rl.worker import main as worker_main
+        from intellect.rl.worker import main as worker_main  # noqa: PLC0415 - no Prefect, no RL trainer code
 
         return worker_main(argv[1:], prog="intellect worker")
     if argv[:1] == ["shardcast"]:  # its own parser: servers and a client, not a run config
-        from intellect.shardcast.__main__ import main as shardcast_main
+        from intellect.shardcast.__main__ import main as shardcast_main  # noqa: PLC0415 - no Prefect
 
         return shardcast_main(argv[1:], prog="intellect shardcast")
     args = _parser().parse_args(argv)
     if args.cluster:
-        from infra.cluster import load_env
+        from infra.cluster import load_env  # noqa: PLC0415 - only with --cluster
 
         try:
             os.environ.update(load_env(Path(args.cluster)))
         except FileNotFoundError:
             print(f"intellect: no cluster state in {args.cluster} (run `python -m infra.cluster up`)", file=sys.stderr)
             return 2
+    prefect_defaults()
     try:
         cfg = load_config(RUNS[args.command], args.config, args.overrides)
-        # flows are imported late: Prefect's import costs ~2 s, wasted on a bad config
-        if args.command == "smoke":
-            from flows.smoke import smoke
-
-            smoke(cfg)
-        elif args.command == "diloco":
-            from flows.diloco import diloco_train
-
-            diloco_train(cfg)
-        elif args.command == "rl":
-            from flows.rl import rl_train
-
-            rl_train(cfg)
-        elif args.command == "filter":
-            from flows.filter import filter_pass_at_k
-
-            filter_pass_at_k(cfg)
-        elif args.command == "demo":
-            from flows.demo import demo
-
-            demo(cfg)
+        quiet_task_runs()
+        module, name = FLOWS[args.command]
+        getattr(importlib.import_module(module), name)(cfg)
     except ConfigError as e:
         print(f"intellect: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ result with ``tasks.file = "<filter run>/tasks.jsonl"``.
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import pyarrow as pa
 import torch
@@ -69,9 +70,11 @@ def collect_scores(cfg: FilterRunConfig, chunks: int) -> FilterReport:
     storage.write_bytes("solve_rates.parquet", F.to_parquet(table))
     storage.write_text("tasks.jsonl", F.kept_tasks_jsonl(table))
     _, _, origin, sha = _model(cfg)
-    solved, kept = table["solved"].to_pylist(), table["kept"].to_pylist()
+    # the scores table's schema (F.scores_table): non-null columns of these types
+    ids = cast(list[str], table["prompt_id"].to_pylist())
+    solved, kept = cast(list[int], table["solved"].to_pylist()), cast(list[bool], table["kept"].to_pylist())
     with Ledger(ledger_path(cfg)) as ledger:
-        ledger.record_solve_rates(sha, cfg.filter.k, zip(table["prompt_id"].to_pylist(), solved, kept))
+        ledger.record_solve_rates(sha, cfg.filter.k, zip(ids, solved, kept))
     return FilterReport(model=origin, prompts=len(solved), kept=sum(kept), histogram=F.histogram(solved, cfg.filter.k),
                         tasks_file=storage.uri("tasks.jsonl"), solve_rates_file=storage.uri("solve_rates.parquet"))
 
@@ -94,5 +97,7 @@ def filter_pass_at_k(config: FilterRunConfig | None = None) -> FilterReport:
             f"kept (pass rate in [{f.min_rate:g}, {f.max_rate:g}] with k={f.k} at T={f.temperature}).\n\n"
             f"Histogram of solves: {report.histogram}\n\nTasks: {report.tasks_file}")
     create_markdown_artifact(markdown=text, description="pass@k filter")
-    get_run_logger().info(text)
+    get_run_logger().info("kept %d of %d prompts (pass rate in [%g, %g], k=%d); solves histogram %s; tasks %s",
+                          report.kept, report.prompts, f.min_rate, f.max_rate, f.k, report.histogram,
+                          report.tasks_file)
     return report
