@@ -99,7 +99,7 @@ def spawn(world: int, fn, args: tuple, timeout: float = 600.0) -> list:
 def _main(rank, world, port, tmp, fn, args):
     torch.set_num_threads(1)
     try:
-        store = torch.distributed.TCPStore(
+        store = torch.distributed.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public, from torch._C
             "127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120)
         )
         group = new_group(store, "bench", rank, world, timeout=300, hostname="127.0.0.1")

@@ -72,7 +72,7 @@ def runners(model, tok, prompts: list[list[int]], new: int) -> dict[tuple[str, s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=16)

@@ -114,7 +114,7 @@ def run_trl(data: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     data = make_inputs(args.seed)

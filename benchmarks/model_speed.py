@@ -20,11 +20,10 @@ from intellect.data.arithmetic import heldout_problems, train_stream
 from intellect.model.checkpoint import build_model, parameter_count
 from intellect.model.generate import generate
 from intellect.model.generate import left_pad
+from intellect.train import Trainer
 
 
 def train_tokens_per_s(steps: int, batch: int) -> float:
-    from intellect.train import Trainer
-
     model, tok = build_model(ModelConfig())
     trainer = Trainer(model, tok, TrainConfig(batch_size=batch))
     stream = train_stream(DataConfig())
@@ -32,27 +31,33 @@ def train_tokens_per_s(steps: int, batch: int) -> float:
     trainer.train_steps(3, batches)  # warm-up: allocator, kernels
     t0 = time.perf_counter()
     logs = trainer.train_steps(steps, batches)
-    return sum(l["tokens"] for l in logs) / (time.perf_counter() - t0)
+    return sum(log["tokens"] for log in logs) / (time.perf_counter() - t0)
 
 
 def generation_tokens_per_s(prompts: int, new_tokens: int) -> tuple[float, float]:
     """(ours, transformers.generate) generated tokens/s, greedy, no early stop."""
     model, tok = build_model(ModelConfig())
+    pad_id = tok.pad_token_id
+    assert isinstance(pad_id, int), "the tiny model's tokenizer has a pad token"
     ids = tok([p.prompt for p in heldout_problems(DataConfig(), prompts)])["input_ids"]
     # EOS is made unreachable so both sides generate exactly new_tokens per prompt
     never = -1
-    generate(model, ids[:4], max_new_tokens=2, eos_id=never, pad_id=tok.pad_token_id)
+    generate(model, ids[:4], max_new_tokens=2, eos_id=never, pad_id=pad_id)
     t0 = time.perf_counter()
-    generate(model, ids, max_new_tokens=new_tokens, eos_id=never, pad_id=tok.pad_token_id)
+    generate(model, ids, max_new_tokens=new_tokens, eos_id=never, pad_id=pad_id)
     ours = prompts * new_tokens / (time.perf_counter() - t0)
 
-    padded, mask = left_pad(ids, tok.pad_token_id)
+    padded, mask = left_pad(ids, pad_id)
+    # The ignores: transformers 5 types generate's self as GenerativePreTrainedModel, a Protocol that
+    # decoder-only models (no `encoder`) do not match; LlamaForCausalLM.generate is GenerationMixin's.
     with torch.no_grad():
-        model.generate(input_ids=padded[:4], attention_mask=mask[:4], max_new_tokens=2, do_sample=False)
+        model.generate(  # pyright: ignore[reportAttributeAccessIssue]  # wrong self type in transformers
+            input_ids=padded[:4], attention_mask=mask[:4], max_new_tokens=2, do_sample=False,
+        )
         t0 = time.perf_counter()
-        out = model.generate(
+        out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]  # wrong self type in transformers
             input_ids=padded, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=tok.pad_token_id,
+            do_sample=False, pad_token_id=pad_id,
         )
         hf = prompts * new_tokens / (time.perf_counter() - t0)
     assert out.shape[1] == padded.shape[1] + new_tokens
@@ -60,7 +65,7 @@ def generation_tokens_per_s(prompts: int, new_tokens: int) -> tuple[float, float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=128)

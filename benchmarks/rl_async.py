@@ -34,8 +34,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def config(args, level: int, root: Path, tag: str):
-    from intellect.config import load_config
-    from intellect.rl.config import RLRunConfig
+    # heavy (torch, transformers): loaded once the arguments and the checkpoint folder are checked
+    from intellect.config import load_config  # noqa: PLC0415 - heavy, see above
+    from intellect.rl.config import RLRunConfig  # noqa: PLC0415 - heavy, see above
 
     return load_config(RLRunConfig, ROOT / "configs" / "rl-tiny.toml", [
         f"run_name={tag}", f"storage.url=file://{root}", f"init.path={Path(args.from_dir).resolve()}",
@@ -66,7 +67,7 @@ def main() -> None:
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="intellect-bench-prefect-"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.rl import rl_train
+    from flows.rl import rl_train  # noqa: PLC0415 - prefect reads the PREFECT_* settings above at import
 
     work = Path(tempfile.mkdtemp(prefix="intellect-rl-async-"))
     runs: dict[int, list[dict]] = {2: [], 0: []}

@@ -176,10 +176,10 @@ def main() -> None:
            "best": best, "rl_steps": step, "seconds": total, "steps": rows, "evals": evals}
     (RESULTS / f"{args.tag}.json").write_text(json.dumps(out, indent=1))
     if not args.no_plot:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - heavy, plotting only (--no-plot skips it)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
 
         fig, ax = plt.subplots(1, 2, figsize=(11, 4))
         ax[0].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "o-")

@@ -91,16 +91,18 @@ def bombs(rows: list[Rollout]) -> dict[str, bytes]:
     table = rows_to_table(rows[:16])
     i = table.schema.get_field_index("output_tokens")
     n = 2 << 20
-    tokens = pa.ListArray.from_arrays(pa.array(np.arange(17, dtype=np.int32) * n), np.zeros(16 * n, "i4"))
+    tokens = pa.ListArray.from_arrays(pa.array(np.arange(17, dtype=np.int32) * n, type=pa.int32()),
+                                      pa.array(np.zeros(16 * n, "i4")))
     lists = _to_bytes(table.set_column(i, table.schema.field(i), tokens), use_dictionary=False)
     j = table.schema.get_field_index("proof")
     size = 32 << 20
-    proof = pa.Array.from_buffers(pa.binary(), 16, [None, pa.py_buffer(np.arange(17, dtype=np.int32) * size),
-                                                     pa.py_buffer(np.zeros(16 * size, np.uint8))])
+    # ndarray.data: the array's own memory as a memoryview (numpy's stubs give ndarray __buffer__ on 3.12+ only)
+    proof = pa.Array.from_buffers(pa.binary(), 16, [None, pa.py_buffer((np.arange(17, dtype=np.int32) * size).data),
+                                                     pa.py_buffer(np.zeros(16 * size, np.uint8).data)])
     dictionary = _to_bytes(table.set_column(j, table.schema.field(j), proof))
     many = rows_to_table(rows * 2)  # 512 rows, each proof a 1 MiB prefix of the one before
-    proof = pa.Array.from_buffers(pa.binary(), 512, [None, pa.py_buffer(np.arange(513, dtype=np.int32) << 20),
-                                                      pa.py_buffer(np.zeros(512 << 20, np.uint8))])
+    proof = pa.Array.from_buffers(pa.binary(), 512, [None, pa.py_buffer((np.arange(513, dtype=np.int32) << 20).data),
+                                                      pa.py_buffer(np.zeros(512 << 20, np.uint8).data)])
     delta = _to_bytes(many.set_column(j, many.schema.field(j), proof), use_dictionary=False,
                       column_encoding={"proof": "DELTA_BYTE_ARRAY"})
     return {"long-lists": lists, "dictionary-page": dictionary, "delta-prefixes": delta}
@@ -115,7 +117,7 @@ def child(module: str, args: list[str]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--module", default=os.path.join(REPO, "intellect", "rl", "rollouts.py"))
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()

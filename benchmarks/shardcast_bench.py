@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -98,6 +99,7 @@ def ours(payload: Path, digest: str, work: Path, shard_mib: int, parallel: int) 
         procs += relays
         trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(key_file)], cwd=ROOT, text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        assert trainer.stdin is not None and trainer.stdout is not None  # both PIPE
         if trainer.stdout.readline().strip() != "ready":
             raise RuntimeError("the trainer process did not start")
         cfg = ClientConfig(parallel=parallel, deadline=600, trainer_key=key.public.hex)
@@ -210,7 +212,7 @@ def main() -> None:
         digest = sha256_file(payload)
         rounds = []
         for r in range(args.rounds):
-            row = {"load1": os.getloadavg()[0]}  # the machine is shared: context for every round
+            row: dict[str, Any] = {"load1": os.getloadavg()[0]}  # the machine is shared: context for every round
             for name, fn in (("ours", lambda w: ours(payload, digest, w, args.shard_mib, args.parallel)),
                              ("plain", lambda w: plain_get(payload, digest, w)),
                              ("peer", None if args.no_peer else lambda w: peer(payload, w, 50))):

@@ -67,7 +67,7 @@ def sharpened(model: torch.nn.Module, scale: float) -> torch.nn.Module:
     """A copy whose logits are ``scale`` times larger (the final norm's weight feeds the LM head only)."""
     sharp = copy.deepcopy(model)
     with torch.no_grad():
-        sharp.model.norm.weight.mul_(scale)
+        sharp.get_parameter("model.norm.weight").mul_(scale)
     return sharp
 
 
@@ -110,7 +110,11 @@ def row_draws(right, tok, sampling, requests, done, cfg: ToplocConfig) -> list[D
     validator = TorchEngine.for_tokenizer(right, tok, capture_hidden=False)
     scored = validator.prefill(requests, [c.tokens for c in done], sampling,
                                low_prob=LowProb(cfg.min_token_prob, cfg.low_prob_floor))
-    return [Draws(len(s.low), int(s.low.sum()), float(s.chance.sum())) for s in scored]
+    draws = []
+    for s in scored:
+        assert s.low is not None and s.chance is not None  # prefill returns both when low_prob is given
+        draws.append(Draws(len(s.low), int(s.low.sum()), float(s.chance.sum())))
+    return draws
 
 
 def summary(surprises: list[float], limit: float) -> dict:

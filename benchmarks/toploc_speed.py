@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -93,12 +94,21 @@ def proofs_part(args, threads: int) -> dict:
     return {"per_round": rows, "median": med}
 
 
-SETTINGS = {
+class Setting(TypedDict):
+    """One validation setting: rollouts of ``prompt`` random tokens, sampled up to ``max_tokens``."""
+
+    rollouts: int
+    prompt: int
+    max_tokens: int
+    stop_at_eos: bool
+
+
+SETTINGS: dict[str, Setting] = {
     # the long setting: every rollout runs to max_tokens, two chunks of 32 each
-    "long": dict(rollouts=64, prompt=8, max_tokens=64, stop_at_eos=False),
+    "long": Setting(rollouts=64, prompt=8, max_tokens=64, stop_at_eos=False),
     # configs/rl-tiny.toml's submission: 32 prompts x group 8, max_tokens 8, stopping at EOS, batches of
     # 64 (the workers' TorchEngine), arithmetic prompts of about 7 tokens (BOS, "12+34=")
-    "rl-tiny": dict(rollouts=256, prompt=7, max_tokens=8, stop_at_eos=True),
+    "rl-tiny": Setting(rollouts=256, prompt=7, max_tokens=8, stop_at_eos=True),
 }
 
 

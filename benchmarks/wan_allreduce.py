@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,7 +72,8 @@ def resolve_auto(trial: dict, group, store, key: str, numel: int) -> tuple[dict,
     from intellect.diloco.worker import allreduce_plan
 
     t0 = time.perf_counter()
-    _, columns = measure_ring(group, dist.PrefixStore(key, store), "col", DilocoConfig().bandwidth_probe_bytes)
+    pstore = dist.PrefixStore(key, store)  # pyright: ignore[reportPrivateImportUsage]  # public, from torch._C
+    _, columns = measure_ring(group, pstore, "col", DilocoConfig().bandwidth_probe_bytes)
     W = len(columns)
     bw = [[columns[j][i] if i != j else 0.0 for j in range(W)] for i in range(W)]  # row: sender, as the worker's
     plan = allreduce_plan("auto", bw, numel)
@@ -89,7 +91,9 @@ def worker(spec: dict) -> None:
 
     torch.set_num_threads(1)  # 4 ranks share the machine's cores
     rank, world = spec["rank"], spec["world"]
-    store = dist.TCPStore(spec["master"], PORT, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public API, re-exported from torch._C
+        spec["master"], PORT, world, rank == 0, timeout=datetime.timedelta(seconds=60)
+    )
     group = new_group(store, "wan", rank, world, timeout=120, hostname=spec["addr"])
     g = torch.Generator().manual_seed(rank)
     n, k = spec["numel"], spec["buckets"]
@@ -233,7 +237,7 @@ def part2(a) -> dict:
         solved = ring_order(bw)
         cycles = [[0, *p] for p in itertools.permutations(range(1, W))]
         worst = min(cycles, key=lambda c: bottleneck(c, bw))
-        runs = [("solved", ra, solved), ("worst", ra, worst)]
+        runs: list[tuple[str, str, list[int] | None]] = [("solved", ra, solved), ("worst", ra, worst)]
         if ra != "direct":
             runs.append(("direct", "direct", solved))
         runs.append(("auto", "auto", None))  # probes, solves and chooses inside the ranks
@@ -241,10 +245,11 @@ def part2(a) -> dict:
         rows = run_ranks(tb, a.numel2, a.buckets, trials, a.reps, timeout=300)
     print(f"  {'order':<9}{'algorithm':<14}{'ring':<14}{'min Mbit/s':>11}{'bound s':>9}{'median s':>10}"
           f"{'/bound':>8}{'best s':>8}{'/bound':>8}")
-    out = {"bw_mbit": bw}
+    out: dict[str, Any] = {"bw_mbit": bw}
     for (label, alg, c), r in zip(runs, rows):
         if r["auto"]:
             alg, c = f"->{r['auto']['chosen']}", r["auto"]["order"]
+        assert c is not None  # only the auto run has no order, and its ranks report the one they chose
         b = bound_s(r["link_bytes"], bw)
         best = min(r["all_seconds"])
         print(f"  {label:<9}{alg:<14}{'->'.join(map(str, c + c[:1])):<14}{bottleneck(c, bw):>11.1f}{b:>9.3f}"

@@ -10,7 +10,9 @@ import statistics
 import time
 import warnings
 
+import hivemind
 import torch
+from hivemind.compression import CompressionInfo, Uniform8BitQuantization
 
 warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
 
@@ -23,9 +25,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    import hivemind
-    from hivemind.compression import CompressionInfo, Uniform8BitQuantization
 
     x = torch.load(args.tensor).float().contiguous()
     comp = Uniform8BitQuantization()

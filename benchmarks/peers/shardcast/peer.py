@@ -292,7 +292,7 @@ def main() -> int:
     data: list[Path] = []
     try:
         run(args, result, nodes, data)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure goes into the result line the benchmark reads
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
         for n in nodes:

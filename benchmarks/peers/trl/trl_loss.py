@@ -26,17 +26,19 @@ import warnings
 
 import torch
 
-warnings.filterwarnings("ignore")
+warnings.filterwarnings("ignore")  # TRL's and transformers' warnings too, from their import on
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before transformers is imported
+
+import trl  # noqa: E402 - after the filter above
+from datasets import Dataset  # noqa: E402 - after the filter above
+from tokenizers import Tokenizer  # noqa: E402 - after the filter above
+from tokenizers.models import WordLevel  # noqa: E402 - after the filter above
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402 - after the filter above
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402 - after the filter above
+from trl.trainer.utils import nanstd  # noqa: E402 - after the filter above
 
 
 def tiny_trainer(vocab: int, overrides: dict, tmp: str):
-    from datasets import Dataset
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from trl import GRPOConfig, GRPOTrainer
-
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")),
         pad_token="t0", eos_token="t1",
@@ -98,10 +100,6 @@ def run_case(data: dict, case: dict, tmp: str) -> dict:
 
 def main() -> None:
     data = torch.load(sys.argv[1])
-    import trl
-
-    from trl.trainer.utils import nanstd
-
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_case(data, case, tmp) for case in data["cases"]]
     # GRPOTrainer._generate_and_score_completions inlines its group scaling (scale_rewards="group");
