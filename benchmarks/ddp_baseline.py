@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from intellect.config import DilocoRunConfig, load_config  # noqa: E402
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
-from intellect.diloco.worker import _inner_train_config, shard_stream  # noqa: E402
+from intellect.diloco.worker import inner_train_config, shard_stream  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.train import Trainer, evaluate  # noqa: E402
 
@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
     model, tok = build_model(run.model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.config = model.config  # Trainer reads it; DDP does not forward attributes
-    trainer = Trainer(ddp, tok, _inner_train_config(run))
+    trainer = Trainer(ddp, tok, inner_train_config(run))
     stream = shard_stream(run, rank)
     batches = iter(lambda: [next(stream) for _ in range(run.train.batch_size)], None)
     snap = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()}  # noqa: E731

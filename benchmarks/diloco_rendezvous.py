@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
+from intellect.diloco import protocol as P  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
 from intellect.diloco.rendezvous import RendezvousStore  # noqa: E402
 
@@ -64,43 +65,43 @@ def outer_step(s, t: int, w: int) -> int:
         ops += 1
         return fn(*a)
 
-    op(s.set, f"committed/{t}/{me}", "0")
-    op(s.set, f"arrive/{t}/{me}", "1")
-    op(s.check, [f"members/{t}/0"])
-    n = op(s.add, "launched", 0)
+    op(s.set, P.COMMITTED(t, me), "0")
+    op(s.set, P.ARRIVE(t, me), "1")
+    op(s.check, [P.MEMBERS(t, 0)])
+    n = op(s.add, P.LAUNCHED.under(), 0)
     for i in range(n):
-        op(s.check, [f"launched/{i}"]), op(s.get, f"launched/{i}"), op(s.check, [f"banned/w{i}"])
+        op(s.check, [P.LAUNCHED(i)]), op(s.get, P.LAUNCHED(i)), op(s.check, [P.BANNED(f"w{i}")])
     for x in names[1:]:
-        op(s.check, [f"arrive/{t}/{x}"]), op(s.check, [f"dead/{x}"]), op(s.add, f"hb/{x}", 0)
-    op(s.compare_set, f"members/{t}/0", "", json.dumps(names))
+        op(s.check, [P.ARRIVE(t, x)]), op(s.check, [P.DEAD(x)]), op(s.add, P.HB(x), 0)
+    op(s.compare_set, P.MEMBERS(t, 0), "", json.dumps(names))
     for x in names:
-        op(s.get, f"committed/{t}/{x}")
-    op(s.set, f"ready/{t}/0/{me}", "1")
+        op(s.get, P.COMMITTED(t, x))
+    op(s.set, P.READY(t, 0, me), "1")
     for x in names[1:]:
-        op(s.check, [f"ready/{t}/0/{x}"])
+        op(s.check, [P.READY(t, 0, x)])
     for i in range(w):  # gloo's rendezvous of one group: each rank's address, read by the others
-        op(s.set, f"pg/{t}/0/rank{i}", b"x" * 64)
+        op(s.set, f"{P.PG(t, 0)}/rank{i}", b"x" * 64)
     for i in range(1, w):
-        op(s.get, f"pg/{t}/0/rank{i}")
-    op(s.compare_set, f"plan/{t}/0", "", json.dumps({"order": None, "algorithm": "direct", "estimates": {}}))
-    op(s.set, f"flags/{t}/0/{me}", "[]")
-    op(s.set, f"vote/{t}/0/{me}", "ok")
+        op(s.get, f"{P.PG(t, 0)}/rank{i}")
+    op(s.compare_set, P.PLAN(t, 0), "", json.dumps({"order": None, "algorithm": "direct", "estimates": {}}))
+    op(s.set, P.FLAGS(t, 0, me), "[]")
+    op(s.set, P.VOTE(t, 0, me), "ok")
     for x in names:
-        op(s.check, [f"vote/{t}/0/{x}"]), op(s.get, f"vote/{t}/0/{x}")
-    op(s.compare_set, f"outcome/{t}/0", "", "commit")
-    op(s.set, f"digest/{t}/{me}", "d" * 64)
+        op(s.check, [P.VOTE(t, 0, x)]), op(s.get, P.VOTE(t, 0, x))
+    op(s.compare_set, P.OUTCOME(t, 0), "", "commit")
+    op(s.set, P.DIGEST(t, me), "d" * 64)
     for x in names:
-        op(s.check, [f"flags/{t}/0/{x}"]), op(s.get, f"flags/{t}/0/{x}")
-    op(s.set, "progress", str(t + 1))
-    op(s.set, f"metrics/{t}/{me}", "{}" * 200)
+        op(s.check, [P.FLAGS(t, 0, x)]), op(s.get, P.FLAGS(t, 0, x))
+    op(s.set, P.PROGRESS(), str(t + 1))
+    op(s.set, P.METRICS(t, me), "{}" * 200)
     return ops
 
 
 def prime(s, w: int) -> None:
     # the keys other members would have written, so that no get waits
     for i in range(w):
-        s.set(f"launched/{i}", f"w{i}")
-    s.add("launched", w)
+        s.set(P.LAUNCHED(i), f"w{i}")
+    s.add(P.LAUNCHED.under(), w)
 
 
 def bench(kind: str, workers: int, repeat: int) -> dict:
@@ -109,7 +110,7 @@ def bench(kind: str, workers: int, repeat: int) -> dict:
         s = client(kind, port)
         prime(s, workers)
         for x in [f"w{i}" for i in range(workers)]:
-            s.set(f"arrive/{x}", "1")
+            s.set(f"{P.ARRIVE.name}/{x}", "1")
         out = {}
         cases = {"set": lambda i: s.set(f"k{i}", "v" * 32), "get": lambda i: s.get(f"k{i}"),
                  "check": lambda i: s.check([f"k{i}"]), "add": lambda i: s.add("counter", 1),
@@ -124,8 +125,8 @@ def bench(kind: str, workers: int, repeat: int) -> dict:
         steps = []
         for t in range(max(5, repeat // 30)):
             for x in [f"w{i}" for i in range(workers)]:  # the others' keys of this step
-                for key in (f"committed/{t}/{x}", f"vote/{t}/0/{x}", f"flags/{t}/0/{x}"):
-                    s.set(key, "ok" if key.startswith("vote") else "[]" if key.startswith("flags") else "0")
+                for key, value in ((P.COMMITTED(t, x), "0"), (P.VOTE(t, 0, x), "ok"), (P.FLAGS(t, 0, x), "[]")):
+                    s.set(key, value)
             t0 = time.perf_counter()
             n = outer_step(s, t, workers)
             steps.append(time.perf_counter() - t0)

@@ -1,6 +1,6 @@
 """Quality: DiLoCo (W workers, H inner steps, int8 all-reduce) vs DDP on the same tokens.
 
-DiLoCo runs as real worker processes (``Coordinator`` + ``LocalLauncher``) and
+DiLoCo runs as real worker processes (``Coordinator`` + ``worker_launcher``) and
 publishes an outer checkpoint after every outer step; each is evaluated after
 the run (held-out loss and greedy accuracy on 512 held-out problems), so wall
 times (process start to training done) leave evaluation out. DDP (``ddp_baseline.py``) then trains the same
@@ -16,26 +16,17 @@ Positional overrides apply to both runs; ``--diloco KEY=VALUE`` only to DiLoCo
 the JSON already holds one with the same DDP config. Writes
 ``benchmarks/results/diloco_vs_ddp.{png,json}`` (``--out``).
 
-Both arms need their own lr: a positional ``train.lr=`` sets DDP's (and
-DiLoCo's unless ``--diloco train.lr=`` overrides it). Check DDP's before
-trusting a ratio: on the tiny model at 60 outer steps DDP at 1.5e-3 ends far
-below DDP at 3e-3, so a ratio against 3e-3 flatters DiLoCo. The figure in
-``docs/diloco_vs_ddp.png`` is this run (it passes: 1.022x)::
+Both arms need their own lr: a positional ``train.lr=`` sets DDP's (and DiLoCo's unless
+``--diloco train.lr=`` overrides it). Check DDP's before trusting a ratio: a ratio against a
+DDP lr that ends far above DDP's best flatters DiLoCo. A worker steps on B sequences where a DDP
+step sees W*B, so its inner AdamW wants a lower lr than DDP's (the square-root batch rule for Adam
+suggests DDP's / sqrt(W)). The run behind ``docs/diloco_vs_ddp.png`` (its figures and the knobs
+tried are in ``benchmarks/results/``)::
 
     .venv/bin/python benchmarks/diloco_vs_ddp.py --outer-steps 90 --timeout 3600 \
         train.lr=1.5e-3 train.min_lr_ratio=0.0 \
         --diloco diloco.outer_lr=1.0 --diloco diloco.outer_momentum=0.0 --diloco diloco.nesterov=false \
         --diloco train.lr=5e-4
-
-Knobs tried (``benchmarks/results/diloco_tuning/``): a worker steps on B
-sequences where a DDP step sees W*B, so its inner AdamW wants a lower lr than
-DDP's (the square-root batch rule for Adam suggests DDP's / sqrt(W)). On this
-0.86M-parameter model plain averaging of the workers' models (outer lr 1, no
-momentum) beats INTELLECT-1's Nesterov 0.7/0.9, whose ~7x gain on persistent
-directions overshoots. At 30 outer steps the run ends where DDP's loss drops
-fastest; both arms get the same longer run and the same tokens. The passing run also decays both
-arms' lr to 0 (cosine, ``train.min_lr_ratio=0``) over 90 outer steps: 1.022x, where 60 outer steps
-with the default floor of 0.1 gave 1.030x (which of the two changes did it was not separated).
 """
 
 from __future__ import annotations
@@ -55,7 +46,7 @@ from ddp_baseline import EVAL_SIZE, run_ddp  # noqa: E402
 
 from intellect.config import DilocoConfig, DilocoRunConfig, load_config  # noqa: E402
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
-from intellect.diloco.coordinator import Coordinator, LocalLauncher  # noqa: E402
+from intellect.diloco.coordinator import Coordinator, worker_launcher  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.pretrain import fetch_checkpoint  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
@@ -66,7 +57,7 @@ TOLERANCE = 0.03
 
 
 def run_diloco(run: DilocoRunConfig, log_dir: Path, timeout: float) -> dict:
-    c = Coordinator(run, LocalLauncher(log_dir), env={"OMP_NUM_THREADS": "1"})
+    c = Coordinator(run, worker_launcher(log_dir), env={"OMP_NUM_THREADS": "1"})
     try:
         t0 = time.perf_counter()
         c.start()

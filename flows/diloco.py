@@ -1,11 +1,11 @@
 """``diloco-train``: start the rendezvous store and N workers, watch them, report.
 
-Each worker is a long-lived process whose outer steps are flow runs of their
-own (``diloco-outer-step``), so the dashboard shows one run per worker per
-outer step; this flow publishes the run-level table and progress. Workers are
+Each worker is a long-lived process that drives its own outer steps and records each one as a
+flow run (``diloco-outer-step``, ``flows.diloco_worker``), so the dashboard shows one run per
+worker per outer step; this flow publishes the run-level table and progress. Workers are
 subprocesses of this flow run (``dispatch.mode = "local"``) or flow runs of the
 ``diloco-worker`` deployment on its work pool (``"deployments"``,
-:class:`DeploymentLauncher`). Members that the robust all-reduce flags or bans
+:func:`deployment_launcher`). Members that the robust all-reduce flags or bans
 show in the event feed (``flows.diloco_events``) and in the table's ``flagged``.
 
 The run secret reaches the workers as ``Coordinator`` hands it out: in the
@@ -16,30 +16,27 @@ has ``diloco.secret_file``, in which case nothing is passed.
 
 from __future__ import annotations
 
-import signal
 import tempfile
-import time
-from dataclasses import dataclass
-from uuid import UUID
+from collections.abc import Sequence
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
-from prefect.deployments import run_deployment
-from prefect.states import Cancelled, Cancelling
 from prefect.settings import get_current_settings
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
 from flows.diloco_events import emit_outliers
 from flows.diloco_worker import diloco_worker
-from flows.dispatch import deployment_name
 from flows.events import emit_membership
+from flows.launch import DeploymentLauncher
 from flows.progress import progress_bar
 from intellect.config import DilocoRunConfig
-from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, EXIT_FAILED, Coordinator, Launcher, LocalLauncher
+from intellect.diloco.coordinator import (EXIT_BANNED, EXIT_DONE, EXIT_FAILED, Coordinator, parse_worker_args,
+                                          worker_launcher)
 from intellect.diloco.worker import init_run
+from intellect.launch import Launcher
 from intellect.storage import RunStorage
 
 
@@ -56,57 +53,17 @@ def start_run(cfg: DilocoRunConfig) -> int:
     return init_run(cfg, RunStorage.from_config(cfg.storage, cfg.run_name))
 
 
-@dataclass
-class FlowRunWorker:
-    """A worker that is a flow run (:class:`DeploymentLauncher`): polled through the API at most every
-    ``poll_interval`` s; stopped by cancelling the flow run, which its process worker turns into SIGTERM."""
-
-    worker: str
-    flow_run_id: UUID
-    poll_interval: float
-    _code: int | None = None
-    _polled: float = float("-inf")
-
-    def poll(self) -> int | None:
-        if self._code is None and time.monotonic() - self._polled >= self.poll_interval:
-            self._polled = time.monotonic()
-            with get_client(sync_client=True) as client:
-                state = client.read_flow_run(self.flow_run_id).state
-            if state is not None and state.is_final():
-                self._code = (EXIT_DONE if state.is_completed()
-                              else -signal.SIGTERM if state.is_cancelled() else EXIT_FAILED)
-        return self._code
-
-    def terminate(self) -> None:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(self.flow_run_id).state
-            if state is None or state.is_final() or state.is_cancelling():
-                return
-            # a run no process worker has picked up yet has nobody to stop it: cancelled at once
-            waiting = state.is_scheduled() or state.is_pending()
-            client.set_flow_run_state(self.flow_run_id, Cancelled() if waiting else Cancelling(), force=True)
-
-    def kill(self) -> None:
-        self.terminate()  # the process worker escalates to SIGKILL when SIGTERM is not enough
-
-
-class DeploymentLauncher:
+def deployment_launcher(run: DilocoRunConfig) -> DeploymentLauncher:
     """Each worker as a flow run of the ``diloco-worker`` deployment, a child of this flow run, on the
     deployment's work pool (e.g. one per GPU host). The run's config travels as a parameter, so its
     storage secret does not: remote workers take S3 credentials from their own ``AWS_*`` environment."""
 
-    def __init__(self, run: DilocoRunConfig):
-        self.run = run
+    def parameters(name: str, args: Sequence[str]) -> dict:  # noqa: ARG001 - the worker name is in args
+        a = parse_worker_args(list(args))  # its --config is the coordinator's own copy, unreadable elsewhere
+        return {"config": run.model_dump(mode="json"), "worker": a.worker, "index": a.index, "store": a.store,
+                "run_name": run.run_name}
 
-    def launch(self, worker: str, index: int, config_path: str, store: str, env: dict[str, str]) -> FlowRunWorker:
-        # config_path is the coordinator's own copy, not readable on another machine
-        fr = run_deployment(
-            name=deployment_name(diloco_worker, self.run.dispatch), timeout=0, as_subflow=True,
-            parameters={"config": self.run.model_dump(mode="json"), "worker": worker, "index": index,
-                        "store": store, "run_name": self.run.run_name},
-            job_variables={"env": env} if env else None,
-        )
-        return FlowRunWorker(worker, fr.id, self.run.dispatch.poll_interval)
+    return DeploymentLauncher(diloco_worker, run.dispatch, parameters, failed=EXIT_FAILED)
 
 
 def _api_env() -> dict[str, str]:
@@ -151,7 +108,7 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         update_progress_artifact(artifact_id=progress, progress=100.0 * n / cfg.diloco.outer_steps)
 
     with tempfile.TemporaryDirectory(prefix="intellect-diloco-logs-") as logs:
-        launcher: Launcher = LocalLauncher(logs, module=worker_module) if local else DeploymentLauncher(cfg)
+        launcher: Launcher = worker_launcher(logs, module=worker_module) if local else deployment_launcher(cfg)
         coord = Coordinator(cfg, launcher, env=env)
         try:
             for _ in range(cfg.diloco.workers):

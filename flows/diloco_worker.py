@@ -1,9 +1,10 @@
-"""A DiLoCo worker process whose every outer step is one Prefect flow run.
+"""A DiLoCo worker process whose every outer step is recorded as one Prefect flow run.
 
 Started by the ``diloco-train`` flow's launcher, either as a subprocess of its flow run
-(``python -m flows.diloco_worker worker --config ... --worker w0 --index 0 --store host:port``) or as a
-flow run of the ``diloco-worker`` deployment on a GPU pool (:func:`diloco_worker`), which runs the
-same loop in the flow run's process.
+(``python -m flows.diloco_worker`` + ``coordinator.worker_args``) or as a flow run of the
+``diloco-worker`` deployment on a GPU pool (:func:`diloco_worker`). The worker drives its own loop
+(``DilocoWorker.run_until_done``); this module only observes: after each outer step, :func:`report_step`
+records it as a ``diloco-outer-step`` flow run with the step's table artifact.
 """
 
 from __future__ import annotations
@@ -15,53 +16,55 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
-from prefect.states import Cancelled
 
 from flows.artifacts import artifact_key
 from intellect.config import DilocoRunConfig
-from intellect.diloco.coordinator import EXIT_DONE, main, worker_main
-from intellect.diloco.worker import DilocoWorker
-from tasks.diloco import run_phase
+from intellect.diloco.coordinator import EXIT_DONE, main, parse_worker_args, worker_main
+from intellect.diloco.worker import StepReport
+
+LISTS = ("members", "flagged", "banned")  # joined with commas in the table
 
 
 @flow(name="diloco-outer-step", flow_run_name="{worker_id}-step-{step}")
-def diloco_outer_step(worker_id: str, step: int, run_name: str) -> dict:
-    w = _RESIDENT[worker_id]
-    report = asdict(w.outer_step(run_phase))
+def diloco_outer_step(worker_id: str, step: int, run_name: str, report: dict) -> dict:
+    """The record of one outer step of one worker: its report as a table artifact."""
     create_table_artifact(
         key=artifact_key(run_name, f"{worker_id}-outer-step"),
-        table=[{k: v for k, v in report.items() if k not in ("members", "flagged", "banned")}
-               | {k: ",".join(report[k]) for k in ("members", "flagged", "banned")}],
-        description=f"DiLoCo outer step {report['step']} on {worker_id}",
+        table=[{k: v for k, v in report.items() if k not in LISTS} | {k: ",".join(report[k]) for k in LISTS}],
+        description=f"DiLoCo outer step {step} on {worker_id}",
     )
     return report
 
 
-_RESIDENT: dict[str, DilocoWorker] = {}
+def observer(run_name: str):
+    """What ``worker_main`` calls after each outer step: one ``diloco-outer-step`` flow run."""
 
+    def report_step(r: StepReport) -> None:
+        diloco_outer_step(r.worker, r.step, run_name, asdict(r))
 
-def run_step(w: DilocoWorker):
-    _RESIDENT[w.worker] = w
-    from intellect.diloco.worker import StepReport
-
-    return StepReport(**diloco_outer_step(w.worker, w.step, w.run.run_name))
+    return report_step
 
 
 @flow(name="diloco-worker", flow_run_name="{run_name}-{worker}")
-def diloco_worker(config: DilocoRunConfig, worker: str, index: int, store: str, run_name: str = "") -> int:
-    """One DiLoCo worker until the run is done (its outer steps are sub-flow runs). Cancelling the
-    flow run stops it like SIGTERM: the deathrattle tells the peers at once."""
+def diloco_worker(config: DilocoRunConfig, worker: str, index: int, store: str,
+                  run_name: str = "") -> int:  # noqa: ARG001 - names the flow run (flow_run_name)
+    """One DiLoCo worker until the run is done (its outer steps are recorded as sub-flow runs).
+    Cancelling the flow run stops it: the process worker's SIGTERM is Prefect's to handle (it marks
+    the run cancelled), and the deathrattle tells the peers at once on the way out."""
     with tempfile.TemporaryDirectory(prefix="intellect-diloco-worker-") as tmp:
         path = Path(tmp) / "run.json"
         path.write_text(config.model_dump_json())
-        try:
-            code = worker_main(str(path), worker, index, store, step_runner=run_step)
-        except SystemExit:  # SIGTERM: the process worker carrying out a cancellation (deathrattle sent)
-            return Cancelled(message=f"DiLoCo worker {worker} left the run on SIGTERM")
+        code = worker_main(str(path), worker, index, store, observe=observer(config.run_name), sigterm=False)
     if code != EXIT_DONE:
         raise RuntimeError(f"DiLoCo worker {worker} stopped with exit code {code}")
     return code
 
 
+def _main(argv: list[str]) -> int:
+    prog = "python -m flows.diloco_worker"
+    run = DilocoRunConfig.model_validate_json(Path(parse_worker_args(argv, prog).config).read_text())
+    return main(argv, observe=observer(run.run_name), prog=prog)
+
+
 if __name__ == "__main__":
-    sys.exit(main(step_runner=run_step, prog="python -m flows.diloco_worker"))
+    sys.exit(_main(sys.argv[1:]))

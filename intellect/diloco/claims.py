@@ -76,7 +76,9 @@ class Claims:
 
     def _claimed(self, b: int, c: int) -> list[float]:
         """Announced norms of chunk ``c`` (ring position) of bucket ``b`` by the contributors."""
-        return [float(self.claims[self.order[p], b, c]) for p in range(self.W) if self.flags[p]]
+        claims = self.claims
+        assert claims is not None, "only called once exchange_claims() has run"
+        return [float(claims[self.order[p], b, c]) for p in range(self.W) if self.flags[p]]
 
     def _check_results(self, b: int, decoded: list[torch.Tensor | None]) -> None:
         """Blame each owner whose result chunk is longer than ``receiver_bound`` allows."""

@@ -1,14 +1,14 @@
 """The DiLoCo coordinator: hosts the rendezvous store, starts workers, watches them.
 
-Workers are started through a :class:`Launcher` (local subprocesses by
-default; the deployment work adds a work-pool launcher). The coordinator owns
-nothing else: training state lives in the workers and in run storage, so a
-killed coordinator loses no progress. Its workers notice the lost store and
-stop; a new coordinator resumes from the newest outer checkpoint.
+Workers are started through an ``intellect.launch.Launcher`` (local subprocesses:
+:func:`worker_launcher`; a work-pool launcher plugs into the same protocol). The coordinator owns
+nothing else: training state lives in the workers and in run storage, so a killed coordinator
+loses no progress. Its workers notice the lost store and stop; a new coordinator resumes from the
+newest outer checkpoint.
 
-A worker process is ``python -m intellect.diloco.coordinator worker ...``;
-it exits 0 when the run's outer steps are done, 3 when the store is lost,
-4 when it failed, 5 when the run banned it (``robust.py``).
+A worker process is ``python -m intellect.diloco.coordinator`` + :func:`worker_args`; it exits 0
+when the run's outer steps are done, 3 when the store is lost, 4 when it failed, 5 when the run
+banned it (``robust.py``).
 
 The run secret and the workers' keys. Only the coordinator holds the run secret, read from
 ``$INTELLECT_DILOCO_SECRET`` or ``diloco.secret_file``
@@ -33,20 +33,25 @@ import os
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from intellect.config import DilocoRunConfig
-from intellect.diloco.membership import StoreLost, _count, _names, ban_votes, connect_store, scope
+from intellect.diloco.faults import NO_FAULTS, Faults
+from intellect.diloco.membership import StoreLost, connect_store, scope
+from intellect.diloco.protocol import BAN, BANNED, LAUNCHED, METRICS, PROGRESS, START, ban_votes, read_count, read_names
 from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, allreduce_root, peer_key
+from intellect.launch import Handle, Launcher, LocalLauncher, stop
 from intellect.storage import RunStorage
 from intellect.trust.mac import new_secret
+
+if TYPE_CHECKING:
+    from intellect.diloco.worker import StepReport
 
 EXIT_DONE, EXIT_STORE_LOST, EXIT_FAILED, EXIT_BANNED = 0, 3, 4, 5
 log = logging.getLogger("intellect.diloco")
@@ -123,56 +128,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class WorkerHandle(Protocol):
-    worker: str
-
-    def poll(self) -> int | None: ...
-    def terminate(self) -> None: ...
-    def kill(self) -> None: ...
+WORKER_MODULE = "intellect.diloco.coordinator"  # ``python -m`` it with :func:`worker_args`
+CREDENTIAL_ENVS = (SECRET_ENV, PEER_KEY_ENV, ALLREDUCE_KEY_ENV)
 
 
-class Launcher(Protocol):
-    def launch(self, worker: str, index: int, config_path: str, store: str, env: dict[str, str]) -> WorkerHandle: ...
+def worker_args(worker: str, index: int, config_path: str, store: str) -> list[str]:
+    """The command line of one worker process (:func:`main`); :func:`parse_worker_args` reads it back."""
+    return ["worker", "--config", config_path, "--worker", worker, "--index", str(index), "--store", store]
 
 
-@dataclass
-class LocalProcess:
-    worker: str
-    proc: subprocess.Popen
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-class LocalLauncher:
-    """Each worker as a subprocess of this machine; logs go to ``log_dir/<worker>.log``."""
-
-    def __init__(self, log_dir: str | os.PathLike, module: str = "intellect.diloco.coordinator"):
-        self.log_dir, self.module = Path(log_dir), module
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-
-    def launch(self, worker: str, index: int, config_path: str, store: str, env: dict[str, str]) -> LocalProcess:
-        out = open(self.log_dir / f"{worker}.log", "ab")
-        cmd = [sys.executable, "-m", self.module, "worker", "--config", config_path,
-               "--worker", worker, "--index", str(index), "--store", store]
-        # the run secret stays with the coordinator even when it came in our own environment
-        inherited = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, PEER_KEY_ENV, ALLREDUCE_KEY_ENV)}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**inherited, **env},
-                                start_new_session=True)
-        out.close()
-        return LocalProcess(worker, proc)
+def worker_launcher(log_dir: str | os.PathLike, module: str = WORKER_MODULE) -> LocalLauncher:
+    """Workers as subprocesses of this machine, logs in ``log_dir/<worker>.log``. The run secret and
+    the coordinator's own keys stay here even when they came in its environment: a worker gets only
+    the credentials :class:`Coordinator` hands it."""
+    return LocalLauncher(log_dir, module, withhold=CREDENTIAL_ENVS)
 
 
 @dataclass
@@ -182,7 +151,7 @@ class Coordinator:
     run: DilocoRunConfig
     launcher: Launcher
     env: dict[str, str] = field(default_factory=dict)
-    handles: dict[str, WorkerHandle] = field(default_factory=dict)
+    handles: dict[str, Handle] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.run.diloco
@@ -203,21 +172,21 @@ class Coordinator:
     def address(self) -> str:
         return f"{self.run.diloco.store_host}:{self.port}"
 
-    def start_worker(self, worker: str | None = None) -> WorkerHandle:
+    def start_worker(self, worker: str | None = None) -> Handle:
         index = self.next_index
         self.next_index += 1
         worker = worker or f"w{index}"
         env = {**self.env, **worker_credentials(self._secret, self.run.run_name, worker)}  # refuses "coordinator"
-        slot = int(self.store.add("launched", 1)) - 1
-        self.store.set(f"launched/{slot}", worker)  # founders wait for every launched worker
-        handle = self.launcher.launch(worker, index, self.config_path, self.address, env)
+        slot = int(self.store.add(LAUNCHED.under(), 1)) - 1
+        self.store.set(LAUNCHED(slot), worker)  # founders wait for every launched worker
+        handle = self.launcher.launch(worker, worker_args(worker, index, self.config_path, self.address), env)
         self.handles[worker] = handle
         return handle
 
     def start(self) -> None:
-        from intellect.diloco.worker import init_run
+        from intellect.diloco.worker import init_run  # noqa: PLC0415 - torch loads only where it is used
 
-        self.store.set("start", json.dumps(init_run(self.run, self.storage)))  # the founders' step
+        self.store.set(START(), json.dumps(init_run(self.run, self.storage)))  # the founders' step
         for _ in range(self.run.diloco.workers):
             self.start_worker()
 
@@ -228,25 +197,26 @@ class Coordinator:
 
     def progress(self) -> int | None:
         """The committed outer steps the leader announced (None: none yet or unreadable), at most the run's."""
-        if not self.store.check(["progress"]):
+        if not self.store.check([PROGRESS()]):
             return None
-        value = _count(self.store.get("progress"), 0, self.run.diloco.outer_steps)
+        value = read_count(self.store.get(PROGRESS()), 0, self.run.diloco.outer_steps)
         if value is None:
-            self._ignore("progress", f"not a count of 0-{self.run.diloco.outer_steps} steps")
+            self._ignore(PROGRESS(), f"not a count of 0-{self.run.diloco.outer_steps} steps")
         return value
 
     def promote_bans(self) -> list[str]:
         """Write ``banned/<w>`` for each admitted worker a majority of an attempt's members recorded a
         ban of (``membership.ban_votes``); returns the ones newly banned."""
         names = list(self.handles)
-        records = [f"ban/{w}/{v}" for w in names for v in names if v != w]
-        recorded = {k.split("/")[1] for k, there in zip(records, self.store.check_many(records)) if there}
+        records = [(w, BAN(w, v)) for w in names for v in names if v != w]
+        there = self.store.check_many([k for _, k in records])
+        recorded = {w for (w, _), present in zip(records, there) if present}
         out = []
         for w in names:
-            if w not in recorded or self.store.check([f"banned/{w}"]):
+            if w not in recorded or self.store.check([BANNED(w)]):
                 continue
             if ban_votes(lambda k: self.store.get(k) if self.store.check([k]) else None, w, names):
-                self.store.set(f"banned/{w}", json.dumps({"by": "majority"}))
+                self.store.set(BANNED(w), json.dumps({"by": "majority"}))
                 out.append(w)
         return out
 
@@ -256,13 +226,13 @@ class Coordinator:
         while True:
             out = {}
             for w in self.handles:
-                key = f"metrics/{step}/{w}"
+                key = METRICS(step, w)
                 if self.store.check([key]):
                     try:
                         record = json.loads(self.store.get(key))
                     except ValueError:
                         record = None
-                    if isinstance(record, dict) and _names(record.get("members", [])) is not None:
+                    if isinstance(record, dict) and read_names(record.get("members", [])) is not None:
                         out[w] = record
                     else:
                         self._ignore(key, "not a metrics record")
@@ -289,13 +259,7 @@ class Coordinator:
         return {w: h.poll() for w, h in self.handles.items()}
 
     def stop(self, grace: float = 10.0) -> None:
-        for h in self.handles.values():
-            h.terminate()
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(h.poll() is None for h in self.handles.values()):
-            time.sleep(0.1)
-        for h in self.handles.values():
-            h.kill()
+        stop(self.handles.values(), grace)
 
     def close(self) -> None:
         self.stop()
@@ -307,9 +271,14 @@ class Coordinator:
 # ---------------------------------------------------------------------- worker entry
 
 
-def worker_main(config_path: str, worker: str, index: int, store: str, step_runner=None) -> int:
-    """Run one worker until the run is done; ``step_runner(w)`` runs one outer step."""
-    from intellect.diloco.worker import Banned, DilocoWorker
+def worker_main(config_path: str, worker: str, index: int, store: str,
+                observe: Callable[[StepReport], None] | None = None, faults: Faults = NO_FAULTS,
+                sigterm: bool = True) -> int:
+    """Run one worker until the run is done (:meth:`DilocoWorker.run_until_done`); ``observe`` sees each
+    outer step's report; ``faults`` is what a test injects (production: none). ``sigterm``: SIGTERM
+    ends the worker with ``EXIT_FAILED``; False leaves SIGTERM to whoever handles it (in a flow run,
+    Prefect, which cancels the run): either way the deathrattle goes out on the way down."""
+    from intellect.diloco.worker import Banned, DilocoWorker  # noqa: PLC0415 - as in Coordinator.start
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker} %(levelname)s %(message)s")
     run = DilocoRunConfig.model_validate_json(Path(config_path).read_text())
@@ -319,9 +288,8 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
     def on_term(signum, frame):  # noqa: ARG001
         raise SystemExit(EXIT_FAILED)
 
-    # In a flow run's process (the diloco-worker deployment) this may not be the main thread, where
-    # only Prefect's own handler stops the run.
-    main_thread = threading.current_thread() is threading.main_thread()
+    # only the main thread may install a handler
+    main_thread = sigterm and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
         keys = load_credentials(worker, run.run_name, run.diloco.secret_file)
@@ -329,11 +297,8 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
             log.error("no credentials: set %s and %s (or %s, or diloco.secret_file)", PEER_KEY_ENV,
                       ALLREDUCE_KEY_ENV, SECRET_ENV)
             return EXIT_FAILED
-        w = DilocoWorker(run, worker, index, host, int(port), key=keys[0], allreduce_key=keys[1])
-        while not w.done():
-            r = step_runner(w) if step_runner else w.outer_step()
-            log.info("step %d committed=%s members=%s loss=%.4f bytes=%d algorithm=%s digest=%s",
-                     r.step, r.committed, r.members, r.inner_loss, r.bytes_sent, r.algorithm, r.digest[:12])
+        w = DilocoWorker(run, worker, index, host, int(port), key=keys[0], allreduce_key=keys[1], faults=faults)
+        w.run_until_done(observe)
         return EXIT_DONE
     except StoreLost as e:
         log.error("stopping: %s", e)
@@ -348,7 +313,7 @@ def worker_main(config_path: str, worker: str, index: int, store: str, step_runn
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def main(argv: list[str] | None = None, step_runner=None, prog: str = "python -m intellect.diloco.coordinator") -> int:
+def _parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog)
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker", help="run one DiLoCo worker until the run is done")
@@ -356,8 +321,18 @@ def main(argv: list[str] | None = None, step_runner=None, prog: str = "python -m
     w.add_argument("--worker", required=True)
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--store", required=True, help="host:port of the rendezvous store")
-    args = ap.parse_args(argv)
-    return worker_main(args.config, args.worker, args.index, args.store, step_runner)
+    return ap
+
+
+def parse_worker_args(argv: list[str], prog: str = "python -m intellect.diloco.coordinator") -> argparse.Namespace:
+    """:func:`worker_args` read back: ``config``, ``worker``, ``index``, ``store``."""
+    return _parser(prog).parse_args(argv)
+
+
+def main(argv: list[str] | None = None, observe: Callable[[StepReport], None] | None = None,
+         prog: str = "python -m intellect.diloco.coordinator", faults: Faults = NO_FAULTS) -> int:
+    args = parse_worker_args(sys.argv[1:] if argv is None else argv, prog)
+    return worker_main(args.config, args.worker, args.index, args.store, observe, faults)
 
 
 if __name__ == "__main__":

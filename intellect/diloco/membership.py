@@ -1,52 +1,27 @@
-"""Elastic membership of DiLoCo workers over the rendezvous store: liveness and agreement.
+"""Elastic membership of DiLoCo workers over the rendezvous store: liveness, bounded waits, write scopes.
 
 The store is the authenticated rendezvous the coordinator hosts (:mod:`intellect.diloco.rendezvous`:
-nobody without a peer key of the run can read or write a key). Keys (all strings):
+nobody without a peer key of the run can read or write a key); the keys are those of
+:mod:`intellect.diloco.protocol`, and :func:`scope` is the policy that enforces each family's
+:class:`~intellect.diloco.protocol.Writer`.
 
-``launched/<i>``      the i-th worker the coordinator admitted (``launched``: how many); the
-                      admission order, never the names' sort order, ranks members: the first
-                      admitted live member leads (writes ``progress`` and checkpoints)
-``committed/<t>/<w>`` outer steps ``w`` had committed when it reached boundary ``t``
-``hb/<w>``            heartbeat counter, bumped every ``heartbeat_interval`` s
-``dead/<w>``          deathrattle, written on clean exit and on SIGTERM
-``arrive/<t>/<w>``    worker ``w`` is at the boundary of outer step ``t``
-``members/<t>/<a>``   the agreed members of step ``t``, attempt ``a`` (JSON list)
-``left/<t>/<w>``       ``w`` was left out of step ``t`` and rejoins later: do not wait for it
-``ready/<t>/<a>/<w>`` worker ``w`` holds its pseudo-gradient for that attempt
-``vote/<t>/<a>/<w>``  ``ok`` or ``fail`` after the all-reduce
-``probe/<t>``, ``order/<t>/<a>``  whether to measure bandwidth; the ring order used
-``outcome/<t>/<a>``   ``commit`` or ``abort``, decided once
-``progress``          newest committed outer step (JSON)
-``flags/<t>/<a>/<w>``  the members ``w`` found to be outliers in that attempt (JSON list)
-``blame/<t>/<a>/<w>``  the owners whose results ``w`` refused in that attempt (JSON list)
-``ban/<w>/<by>``      ``by`` counted ``w`` an outlier in too many steps (``{"step", "attempt"}``)
-``banned/<w>``        a majority of an attempt's members recorded ``ban/<w>/``, as the coordinator
-                      found: ``w`` is never a member again (members also count the records themselves)
-``start``             the outer step the founders begin at (the coordinator's newest checkpoint)
-
-Who writes what (:func:`scope`, enforced by the rendezvous for each peer's own key): a worker
-writes only the keys naming it, its per-attempt keys only as a member of that attempt, a decision
-only as one taking part in it, and ``progress`` only as the leader of the commit it names; the
-coordinator alone writes ``launched``, ``banned/`` and ``start``.
-
-Every decision is taken with ``compare_set`` on an empty key, so the first
-proposal wins and every worker reads the same answer: no leader, no split
-brain. Liveness is judged from the heartbeat *counter* changing in the
-observer's own clock, so clock skew between hosts cannot kill anyone; a
-worker is dead when its deathrattle is set or its counter has not moved for
-``heartbeat_timeout`` seconds. Every wait has a deadline; a store that stops
+Liveness is judged from the heartbeat *counter* changing in the observer's own clock, so clock
+skew between hosts cannot kill anyone; a worker is dead when its deathrattle is set or its counter
+has not moved for ``heartbeat_timeout`` seconds. Every wait has a deadline; a store that stops
 answering raises :class:`StoreLost` so a worker stops instead of hanging.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
-from intellect.diloco.rendezvous import COORDINATOR, RendezvousStore, _unb64, peer_key
+from intellect.diloco.protocol import (ARRIVE, BAN, BANNED, COMMITTED, DEAD, FAMILIES, HB, LEFT, MAX_SCAN, MEMBERS,
+                                       OUTCOME, PROGRESS, READY, START, VOTE, Writer, ban_votes, read_ban, read_count,
+                                       read_json, read_names)
+from intellect.diloco.rendezvous import COORDINATOR, RendezvousStore, unb64, peer_key
 
 
 class StoreLost(RuntimeError):
@@ -88,7 +63,11 @@ class Membership:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
         self.host, self.port, self.worker, self.run = host, port, worker, run
-        self._key = key if key is not None else peer_key(secret, run, worker)  # our own: never the secret
+        if key is None:
+            if secret is None:
+                raise ValueError("a member needs its key or the run secret")
+            key = peer_key(secret, run, worker)
+        self._key = key  # our own: never the secret
         self.interval, self.timeout, self.store_timeout = heartbeat_interval, heartbeat_timeout, store_timeout
         self.startup_grace = max(startup_grace, heartbeat_timeout)
         self.store = connect_store(host, port, store_timeout, None, run, worker, key=self._key)
@@ -100,8 +79,8 @@ class Membership:
     # ------------------------------------------------------------------ own liveness
 
     def start_heartbeat(self) -> None:
-        self.store.delete_key(f"dead/{self.worker}")
-        self.store.add(f"hb/{self.worker}", 1)
+        self.store.delete_key(DEAD(self.worker))
+        self.store.add(HB(self.worker), 1)
         self._beat = threading.Thread(target=self._heartbeat, name=f"heartbeat-{self.worker}", daemon=True)
         self._beat.start()
 
@@ -110,7 +89,7 @@ class Membership:
         try:
             store = connect_store(self.host, self.port, self.store_timeout, None, self.run, self.worker, key=self._key)
             while not self._stop.wait(self.interval):
-                store.add(f"hb/{self.worker}", 1)
+                store.add(HB(self.worker), 1)
         except Exception as e:  # noqa: BLE001
             self._lost = e
 
@@ -123,7 +102,7 @@ class Membership:
         """Announce a clean exit so peers drop this worker at once."""
         self._stop.set()
         try:
-            self.store.set(f"dead/{self.worker}", "1")
+            self.store.set(DEAD(self.worker), "1")
         except Exception:  # noqa: BLE001 - the store may be gone already; exiting anyway
             pass
 
@@ -155,9 +134,9 @@ class Membership:
         """
         if worker == self.worker:
             return True
-        if self.has(f"dead/{worker}"):
+        if self.has(DEAD(worker)):
             return False
-        count = self.counter(f"hb/{worker}")
+        count = self.counter(HB(worker))
         now = time.monotonic()
         last = self._seen.get(worker)
         if last is None or last[0] != count:
@@ -187,7 +166,7 @@ class Membership:
 
     def leave(self, step: int) -> None:
         """Tell the members of ``step`` not to wait for us (we rejoin at a later boundary)."""
-        self.set(f"left/{step}/{self.worker}", "1")
+        self.set(LEFT(step, self.worker), "1")
 
     def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float,
                       step: int | None = None) -> tuple[list[str], list[str]]:
@@ -195,7 +174,7 @@ class Membership:
         workers = list(workers)
 
         def gone(w: str) -> bool:
-            return not self.alive(w) or (step is not None and self.has(f"left/{step}/{w}"))
+            return not self.alive(w) or (step is not None and self.has(LEFT(step, w)))
 
         def settled() -> bool:
             return all(self.has(f"{prefix}/{w}") or gone(w) for w in workers)
@@ -207,30 +186,22 @@ class Membership:
         present = [w for w in workers if self.has(f"{prefix}/{w}")]
         return present, [w for w in workers if w not in present]
 
-    def members(self, step: int, attempt: int) -> list[str] | None:
-        raw = self.decided(f"members/{step}/{attempt}")
-        return None if raw is None else json.loads(raw)
-
-    def propose_members(self, step: int, attempt: int, workers: list[str]) -> list[str]:
-        """Propose ``workers`` in admission order (the caller's order; duplicates dropped): ranks and
-        the leader follow it, so a name chosen to sort first gains nothing."""
-        return json.loads(self.decide(f"members/{step}/{attempt}", json.dumps(list(dict.fromkeys(workers)))))
-
     def banned(self, worker: str, voters: Iterable[str] = ()) -> bool:
         """Banned by the coordinator (``banned/<w>``) or by a majority of an attempt's members
         among ``voters`` (:func:`ban_votes`)."""
-        if self.has(f"banned/{worker}"):
+        if self.has(BANNED(worker)):
             return True
         voters = [v for v in voters if v != worker]
         if not voters:
             return False
-        keys = [f"ban/{worker}/{v}" for v in voters]
+        keys = [BAN(worker, v) for v in voters]
+        asked = set(keys)
         present = {k for k, there in zip(keys, self._call(self.store.check_many, keys)) if there}
         if not present:
             return False
 
         def get(key: str) -> bytes | None:
-            if key.startswith("ban/") and key not in present:
+            if key in asked and key not in present:
                 return None
             return self._call(self.store.get, key) if self.has(key) else None
 
@@ -238,8 +209,8 @@ class Membership:
 
     def progress(self) -> int | None:
         """The newest committed outer step (None: none yet, or a value that is not a count)."""
-        raw = self.decided("progress")
-        return None if raw is None else _count(raw)
+        raw = self.decided(PROGRESS())
+        return None if raw is None else read_count(raw)
 
     def close(self) -> None:
         self._stop.set()
@@ -249,56 +220,17 @@ class Membership:
 
 # ---------------------------------------------------------------------- who may write what
 
-_OWN = {"hb": 1, "dead": 1, "committed": 2, "arrive": 2, "left": 2, "digest": 2, "metrics": 2, "stalled": 2}
-_IN_ATTEMPT = ("ready", "vote", "flags", "blame")  # <family>/<t>/<a>/<w>, w a member of that attempt
-_DECISIONS = {"members": 2, "outcome": 2, "plan": 2, "probe": 1}  # first wins: compare_set on an empty key
-_GLOO = ("pg", "bw")  # gloo's own rendezvous under a group's prefix (and the probe's columns)
-MAX_SCAN = 1024  # attempts of one step looked through when checking a claim about them
 
-
-def _json(raw: bytes | None):
-    try:
-        return None if raw is None else json.loads(raw)
-    except ValueError:
-        return None
-
-
-def _count(raw, lo: int = 0, hi: int = 1 << 40) -> int | None:
-    """``raw`` as an integer in ``[lo, hi]`` (a JSON number or its text), else None: every number a
-    peer writes is read through this, so a malformed one is ignored rather than raised on.
-
-    >>> _count(b"3"), _count("x"), _count(b"1e9"), _count(b"10", hi=5), _count(True)
-    (3, None, None, None, None)
-    """
-    try:
-        v = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
-    except ValueError:
-        return None
-    return v if type(v) is int and lo <= v <= hi else None
-
-
-def _names(raw, cap: int = 4096) -> list[str] | None:
-    """A JSON list of distinct worker names, else None.
-
-    >>> _names(b'["w0", "w1"]'), _names(b'["w0", "w0"]'), _names(b'{"a": 1}'), _names(b"[")
-    (['w0', 'w1'], None, None, None)
-    """
-    v = _json(raw) if isinstance(raw, (bytes, str)) else raw
-    if not (isinstance(v, list) and len(v) <= cap and all(isinstance(w, str) and 0 < len(w) <= 64 for w in v)):
-        return None
-    return v if len(set(v)) == len(v) else None
-
-
-def _member(data: dict, t: str, a: str, peer: str) -> bool:
-    return peer in (_names(data.get(f"members/{t}/{a}")) or [])
+def _member(data: dict, t: object, a: object, peer: str) -> bool:
+    return peer in (read_names(data.get(MEMBERS(t, a))) or [])
 
 
 def _committed_members(data: dict, t: int) -> list[list[str]]:
     """The members of each attempt of step ``t`` whose outcome is commit."""
     out, a = [], 0
-    while a < MAX_SCAN and f"members/{t}/{a}" in data:
-        if data.get(f"outcome/{t}/{a}") == b"commit":
-            out.append(_names(data[f"members/{t}/{a}"]) or [])
+    while a < MAX_SCAN and MEMBERS(t, a) in data:
+        if data.get(OUTCOME(t, a)) == b"commit":
+            out.append(read_names(data[MEMBERS(t, a)]) or [])
         a += 1
     return out
 
@@ -312,51 +244,84 @@ def _decision(peer: str, parts: list[str], value: bytes, data: dict) -> str | No
     if any(_step(p) is None for p in parts[1:]):
         return f"{family}: the step and attempt are numbers"
     t = int(parts[1])
-    if family == "outcome":
+    if family == OUTCOME.name:
         if value not in (b"commit", b"abort"):
             return "an outcome is commit or abort"
-        if not (_member(data, *parts[1:], peer) and f"vote/{'/'.join(parts[1:])}/{peer}" in data):
+        if not (_member(data, parts[1], parts[2], peer) and VOTE(parts[1], parts[2], peer) in data):
             return "only a member that has voted decides an attempt's outcome"
         return None
     if family == "probe":
         if value not in (b"yes", b"no"):
             return "a probe decision is yes or no"
-        return None if _member(data, parts[1], "0", peer) else "only a member of the step decides its probe"
+        return None if _member(data, parts[1], 0, peer) else "only a member of the step decides its probe"
     if family == "plan":
-        plan = _json(value)
+        plan = read_json(value)
         order = plan.get("order") if isinstance(plan, dict) else 0
         if not (isinstance(plan, dict) and isinstance(plan.get("algorithm"), str)
                 and isinstance(plan.get("estimates"), dict)
                 and (order is None or (isinstance(order, list) and all(type(i) is int for i in order)
                                        and len(set(order)) == len(order)))):
             return "a plan is an object with an algorithm, an order and estimates"
-        return None if _member(data, *parts[1:], peer) else "only a member of the attempt decides its plan"
-    proposal, a = _names(value), int(parts[2])
+        return None if _member(data, parts[1], parts[2], peer) else "only a member of the attempt decides its plan"
+    proposal, a = read_names(value), int(parts[2])
     if not proposal:
         return "a membership is a non-empty JSON list of distinct names"
     if a > 0:
-        before = _names(data.get(f"members/{t}/{a - 1}"))
+        before = read_names(data.get(MEMBERS(t, a - 1)))
         if before is None or peer not in before or not set(proposal) <= set(before):
             return "a retry is proposed by a member of the attempt before, from its members"
         return None
-    if f"arrive/{t}/{peer}" not in data or not all(f"arrive/{t}/{w}" in data for w in proposal):
+    if ARRIVE(t, peer) not in data or not all(ARRIVE(t, w) in data for w in proposal):
         return "a step's members are proposed by one that arrived, from those that arrived"
-    if "progress" not in data:  # founders: the run's first step under this coordinator
-        start = _count(data.get("start"))
+    if PROGRESS() not in data:  # founders: the run's first step under this coordinator
+        start = read_count(data.get(START()))
         return None if start is None or t == start else f"the founders' step is {start}, not {t}"
     if not any(peer in m for m in _committed_members(data, t - 1)):
         return f"only a member of step {t - 1}'s commit proposes the members of step {t}"
     return None
 
 
+def _own(family: str, parts: list[str], peer: str, op: str, req: dict) -> str | None:
+    if len(parts) != len(FAMILIES[family].fields) + 1 or parts[-1] != peer or any(_step(p) is None for p in parts[1:-1]):
+        return f"a worker writes only its own {family}/ key"
+    if op == "add" and family != HB.name or op == "compare_set":
+        return f"{family}/ is written with set"
+    if family == COMMITTED.name and op == "set" and read_count(unb64(req.get("value", "")), 0, int(parts[1])) is None:
+        return "committed/<t>/<w> is a number of steps, at most t"
+    return None
+
+
+def _in_attempt(family: str, parts: list[str], peer: str, op: str, req: dict, data: dict) -> str | None:
+    if len(parts) != 4 or parts[3] != peer or any(_step(p) is None for p in parts[1:3]):
+        return f"a worker writes only its own {family}/ key"
+    if op != "set":
+        return f"{family}/ is written with set"
+    if not _member(data, parts[1], parts[2], peer):
+        return f"only a member of attempt {parts[1]}/{parts[2]} writes its {family}/ keys"
+    value = unb64(req.get("value", ""))
+    if family == VOTE.name and value not in (b"ok", b"fail"):
+        return "a vote is ok or fail"
+    if family != READY.name and family != VOTE.name and read_names(value) is None:
+        return f"{family} is a JSON list of names"
+    return None
+
+
+def _progress(op: str, req: dict, peer: str, data: dict) -> str | None:
+    v = read_count(unb64(req.get("value", ""))) if op == "set" else None
+    if v is None or v < 1:
+        return "progress is set to a positive number of committed steps"
+    now = read_count(data.get(PROGRESS()))
+    if now is not None and v < now:
+        return f"progress does not go back ({now} to {v})"
+    if not any(m and m[0] == peer for m in _committed_members(data, v - 1)):
+        return f"only the leader of step {v - 1}'s commit sets progress to {v}"
+    return None
+
+
 def scope(peer: str, op: str, req: dict, data: dict) -> str | None:
     """The rendezvous write policy (``RendezvousServer(policy=scope)``): None when ``peer`` may make
-    the write ``op`` (body ``req``) on the table ``data``, else why not.
-
-    The coordinator writes anything; a worker only its own keys (``hb/<me>``, ``arrive/<t>/<me>``,
-    ...), its per-attempt keys only as a member of that attempt, the decisions it takes part in
-    (first wins, values checked), ``progress`` only as the leader of the commit it names, and
-    gloo's keys under a group prefix; ``launched``, ``banned/`` and ``start`` are the coordinator's.
+    the write ``op`` (body ``req``) on the table ``data``, else why not. Each key family's
+    :class:`~intellect.diloco.protocol.Writer` decides; decisions' values are checked too.
 
     >>> data = {"members/0/0": b'["a", "b"]', "arrive/0/a": b"1", "vote/0/0/a": b"ok"}
     >>> scope("a", "set", {"key": "hb/a"}, data), scope("a", "set", {"key": "hb/b"}, data)
@@ -380,69 +345,26 @@ def scope(peer: str, op: str, req: dict, data: dict) -> str | None:
     family = parts[0]
     if op == "add" and req.get("amount") == 0:
         return None  # reads a counter and creates nothing
-    if family in _GLOO and len(parts) > 1:
+    writer = FAMILIES[family].writer if family in FAMILIES else Writer.COORDINATOR
+    if writer is Writer.GLOO and len(parts) > 1:
         return None
-    if family in _OWN:
-        if len(parts) != _OWN[family] + 1 or parts[-1] != peer or any(_step(p) is None for p in parts[1:-1]):
-            return f"a worker writes only its own {family}/ key"
-        if op == "add" and family != "hb" or op == "compare_set":
-            return f"{family}/ is written with set"
-        if family == "committed" and op == "set" and _count(_unb64(req.get("value", "")), 0, int(parts[1])) is None:
-            return "committed/<t>/<w> is a number of steps, at most t"
-        return None
-    if family in _IN_ATTEMPT:
-        if len(parts) != 4 or parts[3] != peer or any(_step(p) is None for p in parts[1:3]):
-            return f"a worker writes only its own {family}/ key"
-        if op != "set":
-            return f"{family}/ is written with set"
-        if not _member(data, parts[1], parts[2], peer):
-            return f"only a member of attempt {parts[1]}/{parts[2]} writes its {family}/ keys"
-        value = _unb64(req.get("value", ""))
-        if family == "vote" and value not in (b"ok", b"fail"):
-            return "a vote is ok or fail"
-        if family in ("flags", "blame") and _names(value) is None:
-            return f"{family} is a JSON list of names"
-        return None
-    if family in _DECISIONS:
-        if len(parts) != _DECISIONS[family] + 1:
-            return f"{family}/ has {_DECISIONS[family]} numbers"
+    if writer is Writer.OWN:
+        return _own(family, parts, peer, op, req)
+    if writer is Writer.ATTEMPT:
+        return _in_attempt(family, parts, peer, op, req, data)
+    if writer is Writer.DECISION:
+        n = len(FAMILIES[family].fields)
+        if len(parts) != n + 1:
+            return f"{family}/ has {n} numbers"
         if op != "compare_set" or req.get("expected") != "":
             return f"{family}/ is decided once, with compare_set on an empty key"
         if key in data:
             return None  # decided already: the answer is the decision, nothing is written
-        return _decision(peer, parts, _unb64(req.get("desired", "")), data)
-    if family == "ban":
+        return _decision(peer, parts, unb64(req.get("desired", "")), data)
+    if writer is Writer.BAN:
         if len(parts) != 3 or parts[2] != peer or op != "set":
             return "a worker writes only its own ban/<w>/<me> record, with set"
-        record = _json(_unb64(req.get("value", "")))
-        if not (isinstance(record, dict) and _count(record.get("step")) is not None
-                and _count(record.get("attempt")) is not None):
-            return "a ban record is {step, attempt}"
-        return None
-    if key == "progress":
-        v = _count(_unb64(req.get("value", ""))) if op == "set" else None
-        if v is None or v < 1:
-            return "progress is set to a positive number of committed steps"
-        now = _count(data.get("progress"))
-        if now is not None and v < now:
-            return f"progress does not go back ({now} to {v})"
-        if not any(m and m[0] == peer for m in _committed_members(data, v - 1)):
-            return f"only the leader of step {v - 1}'s commit sets progress to {v}"
-        return None
+        return None if read_ban(unb64(req.get("value", ""))) is not None else "a ban record is {step, attempt}"
+    if writer is Writer.LEADER and key == PROGRESS():
+        return _progress(op, req, peer, data)
     return f"{family}/ is the coordinator's"
-
-
-def ban_votes(get: Callable[[str], bytes | None], worker: str, voters: Iterable[str]) -> bool:
-    """Whether a majority of the members of some attempt recorded a ban of ``worker``
-    (``ban/<worker>/<voter>``, ``{"step", "attempt"}``); ``get(key)`` reads a key (None: absent).
-    A record counts only from a member of the attempt it names, so one peer bans nobody."""
-    by_attempt: dict[tuple[int, int], set[str]] = {}
-    for v in voters:
-        record = _json(get(f"ban/{worker}/{v}")) if v != worker else None
-        if isinstance(record, dict) and _count(record.get("step")) is not None and _count(record.get("attempt")) is not None:
-            by_attempt.setdefault((record["step"], record["attempt"]), set()).add(v)
-    for (t, a), who in by_attempt.items():
-        members = _names(get(f"members/{t}/{a}")) or []
-        if worker in members and 2 * len(who & set(members)) > len(members):
-            return True
-    return False

@@ -329,7 +329,7 @@ def to_bytes(q: Quantized, codec: str = "none") -> bytes:
     cid = _codec_id(codec)
     if len(q.shape) > _MAX_NDIM:
         raise ValueError(f"to_bytes: at most {_MAX_NDIM} dims")
-    indices = memoryview(q.indices.detach().cpu().contiguous().numpy())
+    indices = q.indices.detach().cpu().contiguous().numpy().data
     head = [
         struct.pack(f"<{len(q.shape)}q", *q.shape),
         q.codebook.detach().to(device="cpu", dtype=torch.float32).numpy().astype("<f4").tobytes(),

@@ -1,40 +1,28 @@
 """The DiLoCo rendezvous: a key-value store over HTTP that authenticates every request.
 
-Why not TCPStore. ``torch.distributed.TCPStore`` answers anyone who reaches its port: an
-outsider could write ``progress`` (ending the run), ``dead/<w>`` (dropping a live worker),
-squat the first-wins ``members/`` and ``outcome/`` keys, or register in ``launched/``, join
-and receive the model. MAC'ing every *value* on a TCPStore (the other option) keeps forged
-values out but not the outsider: it can still delete keys, overwrite good values with garbage
-(readers then see them as absent and wait), squat every first-wins key before its proposer and
-rewrite gloo's own rendezvous keys, which gloo writes unauthenticated. That leaves integrity
-to the readers and availability to the network. Here no request without the run's credential
-is served at all, so the only thing an outsider can do at the port is be refused.
+Why not TCPStore: it answers anyone who reaches its port, so an outsider could end the run
+(``progress``), drop live workers (``dead/``), squat the first-wins decisions or join
+(``launched/``); MAC'ing the values instead still lets it delete, garble and squat keys,
+gloo's own included. Here no request without the run's credential is served at all. The keys
+and who may write them are :mod:`intellect.diloco.protocol`'s. :class:`RendezvousStore` is a
+``torch.distributed.Store``, so gloo's groups are built on it as on a TCPStore (``transport.new_group``).
 
-gloo accepts any ``torch.distributed.Store``, a Python subclass included (through
-``PrefixStore``): :class:`RendezvousStore` is one, and process groups are built on it exactly
-as on a TCPStore (``transport.new_group``).
-
-Protocol. ``POST /v1/<op>`` with a JSON body; ops are TCPStore's: ``set``, ``get`` (waits up
-to a timeout for the key, as gloo's rendezvous needs), ``add``, ``compare_set``, ``check``,
-``delete``, ``wait``, ``num_keys``, plus ``check_many`` (one round trip for the liveness polls).
-A request carries ``x-intellect-peer`` (who it claims to be), ``x-intellect-time`` (ms),
-``x-intellect-nonce`` and ``x-intellect-mac``: an HMAC (:mod:`intellect.trust.mac`) over the op,
-the body, the time, the nonce and the peer's name under that *peer's own key*,
-:func:`peer_key` ``= derive_key(secret, "peer", run, name)``. Only the server (the coordinator)
-holds the run secret and derives any peer's key from it; a worker holds its own key only
+Protocol. ``POST /v1/<op>`` with a JSON body; ops are TCPStore's (``set``, ``get``, which waits
+up to a timeout for the key as gloo's rendezvous needs, ``add``, ``compare_set``, ``check``,
+``delete``, ``wait``, ``num_keys``) plus ``check_many``. A request carries ``x-intellect-peer``,
+``-time`` (ms), ``-nonce`` and ``-mac``: an HMAC (:mod:`intellect.trust.mac`) over the op, body,
+time, nonce and peer name under that *peer's own key*, :func:`peer_key`. Only the server (the
+coordinator) holds the run secret and derives any peer's key; a worker holds its own key only
 (``coordinator.worker_credentials``), so it can speak as nobody else. The server refuses, with a
-recorded reason (:attr:`RendezvousServer.refusals`), a request that is unsigned, malformed,
-stale (outside ``window`` seconds of its clock: hosts need NTP), mis-MAC'd, replayed (its
-nonce was seen within the window), too large, or (``scope``) a write its ``policy`` does not
-allow that peer (``membership.scope``: a worker writes only its own keys and the decisions it
-takes part in). Answers carry a MAC under the same peer key over the request's nonce and the
-answer, so a process that takes over the port (or a forged answer on the wire) cannot tell a
-worker anything either.
+recorded reason (:attr:`RendezvousServer.refusals`), a request that is unsigned, malformed, stale
+(outside ``window`` s of its clock: hosts need NTP), mis-MAC'd, replayed, too large, or a write
+its ``policy`` does not allow that peer (``scope``). Answers carry a MAC under the same peer key
+over the request's nonce and the answer, so whoever takes over the port cannot tell a worker anything.
 
-Connections. At most ``max_connections`` at once (and a quarter of the process's file descriptors); past that a new connection evicts the oldest
-one that has sent nothing yet, so a flood of idle sockets cannot hold the server's file
-descriptors, and a connection that has not begun a request within ``header_timeout`` s is
-closed. A refused request closes its connection, and every request has a deadline.
+Connections. At most ``max_connections`` (and a quarter of the process's descriptors); past
+that a new one evicts the oldest that has sent nothing yet, so idle sockets cannot exhaust the
+descriptors; one that has not begun a request within ``header_timeout`` s is closed, a refused
+request closes its connection, and every request has a deadline.
 
 What it does not do. Values and gloo's traffic travel in clear: run it on a private network
 (WireGuard) or behind TLS. Reads are open to every admitted peer.
@@ -116,7 +104,8 @@ def _b64(v: bytes) -> str:
     return base64.b64encode(v).decode()
 
 
-def _unb64(s) -> bytes:
+def unb64(s) -> bytes:
+    """A value as a request body carries it (base64) decoded; ``ValueError`` when it is not."""
     if not isinstance(s, str):
         raise ValueError("a value is a base64 string")
     return base64.b64decode(s, validate=True)
@@ -166,10 +155,11 @@ class _Table:
             if not (isinstance(keys, list) and 0 < len(keys) <= 4096
                     and all(isinstance(k, str) and 0 < len(k) <= MAX_KEY for k in keys)):
                 raise ValueError("keys is a list of 1-4096 keys")
+        key, keys = key if isinstance(key, str) else "", keys if isinstance(keys, list) else []  # checked above
         timeout = min(max(float(req.get("timeout", 0.0)), 0.0), MAX_WAIT)
         if op == "set":
             self._room(key)
-            self.data[key] = _unb64(req["value"])
+            self.data[key] = unb64(req["value"])
             await self._wrote()
             return {}
         if op == "get":
@@ -188,7 +178,7 @@ class _Table:
             await self._wrote()
             return {"value": value}
         if op == "compare_set":  # TCPStore's semantics
-            expected, desired = _unb64(req["expected"]), _unb64(req["desired"])
+            expected, desired = unb64(req["expected"]), unb64(req["desired"])
             current = self.data.get(key)
             if (current is None and not expected) or current == expected:
                 self._room(key)
@@ -409,9 +399,11 @@ class RendezvousStore(dist.Store):
                  timeout: float | datetime.timedelta = 30.0, key: bytes | None = None):
         super().__init__()
         self.host, self.port, self.peer = host, int(port), peer[:64]
-        if key is None and secret is None:
-            raise ValueError("a rendezvous client needs its peer key or the run secret")
-        self.key = key if key is not None else peer_key(secret, run, self.peer)
+        if key is None:
+            if secret is None:
+                raise ValueError("a rendezvous client needs its peer key or the run secret")
+            key = peer_key(secret, run, self.peer)
+        self.key = key
         self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         self._local = threading.local()
 
@@ -472,13 +464,13 @@ class RendezvousStore(dist.Store):
         out = self.call("get", key=key, timeout=self._timeout)
         if out.get("missing"):
             raise StoreError(f"rendezvous: timed out after {self._timeout} s waiting for key {key!r}")
-        return _unb64(out["value"])
+        return unb64(out["value"])
 
     def add(self, key: str, amount: int) -> int:
         return int(self.call("add", key=key, amount=int(amount))["value"])
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        return _unb64(self.call("compare_set", key=key, expected=_b64(_to_bytes(expected)),
+        return unb64(self.call("compare_set", key=key, expected=_b64(_to_bytes(expected)),
                                 desired=_b64(_to_bytes(desired)))["value"])
 
     def check(self, keys) -> bool:

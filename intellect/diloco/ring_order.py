@@ -133,8 +133,8 @@ def _exact(r: np.ndarray) -> list[int]:
 
 def _key(c: Sequence[int], r: np.ndarray) -> tuple:
     """Sorted ascending link ranks of cycle c: compare lexicographically, larger is better."""
-    c = np.asarray(c)
-    return tuple(np.sort(r[c, np.roll(c, -1)]).tolist())
+    a = np.asarray(c)
+    return tuple(np.sort(r[a, np.roll(a, -1)]).tolist())
 
 
 def _lex_better(added: list[np.ndarray], removed: list[np.ndarray]) -> np.ndarray:
@@ -146,13 +146,13 @@ def _lex_better(added: list[np.ndarray], removed: list[np.ndarray]) -> np.ndarra
     """
     k = len(added)
     arrs = np.broadcast_arrays(*added, *removed)
-    added, removed = arrs[:k], arrs[k:]
-    lo_a, lo_r = functools.reduce(np.minimum, added), functools.reduce(np.minimum, removed)
+    add, rem = arrs[:k], arrs[k:]
+    lo_a, lo_r = functools.reduce(np.minimum, add), functools.reduce(np.minimum, rem)
     better = lo_a > lo_r
     tie = np.nonzero(lo_a == lo_r)  # rare on measured bandwidths: full compare only there
     if tie[0].size:
-        a = np.sort(np.stack([x[tie] for x in added], -1), axis=-1)
-        b = np.sort(np.stack([x[tie] for x in removed], -1), axis=-1)
+        a = np.sort(np.stack([x[tie] for x in add], -1), axis=-1)
+        b = np.sort(np.stack([x[tie] for x in rem], -1), axis=-1)
         diff = a != b
         first = diff.argmax(axis=-1)[:, None]
         wins = np.take_along_axis(a, first, 1) > np.take_along_axis(b, first, 1)
@@ -292,11 +292,9 @@ def _heuristic(r: np.ndarray, seed: int, kicks: int, patience: int = 100) -> lis
             seen[v] = True
         starts.append(c)
     starts.sort(key=lambda c: _key(c, r), reverse=True)
-    best, best_key = None, None
-    for c in starts[:4]:
-        c = _local_search(c, r, symmetric)
-        if best is None or _key(c, r) > best_key:
-            best, best_key = c, _key(c, r)
+    # the first of the best (max keeps the first of equals)
+    best = max((_local_search(c, r, symmetric) for c in starts[:4]), key=lambda c: _key(c, r))
+    best_key = _key(best, r)
     rng = np.random.default_rng(seed)
     cur, cur_key, stale = best, best_key, 0
     for _ in range(kicks if n >= 5 else 0):

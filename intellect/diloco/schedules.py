@@ -24,6 +24,7 @@ from intellect.diloco.transport import Channel, CommError
 __all__ = ["Run", "decode", "encode", "unpack"]
 
 _Step = Generator[tuple[list, str], None, None]
+_Chunks = Generator[tuple[list, str], None, list[torch.Tensor | None]]  # returns each chunk decoded (None: empty)
 
 
 def encode(q: Quantized, codec: str) -> torch.Tensor:
@@ -33,7 +34,7 @@ def encode(q: Quantized, codec: str) -> torch.Tensor:
 
 def decode(t: torch.Tensor, numel: int) -> torch.Tensor:
     """Decode one message; ``t`` may be a receive buffer longer than the message."""
-    return dequantize(from_bytes(t.cpu().numpy(), numel=numel, prefix=True))
+    return dequantize(from_bytes(t.cpu().numpy().data, numel=numel, prefix=True))
 
 
 def unpack(buf: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -46,7 +47,7 @@ def unpack(buf: torch.Tensor, k: int) -> list[torch.Tensor]:
     >>> [decode(m, 3).tolist() for m in unpack(buf, 2)]
     [[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]
     """
-    mv, off, out = memoryview(buf.cpu().numpy()), 0, []
+    mv, off, out = buf.cpu().numpy().data, 0, []
     for _ in range(k):
         m = message_nbytes(mv[off:])
         if off + m > len(mv):
@@ -132,7 +133,9 @@ class Run(Claims):
         result = yield from algo(b, parts)
         for c, part in enumerate(parts):
             if part.numel():
-                part.copy_(result[c])
+                chunk = result[c]
+                assert chunk is not None  # every non-empty chunk is decoded
+                part.copy_(chunk)
         off = 0
         with torch.no_grad():
             for t in ts:
@@ -151,7 +154,7 @@ class Run(Claims):
             return encode(q, self.codec)
         return torch.cat([encode(q, self.codec), encode(self.quantize(x - dequantize(q)), self.codec)])
 
-    def _ring(self, b: int, parts: list[torch.Tensor]) -> Generator:
+    def _ring(self, b: int, parts: list[torch.Tensor]) -> _Chunks:
         W, pos, ch, st = self.W, self.pos, self.ch, self.stages
         wire = [chunk_nbytes(p.numel()) for p in parts]
         me = self.flags[pos]
@@ -170,6 +173,7 @@ class Run(Claims):
                 works.append(ch.irecv(buf, self.prv, self.tag(b, 0, s)))
             if self.pieces[c_out][s] and wire[c_out]:
                 if not me:  # forward what came in
+                    assert got is not None  # a non-contributor sends only what it received
                     msg = torch.cat([m.cpu() for m in got])
                 elif k_got + 1 <= self.relay:
                     own = self._piece(parts[c_out])
@@ -186,7 +190,7 @@ class Run(Claims):
         senders = [self.order[(pos + 1 + s) % W] for s in range(W - 1) if self.flags[(pos + 1 + s) % W]]
         return (yield from self._ring_gather(b, parts, pieces(got, pos) if got is not None else [], senders))
 
-    def _direct(self, b: int, parts: list[torch.Tensor]) -> Generator:
+    def _direct(self, b: int, parts: list[torch.Tensor]) -> _Chunks:
         W, pos, ch = self.W, self.pos, self.ch
         others = [(pos + i) % W for i in range(1, W)]  # staggered so ranks don't all hit one owner
         # Both phases' receives are posted up front: gloo moves a message only once its
@@ -241,7 +245,7 @@ class Run(Claims):
         return encode(self.quantize(result), self.codec)
 
     def _ring_gather(self, b: int, parts: list[torch.Tensor], received: list[torch.Tensor],
-                     senders: Sequence[int] = ()) -> Generator:
+                     senders: Sequence[int] = ()) -> _Chunks:
         """``_owner``, then a ring all-gather forwarding the owners' bytes. Returns every
         chunk decoded from its owner's bytes."""
         W, pos, ch = self.W, self.pos, self.ch
@@ -249,7 +253,9 @@ class Run(Claims):
         res: dict[int, torch.Tensor] = {}
         if wire[pos]:
             # senders: only "ring-owner" relays each contribution as sent (robust aggregation needs that)
-            res[pos] = self._owner(parts, received, senders if self.relay >= W - 1 and self.stages == 1 else (), b)
+            mine = self._owner(parts, received, senders if self.relay >= W - 1 and self.stages == 1 else (), b)
+            assert mine is not None  # the owner of a non-empty chunk always has a message
+            res[pos] = mine
         for s in range(W - 1):
             c_out, c_in = (pos - s) % W, (pos - s - 1) % W
             works, buf = [], None

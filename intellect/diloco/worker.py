@@ -1,36 +1,31 @@
 """A long-lived DiLoCo worker: inner AdamW phases, int8 all-reduce, elastic commits.
 
-One outer step ``t`` is four phases, each a method so a Prefect task can wrap it:
+One outer step ``t`` (:meth:`DilocoWorker.outer_step`) is four phases:
 
-1. :meth:`DilocoWorker.boundary` agrees on the members of step ``t`` (the
-   previous members that arrived plus any joiner), builds a fresh gloo group
-   on its own store prefix, and, when someone is behind (a joiner, a worker
-   that was excluded), broadcasts ``theta_sync``, the outer momentum and the
-   step counter from the most advanced member: onboarding blocks at the
-   boundary, as INTELLECT-1 chose.
-2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard;
-   the inner optimizer state stays resident across outer steps.
-3. :meth:`DilocoWorker.sync` waits (bounded) for every member's
-   pseudo-gradient, all-reduces it in int8 with fp32 accumulation (ring order
-   and, under ``algorithm = "auto"``, the algorithm agreed per attempt from the
-   boundary's bandwidth probe: :meth:`DilocoWorker.plan`), votes, and
-   commits only when every member succeeded; otherwise everyone discards and
-   retries with the survivors (Decoupled DiLoCo: the average is over the
-   contributors; a non-finite pseudo-gradient contributes nothing).
-4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer
-   state to run storage (the first member by admission order does it, every N steps).
+1. :meth:`DilocoWorker.boundary` agrees on the members of step ``t`` (the previous members that
+   arrived plus any joiner), and, when someone is behind (a joiner, a worker that was excluded),
+   broadcasts ``theta_sync``, the outer momentum and the step counter from the most advanced
+   member: onboarding blocks at the boundary, as INTELLECT-1 chose.
+2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard; the inner optimizer
+   state stays resident across outer steps.
+3. :meth:`DilocoWorker.sync` all-reduces the pseudo-gradient in int8 with fp32 accumulation over
+   the attempt's agreed plan and commits only when every member succeeded
+   (:class:`~intellect.diloco.protocol.Quorum`); otherwise everyone discards and retries with the
+   survivors (Decoupled DiLoCo: the average is over the contributors; a non-finite
+   pseudo-gradient contributes nothing).
+4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer state to run storage
+   (the first member by admission order does it, every N steps).
 
 Trust. A worker holds its own rendezvous key and the all-reduce root, never the run secret
-(``coordinator.worker_credentials``); the rendezvous lets it write only its own keys and the
-decisions it takes part in (``membership.scope``). Every all-reduce message is sealed with
-``derive_key(root, "allreduce", run, step, attempt)``, so a forged or altered one fails the
-attempt like a garbled one; with 3+ contributors each owner aggregates its chunk with a centred
-clip and reports outliers (``robust.py``); a worker that a majority reports in
-``diloco.exclude_after`` committed steps is banned: each member records ``ban/<w>/<me>``, and a
-majority of an attempt's members' records bans it (the coordinator then writes ``banned/<w>``).
+(``coordinator.worker_credentials``), and writes only what ``membership.scope`` allows. Every
+all-reduce message is sealed with ``derive_key(root, "allreduce", run, step, attempt)``, so a
+forged or altered one fails the attempt like a garbled one; with 3+ contributors each owner
+aggregates its chunk with a centred clip and reports outliers (``robust.py``); a worker that a
+majority reports in ``diloco.exclude_after`` committed steps is banned once a majority of an
+attempt's members record ``BAN(w, me)``.
 
-Invariant after every commit: all members hold bit-identical ``theta_sync``
-(their SHA-256 is written to ``digest/<t>/<w>`` for anyone to compare).
+Invariant after every commit: all members hold bit-identical ``theta_sync`` (their SHA-256 is
+written to ``DIGEST(t, w)`` for anyone to compare).
 """
 
 from __future__ import annotations
@@ -47,49 +42,27 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from intellect.checkpoints import CHECKPOINTS, OUTER_STATE, fetch, publish
 from intellect.config import DilocoRunConfig, TrainConfig
 from intellect.data.arithmetic import documents
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
-from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, _count, _names
+from intellect.diloco.faults import NO_FAULTS, Faults
+from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState
 from intellect.diloco.plan import choose_algorithm
+from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DIGEST, FLAGS, LAUNCHED, LEFT, METRICS, PG,
+                                       PROBE, PROGRESS, Quorum, ban_record, read_count)
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group
 from intellect.model.checkpoint import build_model
-from intellect.pretrain import CHECKPOINTS, fetch_checkpoint, publish_checkpoint
 from intellect.storage import RunStorage
 from intellect.train import Trainer
 from intellect.trust.mac import derive_key
 
 log = logging.getLogger("intellect.diloco")
-
-# outer checkpoint n (``CHECKPOINTS/step_<n>``) = theta_sync after n committed outer steps
-OUTER_STATE = "outer_state.pt"
-
-
-def _fault(kind: str, step: int, worker: str) -> bool:
-    """Fault injection for the reliability tests, off unless both variables are set."""
-    return (os.environ.get(f"INTELLECT_TEST_{kind}_AT_STEP") == str(step)
-            and os.environ.get(f"INTELLECT_TEST_{kind.split('_')[0]}_WORKER") == worker)
-
-
-def _lie(pseudo: list[torch.Tensor], worker: str) -> None:
-    """An admitted liar for the robustness tests (off unless ``INTELLECT_TEST_LIE_WORKER`` names us):
-    ``INTELLECT_TEST_LIE`` = ``const`` (1e6 everywhere), ``flip`` (sign-flipped) or ``scale`` (100x)."""
-    if os.environ.get("INTELLECT_TEST_LIE_WORKER") != worker:
-        return
-    kind = os.environ.get("INTELLECT_TEST_LIE", "const")
-    with torch.no_grad():
-        for g in pseudo:
-            if kind == "const":
-                g.fill_(1e6)
-            elif kind == "flip":
-                g.neg_()
-            else:
-                g.mul_(100.0)
 
 
 class Excluded(RuntimeError):
@@ -140,17 +113,17 @@ def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) 
     >>> allreduce_plan("auto", None, 4e6)["algorithm"], allreduce_plan("ring", bw, 4e6)["algorithm"]
     ('direct', 'ring')
     """
-    order = None if bw is None else ring_order(bw)
+    if bw is None:
+        return {"order": None, "algorithm": "direct" if algorithm == "auto" else algorithm, "estimates": {}}
+    order = ring_order(bw)
     if algorithm != "auto":
         return {"order": order, "algorithm": algorithm, "estimates": {}}
-    if bw is None:
-        return {"order": None, "algorithm": "direct", "estimates": {}}
     chosen, est = choose_algorithm(bw, order, nbytes=nbytes)
     # significant digits, not decimals: on fast links the estimates are microseconds
     return {"order": order, "algorithm": chosen, "estimates": {a: float(f"{v:.4g}") for a, v in est.items()}}
 
 
-def _inner_train_config(run: DilocoRunConfig) -> TrainConfig:
+def inner_train_config(run: DilocoRunConfig) -> TrainConfig:
     # one schedule across the whole run, not one per outer step
     return run.train.model_copy(update={"steps": run.diloco.outer_steps * run.diloco.inner_steps})
 
@@ -162,7 +135,7 @@ def publish_outer_checkpoint(storage: RunStorage, n: int, model, tokenizer, oute
         buf = io.BytesIO()
         torch.save({"momentum": outer.momentum_buffers(), "step": n, "members": members,
                     "has_momentum": outer.has_momentum()}, buf)
-        publish_checkpoint(model, tokenizer, storage, n, {OUTER_STATE: buf.getvalue()})
+        publish(model, tokenizer, storage, n, {OUTER_STATE: buf.getvalue()})
     return storage.uri(storage.step_path(n, CHECKPOINTS))
 
 
@@ -178,18 +151,21 @@ def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
 
 class DilocoWorker:
     def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
-                 secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None):
+                 secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None,
+                 faults: Faults = NO_FAULTS):
         """``key`` (this worker's rendezvous key) and ``allreduce_key`` (the all-reduce root) are
         what a worker holds; ``secret``, the run secret, derives both where they are not given."""
-        self.run, self.cfg, self.worker, self.index = run, run.diloco, worker, index
-        # train.threads 0: the machine's cores split among the run's workers. Left at torch's default
-        # (all cores each), two workers on 2 cores spin on each other's threads: measured 6x slower.
+        self.run, self.cfg, self.worker, self.index, self.faults = run, run.diloco, worker, index, faults
+        # train.threads 0: the machine's cores split among the run's workers; at torch's default
+        # (all cores each), co-located workers spin on each other's threads
         torch.set_num_threads(run.train.threads or max(1, (os.cpu_count() or 1) // run.diloco.workers))
         self.storage = RunStorage.from_config(run.storage, run.run_name)
-        if (key is None or allreduce_key is None) and secret is None:
-            raise ValueError("a worker needs its credentials (key, allreduce_key) or the run secret")
-        key = key if key is not None else peer_key(secret, run.run_name, worker)
-        self.allreduce_root = allreduce_key if allreduce_key is not None else allreduce_root(secret, run.run_name)
+        if key is None or allreduce_key is None:
+            if secret is None:
+                raise ValueError("a worker needs its credentials (key, allreduce_key) or the run secret")
+            key = key if key is not None else peer_key(secret, run.run_name, worker)
+            allreduce_key = allreduce_key if allreduce_key is not None else allreduce_root(secret, run.run_name)
+        self.allreduce_root = allreduce_key
         self.strikes = Strikes(self.cfg.exclude_after)
         self.banned_here: set[str] = set()  # whom our own strikes banned: out of our proposals at once
         self.m = Membership(store_host, store_port, worker, None, run.run_name, self.cfg.heartbeat_interval,
@@ -198,14 +174,14 @@ class DilocoWorker:
         n = self.storage.latest_step(CHECKPOINTS)
         if n is None:
             raise FileNotFoundError(f"run {self.storage.url} has no outer checkpoint; the coordinator publishes step 0")
-        self.model, self.tok = fetch_checkpoint(self.storage, n)
+        self.model, self.tok = fetch(self.storage, n)
         self.outer = OuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.nesterov)
         state = torch.load(io.BytesIO(self.storage.read_bytes(f"{self.storage.step_path(n, CHECKPOINTS)}/{OUTER_STATE}")))
         if state["has_momentum"]:
             self.outer.set_state(self.outer.params, state["momentum"])
-        self.committed = n  # outer steps committed into theta_sync
-        self.step = n  # the outer step being worked on (0-based): step t produces checkpoint t+1
-        self.trainer = Trainer(self.model, self.tok, _inner_train_config(run))
+        self.committed: int = n  # outer steps committed into theta_sync
+        self.step: int = n  # the outer step being worked on (0-based): step t produces checkpoint t+1
+        self.trainer = Trainer(self.model, self.tok, inner_train_config(run))
         self.trainer.step = n * self.cfg.inner_steps
         self.stream = shard_stream(run, index)
         self.members: list[str] = []
@@ -218,18 +194,18 @@ class DilocoWorker:
     # ------------------------------------------------------------------ helpers
 
     def admitted(self) -> list[str]:
-        """Workers the coordinator has admitted so far (``launched/<i>``), in admission order."""
-        n = min(self.m.counter("launched"), 1 << 16)  # the coordinator's own count
-        return list(dict.fromkeys(self.m.get(f"launched/{i}") for i in range(n) if self.m.has(f"launched/{i}")))
+        """Workers the coordinator has admitted so far (``LAUNCHED``), in admission order."""
+        n = min(self.m.counter(LAUNCHED.under()), 1 << 16)  # the coordinator's own count
+        return list(dict.fromkeys(self.m.get(LAUNCHED(i)) for i in range(n) if self.m.has(LAUNCHED(i))))
 
     def launched(self) -> list[str]:
         """:meth:`admitted`, banned ones left out."""
         names = self.admitted()
         return [w for w in names if w not in self.banned_here and not self.m.banned(w, names)]
 
-    def _group(self, step: int, attempt: int, members: list[str]):
+    def _group(self, step: int, attempt: int | str, members: list[str]):
         # a fresh store prefix per membership: a dead member's half-written keys cannot leak in
-        return new_group(self.m.store, f"pg/{step}/{attempt}", members.index(self.worker), len(members),
+        return new_group(self.m.store, PG(step, attempt), members.index(self.worker), len(members),
                          timeout=self.cfg.collective_timeout)
 
     def _deadline(self, seconds: float) -> float:
@@ -250,27 +226,27 @@ class DilocoWorker:
             raise Banned(f"{me} was banned from the run for outlying contributions")
         founder = m.progress() is None
         veteran = me in self.prev_members
-        if not (founder or veteran):
-            p = m.progress()
-            self.step = p if m.members(p, 0) is None else p + 1
+        if not (founder or veteran) and (p := m.progress()) is not None:
+            self.step = p if Quorum(m, me, p).members(0) is None else p + 1
         t = self.step
-        m.set(f"committed/{t}/{me}", str(self.committed))
-        m.set(f"arrive/{t}/{me}", "1")
-        members = m.members(t, 0)
+        q = Quorum(m, me, t)
+        m.set(COMMITTED(t, me), str(self.committed))
+        m.set(ARRIVE(t, me), "1")
+        members = q.members(0)
         if members is None and (founder or veteran):
             # veterans block for newcomers still starting up, as INTELLECT-1's onboarding does;
             # a newcomer that never comes up is dropped after its startup grace
             launched = self.launched()
             expected = launched if founder else [w for w in self.prev_members if w in launched] + [
-                w for w in launched if w not in self.prev_members and not m.has(f"left/{t}/{w}")]
-            m.wait_for_keys(f"arrive/{t}", [w for w in expected if w != me],
+                w for w in launched if w not in self.prev_members and not m.has(LEFT(t, w))]
+            m.wait_for_keys(ARRIVE.under(t), [w for w in expected if w != me],
                             self._deadline(self.cfg.boundary_timeout), step=t)
-            arrived = [w for w in self.launched() if m.has(f"arrive/{t}/{w}") and m.alive(w)]
-            members = m.propose_members(t, 0, arrived)
+            arrived = [w for w in self.launched() if m.has(ARRIVE(t, w)) and m.alive(w)]
+            members = q.propose_members(0, arrived)
         elif members is None:
-            m.wait_until(lambda: m.members(t, 0) is not None, self._deadline(self.cfg.boundary_timeout * 10),
+            m.wait_until(lambda: q.members(0) is not None, self._deadline(self.cfg.boundary_timeout * 10),
                          f"the members of step {t}")
-            members = m.members(t, 0)
+            members = q.members(0) or []
         if me not in members:
             raise Excluded(f"{me} arrived after the members of step {t} were decided")
         self.members, self.attempt = members, 0
@@ -281,7 +257,7 @@ class DilocoWorker:
     def _onboard(self, members: list[str]) -> bool:
         m = self.m
         # the rendezvous takes only counts up to the step; one unreadable all the same is taken as behind
-        progress = {w: _count(m.get(f"committed/{self.step}/{w}"), 0, self.step) or 0 for w in members}
+        progress = {w: read_count(m.get(COMMITTED(self.step, w)), 0, self.step) or 0 for w in members}
         newest = max(progress.values())
         if min(progress.values()) == newest:
             return False
@@ -316,11 +292,12 @@ class DilocoWorker:
             return
         known = all((a, b) in self.rates for a in members for b in members if a != b)
         # one decision for all: a restarted worker that forgot its rates must not probe alone
-        if self.m.decide(f"probe/{self.step}", "no" if known else "yes") == "no":
+        if self.m.decide(PROBE(self.step), "no" if known else "yes") == "no":
             return
         try:
             group = self._group(self.step, "bw", members)
-            _, columns = measure_ring(group, dist.PrefixStore(f"bw/{self.step}", self.m.store), "col",
+            store = dist.PrefixStore(BW(self.step), self.m.store)  # pyright: ignore[reportPrivateImportUsage]
+            _, columns = measure_ring(group, store, "col",
                                       self.cfg.bandwidth_probe_bytes)
         except (CommError, dist.DistError, RuntimeError) as e:
             log.warning("%s: bandwidth probe at step %d failed: %s", self.worker, self.step, e)
@@ -350,37 +327,31 @@ class DilocoWorker:
         batch = self.run.train.batch_size
         batches = iter(lambda: [next(self.stream) for _ in range(batch)], None)
         logs = self.trainer.train_steps(self.cfg.inner_steps, batches, lambda *_: self.m.check_store())
-        return sum(l["loss"] for l in logs) / len(logs), time.perf_counter() - t0
+        return sum(rec["loss"] for rec in logs) / len(logs), time.perf_counter() - t0
 
     def sync(self, report: StepReport) -> None:
         """All-reduce, vote, commit or retry with the survivors (bounded attempts)."""
         t, me, m = self.step, self.worker, self.m
+        q = Quorum(m, me, t)
         pseudo = self.outer.pseudo_gradient(self.model)
-        _lie(pseudo, me)
-        if _fault("NAN", t, me):
-            pseudo[0].view(-1)[0] = float("nan")
+        self.faults.pseudo_gradient(t, me, pseudo)
         contribute = all(bool(torch.isfinite(g).all()) for g in pseudo)
         if not contribute:
             log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", me, t)
         members, a = self.members, self.attempt
         for _ in range(self.cfg.max_attempts):
             report.attempts += 1
-            m.set(f"ready/{t}/{a}/{me}", "1")
-            present, absent = m.wait_for_keys(
-                f"ready/{t}/{a}", members, self._deadline(self.cfg.boundary_timeout), step=t
-            )
+            present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout))
             if absent:
-                members, a = self._next_attempt(t, a, present)
+                members, a = self._next_attempt(q, a, present)
                 continue
-            if _fault("STALL_ALLREDUCE", t, me):
-                m.set(f"stalled/{t}/{me}", "1")
-                time.sleep(3600)
+            self.faults.before_allreduce(t, a, me)
             t0 = time.perf_counter()
             average = [g.clone() for g in pseudo]  # reduced in place; keep ours for a retry
             try:
-                # built only once every member is ready: a member that died earlier cannot stall it
+                # built only once every member is ready: a member that died before then cannot stall it
                 group = self._group(t, a, members)
-                plan = json.loads(m.decide(f"plan/{t}/{a}", json.dumps(self.plan(members))))
+                plan = q.plan(a, self.plan(members))
                 # a fixed algorithm stays this worker's own, so a misconfigured peer fails the plan digest
                 algorithm = plan["algorithm"] if self.cfg.algorithm == "auto" else self.cfg.algorithm
                 if algorithm != self.last_algorithm:
@@ -392,12 +363,11 @@ class DilocoWorker:
                                         algorithm=algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
                                         codec=self.cfg.wire_codec, outlier_clip=robust,
                                         mac_key=derive_key(self.allreduce_root, "allreduce", self.run.run_name, t, a))
-                # before the vote: whoever sees the commit can read every member's report
-                m.set(f"flags/{t}/{a}/{me}", json.dumps(reported(stats.outliers, members)))
+                q.report(a, flagged=reported(stats.outliers, members))
                 ok = True
             except Misbehaviour as e:
                 log.warning("%s: all-reduce of step %d attempt %d: %s", me, t, a, e)
-                m.set(f"blame/{t}/{a}/{me}", json.dumps([members[r] for r in e.blamed if r < len(members)]))
+                q.report(a, blamed=[members[r] for r in e.blamed if r < len(members)])
                 ok, average, stats = False, None, None
             except StoreLost:
                 raise
@@ -407,14 +377,9 @@ class DilocoWorker:
                 log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, t, a, e)
                 ok, average, stats = False, None, None
             report.allreduce_seconds += time.perf_counter() - t0
-            m.set(f"vote/{t}/{a}/{me}", "ok" if ok else "fail")
-            voted, missing = m.wait_for_keys(
-                f"vote/{t}/{a}", members, self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout),
-                step=t,
-            )
-            all_ok = not missing and all(m.get(f"vote/{t}/{a}/{w}") == "ok" for w in members)
-            outcome = m.decide(f"outcome/{t}/{a}", "commit" if all_ok else "abort")
-            if outcome == "commit":
+            deadline = self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout)
+            if q.should_commit(a, ok, members, deadline):
+                assert stats is not None and average is not None  # a commit needs our own ok vote
                 if stats.contributors:
                     self.outer.step(average)
                 self.outer.load_into(self.model)
@@ -424,39 +389,36 @@ class DilocoWorker:
                 report.bytes_sent += stats.bytes_sent
                 report.algorithm, report.estimates = stats.algorithm, plan["estimates"]
                 report.committed, report.digest = True, self.outer.digest()
-                m.set(f"digest/{t}/{me}", report.digest)
-                self._judge(t, a, members, report)
+                m.set(DIGEST(t, me), report.digest)
+                self._judge(q, a, members, report)
                 if me == members[0]:
-                    m.set("progress", json.dumps(self.committed))
+                    m.set(PROGRESS(), json.dumps(self.committed))
                 return
-            blamed = majority_flagged({w: _names(m.get(f"blame/{t}/{a}/{w}")) or [] for w in members
-                                       if m.has(f"blame/{t}/{a}/{w}")}, members)
+            blamed = majority_flagged(q.reports(BLAME, a, members), members)
             self._ban(self.strikes.add(blamed), t, a)  # strikes for a majority's blame, and out of the retry
-            survivors = [w for w in members if m.alive(w) and m.has(f"vote/{t}/{a}/{w}") and w not in blamed]
-            members, a = self._next_attempt(t, a, survivors)
+            survivors = [w for w in q.voted(a, members) if m.alive(w) and w not in blamed]
+            members, a = self._next_attempt(q, a, survivors)
         raise MembershipTimeout(f"outer step {t} did not commit in {self.cfg.max_attempts} attempts")
 
-    def _judge(self, t: int, a: int, members: list[str], report: StepReport) -> None:
+    def _judge(self, q: Quorum, a: int, members: list[str], report: StepReport) -> None:
         """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
-        reports = {w: _names(self.m.get(f"flags/{t}/{a}/{w}")) or [] for w in members
-                   if self.m.has(f"flags/{t}/{a}/{w}")}
-        report.flagged = majority_flagged(reports, members)
+        report.flagged = majority_flagged(q.reports(FLAGS, a, members), members)
         report.banned = self.strikes.add(report.flagged)
-        self._ban(report.banned, t, a)
+        self._ban(report.banned, q.step, a)
         if report.flagged:
-            log.warning("%s: step %d: outlier contributions from %s", self.worker, t, report.flagged)
+            log.warning("%s: step %d: outlier contributions from %s", self.worker, q.step, report.flagged)
 
     def _ban(self, workers: list[str], t: int, a: int) -> None:
         """Record our ban of ``workers``; it takes effect once a majority of attempt ``a``'s members record it."""
         for w in workers:
             log.warning("%s: banning %s: outlying contributions in %d steps", self.worker, w, self.cfg.exclude_after)
             self.banned_here.add(w)
-            self.m.set(f"ban/{w}/{self.worker}", json.dumps({"step": t, "attempt": a}))
+            self.m.set(BAN(w, self.worker), ban_record(t, a))
 
-    def _next_attempt(self, t: int, a: int, candidates: list[str]) -> tuple[list[str], int]:
-        members = self.m.propose_members(t, a + 1, candidates)
+    def _next_attempt(self, q: Quorum, a: int, candidates: list[str]) -> tuple[list[str], int]:
+        members = q.propose_members(a + 1, candidates)
         if self.worker not in members:
-            raise Excluded(f"{self.worker} was left out of step {t} attempt {a + 1}")
+            raise Excluded(f"{self.worker} was left out of step {q.step} attempt {a + 1}")
         return members, a + 1
 
     def checkpoint(self) -> str | None:
@@ -469,20 +431,15 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ driver
 
-    def outer_step(self, run_phase: Callable[..., object] | None = None) -> StepReport:
-        """One whole outer step; an excluded worker reverts and reports an uncommitted step.
-
-        ``run_phase(name, fn, *args)`` runs each phase (a Prefect task wraps it as one
-        task run per phase); by default the phase is simply called.
-        """
-        run = run_phase or (lambda name, fn, *args: fn(*args))
+    def outer_step(self) -> StepReport:
+        """One whole outer step; an excluded worker reverts and reports an uncommitted step."""
         report = StepReport(step=self.step, worker=self.worker)
         try:
-            report.onboarded = run("boundary", self.boundary)
+            report.onboarded = self.boundary()
             report.step = self.step
-            report.inner_loss, report.inner_seconds = run("inner-train", self.inner)
-            run("all-reduce-commit", self.sync, report)
-            run("checkpoint", self.checkpoint)
+            report.inner_loss, report.inner_seconds = self.inner()
+            self.sync(report)
+            self.checkpoint()
         except Excluded as e:
             log.warning("%s", e)
             self.m.leave(self.step)
@@ -491,8 +448,17 @@ class DilocoWorker:
             time.sleep(self.cfg.heartbeat_interval)  # the others are mid-step: no point in spinning
         else:
             self.step = self.committed
-            self.m.set(f"metrics/{report.step}/{self.worker}", json.dumps(asdict(report)))
+            self.m.set(METRICS(report.step, self.worker), json.dumps(asdict(report)))
         return report
+
+    def run_until_done(self, observe: Callable[[StepReport], None] | None = None) -> None:
+        """Outer steps until the run is done; ``observe`` sees each step's report once it is over."""
+        while not self.done():
+            r = self.outer_step()
+            log.info("step %d committed=%s members=%s loss=%.4f bytes=%d algorithm=%s digest=%s",
+                     r.step, r.committed, r.members, r.inner_loss, r.bytes_sent, r.algorithm, r.digest[:12])
+            if observe is not None:
+                observe(r)
 
     def done(self) -> bool:
         """Our own steps are done, or (a late joiner) the others finished the run."""
@@ -504,5 +470,5 @@ class DilocoWorker:
         self.m.close()
 
 
-__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "init_run", "publish_outer_checkpoint",
-           "shard_stream"]
+__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "init_run", "inner_train_config",
+           "publish_outer_checkpoint", "shard_stream"]

@@ -21,11 +21,12 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
+from diloco_faults import FaultPlan, faulty_launcher
 from test_diloco_elastic import digests, logs, run_cfg
 
 from intellect.data.arithmetic import heldout_problems
 from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
-from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, Coordinator, LocalLauncher
+from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, Coordinator
 from intellect.diloco.coordinator import free_port
 from intellect.pretrain import fetch_checkpoint
 from intellect.storage import RunStorage
@@ -124,8 +125,8 @@ def _tiny(tmp_path, name: str, **over):
     return run_cfg(tmp_path, **{"run_name": name, "train.threads": 1, "diloco.bandwidth_probe_bytes": 0, **over})
 
 
-def _run(tmp_path, cfg, env=None, during=None, timeout=300) -> tuple[Coordinator, dict]:
-    c = Coordinator(cfg, LocalLauncher(tmp_path / "logs"), env=env or {})  # where logs() looks
+def _run(tmp_path, cfg, env=None, during=None, timeout=300, faults=None) -> tuple[Coordinator, dict]:
+    c = Coordinator(cfg, faulty_launcher(tmp_path / "logs", faults), env=env or {})  # where logs() looks
     try:
         c.start()
         extra = during(c) if during else None
@@ -258,7 +259,7 @@ def honest_four(tmp_path_factory):
 @pytest.mark.parametrize("kind", sorted(LIARS))
 def test_an_admitted_liar_is_flagged_banned_and_bounded(tmp_path, honest_four, kind):
     cfg = _tiny(tmp_path, "four", **{"diloco.workers": 4, "diloco.outer_steps": 4, "diloco.inner_steps": 8})
-    c, out = _run(tmp_path, cfg, env={"INTELLECT_TEST_LIE_WORKER": "w3", "INTELLECT_TEST_LIE": kind})
+    c, out = _run(tmp_path, cfg, faults=FaultPlan(lie_worker="w3", lie=kind))
     try:
         codes = out["codes"]
         assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE, "w2": EXIT_DONE, "w3": EXIT_BANNED}, logs(tmp_path)

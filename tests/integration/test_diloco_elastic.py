@@ -15,9 +15,10 @@ import sys
 import time
 
 import pytest
+from diloco_faults import FaultPlan, faulty_launcher, stall_marker
 
 from intellect.config import DilocoRunConfig, load_config
-from intellect.diloco.coordinator import EXIT_DONE, Coordinator, LocalLauncher
+from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher
 from intellect.storage import RunStorage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -64,8 +65,8 @@ def wait_progress(coord: Coordinator, at_least: int, timeout: float = 120) -> No
 def coordinator(tmp_path):
     made = []
 
-    def make(cfg: DilocoRunConfig, env: dict | None = None) -> Coordinator:
-        c = Coordinator(cfg, LocalLauncher(tmp_path / "logs"), env=env or {})
+    def make(cfg: DilocoRunConfig, env: dict | None = None, faults: FaultPlan | None = None) -> Coordinator:
+        c = Coordinator(cfg, faulty_launcher(tmp_path / "logs", faults), env=env or {})
         made.append(c)
         return c
 
@@ -143,7 +144,7 @@ def test_joiner_is_onboarded_at_a_boundary(tmp_path, coordinator):
 
 
 def test_nan_pseudo_gradient_is_excluded_not_averaged(tmp_path, coordinator):
-    c = coordinator(run_cfg(tmp_path), env={"INTELLECT_TEST_NAN_AT_STEP": "1", "INTELLECT_TEST_NAN_WORKER": "w1"})
+    c = coordinator(run_cfg(tmp_path), faults=FaultPlan(nan_step=1, nan_worker="w1"))
     c.start()
     codes = c.watch(timeout=180)
     assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
@@ -155,10 +156,10 @@ def test_nan_pseudo_gradient_is_excluded_not_averaged(tmp_path, coordinator):
 def test_kill_during_allreduce_retries_with_survivors(tmp_path, coordinator):
     # w2 stalls inside step 1's all-reduce (after announcing ready): the others block on it
     c = coordinator(run_cfg(tmp_path, **{"diloco.workers": 3, "diloco.outer_steps": 3}),
-                    env={"INTELLECT_TEST_STALL_ALLREDUCE_AT_STEP": "1", "INTELLECT_TEST_STALL_WORKER": "w2"})
+                    faults=FaultPlan(stall_step=1, stall_worker="w2", stall_marker=str(tmp_path)))
     c.start()
     deadline = time.monotonic() + 120
-    while not c.store.check(["stalled/1/w2"]):
+    while not stall_marker(tmp_path, 1, "w2").exists():
         assert time.monotonic() < deadline, logs(tmp_path)
         time.sleep(0.05)
     os.kill(c.handles["w2"].pid, signal.SIGKILL)
@@ -172,9 +173,9 @@ def test_kill_during_allreduce_retries_with_survivors(tmp_path, coordinator):
 COORDINATOR_SCRIPT = """
 import sys, time
 from intellect.config import DilocoRunConfig
-from intellect.diloco.coordinator import Coordinator, LocalLauncher
+from intellect.diloco.coordinator import Coordinator, worker_launcher
 cfg = DilocoRunConfig.model_validate_json(open(sys.argv[1]).read())
-c = Coordinator(cfg, LocalLauncher(sys.argv[2]))
+c = Coordinator(cfg, worker_launcher(sys.argv[2]))
 c.start()
 print("started", flush=True)
 codes = c.watch(timeout=240)
@@ -209,7 +210,7 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
             os.kill(pid, signal.SIGKILL)
     resumed_from = storage.latest_step("checkpoints")
     assert 2 <= resumed_from < 6
-    c = Coordinator(cfg, LocalLauncher(tmp_path / "logs2"))
+    c = Coordinator(cfg, worker_launcher(tmp_path / "logs2"))
     try:
         c.start()
         codes = c.watch(timeout=180)

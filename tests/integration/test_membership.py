@@ -8,6 +8,7 @@ import pytest
 
 from intellect.diloco.coordinator import free_port
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, connect_store, scope
+from intellect.diloco.protocol import Quorum
 from intellect.diloco.rendezvous import RendezvousServer
 
 SECRET = bytes(range(32))
@@ -53,10 +54,11 @@ def test_first_proposal_wins_for_everyone(store):
     a, b = member(port, "a"), member(port, "b")
     a.set("arrive/3/a", "1"), b.set("arrive/3/b", "1")  # the rendezvous takes proposals from those that arrived
     # the proposal's order (admission order) is kept, never the names' sort order
-    assert a.propose_members(3, 0, ["b", "a", "b"]) == ["b", "a"]
-    assert b.propose_members(3, 0, ["a"]) == ["b", "a"]
-    assert a.members(3, 0) == b.members(3, 0) == ["b", "a"]
-    assert a.members(3, 1) is None
+    qa, qb = Quorum(a, "a", 3), Quorum(b, "b", 3)
+    assert qa.propose_members(0, ["b", "a", "b"]) == ["b", "a"]
+    assert qb.propose_members(0, ["a"]) == ["b", "a"]
+    assert qa.members(0) == qb.members(0) == ["b", "a"]
+    assert qa.members(1) is None
     a.set("vote/3/0/a", "ok"), b.set("vote/3/0/b", "fail")  # outcomes come from members that voted
     assert b.decide("outcome/3/0", "abort") == "abort" and a.decide("outcome/3/0", "commit") == "abort"
 
@@ -66,7 +68,7 @@ def test_waits_are_bounded_and_skip_the_dead_and_the_departed(store):
     a, b = member(port, "a"), member(port, "b")
     a.start_heartbeat(), b.start_heartbeat()
     b.set("arrive/0/b", "1")
-    assert b.propose_members(0, 0, ["b"]) == ["b"]  # ready/ keys come from the attempt's members
+    assert Quorum(b, "b", 0).propose_members(0, ["b"]) == ["b"]  # ready/ keys come from the attempt's members
     b.set("ready/0/0/b", "1")
     t0 = time.monotonic()
     present, absent = a.wait_for_keys("ready/0/0", ["a", "b", "c"], time.monotonic() + 0.5)
@@ -77,6 +79,27 @@ def test_waits_are_bounded_and_skip_the_dead_and_the_departed(store):
     assert absent == ["b"] and time.monotonic() - t0 < 1
     with pytest.raises(MembershipTimeout, match="never"):
         a.wait_until(lambda: False, time.monotonic() + 0.2, "never")
+    a.close(), b.close()
+
+
+def test_the_quorum_commits_only_when_every_member_voted_ok(store):
+    port, _ = store
+    a, b = member(port, "a"), member(port, "b")
+    a.start_heartbeat(), b.start_heartbeat()
+    a.set("arrive/0/a", "1"), b.set("arrive/0/b", "1")
+    qa, qb = Quorum(a, "a", 0), Quorum(b, "b", 0)
+    members = qa.propose_members(0, ["a", "b"])
+    deadline = time.monotonic() + 10
+    b.set("ready/0/0/b", "1")
+    assert qa.ready(0, members, deadline) == (["a", "b"], [])
+    plan = {"order": None, "algorithm": "direct", "estimates": {}}
+    assert qa.plan(0, plan) == qb.plan(0, {**plan, "algorithm": "ring"}) == plan  # the first plan wins
+    b.set("vote/0/0/b", "fail")
+    assert not qa.should_commit(0, True, members, deadline)  # one fail: everyone aborts
+    assert not qb.decide(0, True) and qa.voted(0, members) == ["a", "b"]
+    assert qa.propose_members(1, ["a", "b"]) == ["a", "b"]
+    b.set("vote/0/1/b", "ok")
+    assert qa.should_commit(1, True, members, deadline) and qb.decide(1, False)  # decided: commit for both
     a.close(), b.close()
 
 

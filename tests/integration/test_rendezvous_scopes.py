@@ -12,8 +12,8 @@ import time
 import pytest
 from test_diloco_elastic import run_cfg
 
-from intellect.diloco.coordinator import (ALLREDUCE_KEY_ENV, PEER_KEY_ENV, SECRET_ENV, Coordinator, LocalLauncher,
-                                          load_credentials, worker_credentials)
+from intellect.diloco.coordinator import (ALLREDUCE_KEY_ENV, PEER_KEY_ENV, SECRET_ENV, Coordinator, load_credentials,
+                                          worker_args, worker_credentials, worker_launcher)
 from intellect.diloco.membership import Membership, StoreLost, scope
 from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, RendezvousStore, StoreError, peer_key
 
@@ -135,7 +135,7 @@ def test_only_the_leader_of_a_commit_moves_progress_forward(server):
 
 def test_the_coordinator_reads_peer_values_defensively(tmp_path, caplog):
     cfg = run_cfg(tmp_path, run_name="defensive")
-    c = Coordinator(cfg, LocalLauncher(tmp_path / "logs"))
+    c = Coordinator(cfg, worker_launcher(tmp_path / "logs"))
     try:
         for garbage in ("x", "1000000000", "-1", '"3"'):
             c.store.set("progress", garbage)
@@ -210,9 +210,9 @@ def test_a_launched_worker_gets_its_own_keys_and_never_the_run_secret(tmp_path, 
     monkeypatch.setenv(SECRET_ENV, secret.hex())  # the coordinator's own environment holds the secret
     (tmp_path / "envdump.py").write_text(
         "import json, os\nprint(json.dumps({k: v for k, v in os.environ.items() if k.startswith('INTELLECT_DILOCO')}))\n")
-    launcher = LocalLauncher(tmp_path / "logs", module="envdump")
+    launcher = worker_launcher(tmp_path / "logs", module="envdump")
     env = {"PYTHONPATH": str(tmp_path), **worker_credentials(secret, "run", "w0")}
-    handle = launcher.launch("w0", 0, "unused.json", "127.0.0.1:1", env)
+    handle = launcher.launch("w0", worker_args("w0", 0, "unused.json", "127.0.0.1:1"), env)
     handle.proc.wait(timeout=60)
     got = json.loads((tmp_path / "logs" / "w0.log").read_text().splitlines()[0])
     assert set(got) == {PEER_KEY_ENV, ALLREDUCE_KEY_ENV} and secret.hex() not in json.dumps(got)
