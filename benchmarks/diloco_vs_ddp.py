@@ -48,7 +48,7 @@ from intellect.config import DilocoConfig, DilocoRunConfig, load_config  # noqa:
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
 from intellect.diloco.coordinator import Coordinator, worker_launcher  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
-from intellect.pretrain import fetch_checkpoint  # noqa: E402
+from intellect.checkpoints import fetch  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
 from intellect.train import evaluate  # noqa: E402
 
@@ -74,7 +74,7 @@ def run_diloco(run: DilocoRunConfig, log_dir: Path, timeout: float) -> dict:
     tasks = heldout_problems(run.data, EVAL_SIZE)
     loss, acc = [], []
     for n in range(run.diloco.outer_steps + 1):
-        r = evaluate(*fetch_checkpoint(storage, n), tasks)
+        r = evaluate(*fetch(storage, n), tasks)
         loss.append(r.loss)
         acc.append(r.accuracy)
     per_step = [sum(m["bytes_sent"] for m in ms) / len(ms) for ms in metrics]

@@ -22,12 +22,6 @@ from intellect.model.checkpoint import build_model
 from intellect.storage import RunStorage
 from intellect.train import evaluate, pass_counts, train
 
-# interim names for callers not yet importing intellect.checkpoints (removed once they do)
-from intellect.checkpoints import CheckpointMismatch  # noqa: F401, I001
-from intellect.checkpoints import digest as checkpoint_digest  # noqa: F401
-from intellect.checkpoints import fetch as fetch_checkpoint  # noqa: F401
-from intellect.checkpoints import publish as publish_checkpoint  # noqa: F401
-
 
 def init_checkpoint(cfg: SmokeConfig, storage: RunStorage) -> int:
     """Build the configured model and publish it as step 0 (kept if already there)."""

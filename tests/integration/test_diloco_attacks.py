@@ -28,7 +28,7 @@ from intellect.data.arithmetic import heldout_problems
 from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
 from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, Coordinator
 from intellect.diloco.coordinator import free_port
-from intellect.pretrain import fetch_checkpoint
+from intellect.checkpoints import fetch
 from intellect.storage import RunStorage
 from intellect.train import encode_texts
 
@@ -232,7 +232,7 @@ def test_a_message_sealed_under_another_key_fails_like_a_garbled_one():
 
 
 def _heldout_loss(cfg) -> float:
-    model, tok = fetch_checkpoint(RunStorage.from_config(cfg.storage, cfg.run_name))
+    model, tok = fetch(RunStorage.from_config(cfg.storage, cfg.run_name))
     model.eval()
     batch = encode_texts(tok, [p.text for p in heldout_problems(cfg.data, 256)], model.config.max_position_embeddings)
     with torch.no_grad():
