@@ -10,6 +10,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 
 # tests/ is on sys.path (rootdir conftest), so the WAN testbed fixtures load by module name
 pytest_plugins = ["wan_fixtures"]
@@ -29,15 +30,15 @@ for key in [k for k in os.environ if k.startswith("INTELLECT_")]:
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server for tests that run flows (started once, on first use)."""
-    from prefect.testing.utilities import prefect_test_harness
+    # noqa below: lazy on purpose. conftest loads for every run; only flow tests pay for Prefect, and
+    # Prefect must first see the environment set above (a top-level import would precede it).
+    from prefect.testing.utilities import prefect_test_harness  # noqa: PLC0415 - see comment above
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
 
 
-def pytest_collection_modifyitems(config, items):
-    import torch
-
+def pytest_collection_modifyitems(items):  # pluggy passes only the hook arguments named here
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,11 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.settings import PREFECT_API_URL
 
+from flows.filter import filter_pass_at_k
+from flows.rl import rl_step, rl_train
+from flows.rl_stages import rl_orchestrate
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.checkpoints import CHECKPOINTS, OPTIMIZER, publish
+from intellect.data.loaders import load_math_tasks
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 from intellect.rl.report import CURVE, load_evals
 from intellect.rl.rollouts import list_submissions
@@ -66,9 +74,8 @@ def check_ledger(cfg: RLRunConfig, steps: int) -> None:
         assert all(ledger.checkpoint(n + 1) is not None for n in range(steps))
 
 
-def test_rl_train_with_worker_processes(prefect_harness, base):
-    from flows.rl import rl_train
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_rl_train_with_worker_processes(base):
     cfg = rl_cfg(base)
     report = rl_train(cfg)
     assert report.steps == 4 and report.first_step == 0
@@ -83,10 +90,9 @@ def test_rl_train_with_worker_processes(prefect_harness, base):
     assert rl_train(cfg).steps == 0
 
 
-def test_rl_train_with_shardcast_carrying_the_weights(prefect_harness, base):
+@pytest.mark.usefixtures("prefect_harness")
+def test_rl_train_with_shardcast_carrying_the_weights(base):
     """Checkpoints go trainer -> origin -> 2 relays -> worker caches; no server outlives the run."""
-    from flows.rl import rl_train
-
     cfg = rl_cfg(base, shardcast={"shard_size": 8192, "local_relays": 2, "keep": 3})
     report = rl_train(cfg)
     assert report.steps == 4 and report.worker_exit_codes == {"alice": 0, "bob": 0}
@@ -109,13 +115,9 @@ def test_rl_train_with_shardcast_carrying_the_weights(prefect_harness, base):
     assert leftover.stdout == "", leftover.stdout
 
 
-def test_rl_orchestrate_runs_each_stage_as_a_flow_run(prefect_harness, base):
+@pytest.mark.usefixtures("prefect_harness")
+def test_rl_orchestrate_runs_each_stage_as_a_flow_run(base):
     """Local dispatch: rl-generate per worker, rl-validate, rl-update as sub-flow runs of rl-orchestrate."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
-    from flows.rl_stages import rl_orchestrate
-
     cfg = rl_cfg(base, steps=2, eval={"every": 0})
     out = rl_orchestrate(cfg)
     assert [r["step"] for r in out["steps"]] == [0, 1]
@@ -133,9 +135,8 @@ def test_rl_orchestrate_runs_each_stage_as_a_flow_run(prefect_harness, base):
     assert rl_orchestrate(cfg)["steps"] == []  # all committed: nothing left
 
 
-def test_rl_step_flow_generates_in_process(prefect_harness, base):
-    from flows.rl import rl_step
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_rl_step_flow_generates_in_process(base):
     cfg = rl_cfg(base, async_level=0, workers={"min_signal_samples": 10_000, "max_submissions": 2})
     summary = rl_step(cfg, 0)
     # the online filter: with no signal (an untrained model never solves a sum) each worker tries twice
@@ -146,23 +147,20 @@ def test_rl_step_flow_generates_in_process(prefect_harness, base):
 
 
 def _cli_env() -> dict[str, str]:
-    from prefect.settings import PREFECT_API_URL
-
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def to_toml(data: dict, prefix: str = "") -> str:
     """TOML of a config dump: scalars and lists first, then one table per nested dict."""
-    import json
-
     flat = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
     head = [f"[{prefix}]"] if prefix and flat else []
     tables = [to_toml(v, f"{prefix}.{k}" if prefix else k) for k, v in data.items() if isinstance(v, dict)]
     return "\n".join(head + flat + [""] + tables)
 
 
-def test_killed_run_resumes_and_counts_each_sample_once(prefect_harness, base, tmp_path):
+@pytest.mark.usefixtures("prefect_harness")
+def test_killed_run_resumes_and_counts_each_sample_once(base, tmp_path):
     cfg = rl_cfg(base, steps=8, eval={"every": 0})
     config = tmp_path / "rl.toml"
     config.write_text("# run: rl\n" + to_toml(cfg.model_dump(mode="json", exclude_none=True)))
@@ -188,9 +186,8 @@ def test_killed_run_resumes_and_counts_each_sample_once(prefect_harness, base, t
     check_ledger(cfg, 8)
 
 
-def test_filter_flow_scores_keeps_window_and_records(prefect_harness, base):
-    from flows.filter import filter_pass_at_k
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_filter_flow_scores_keeps_window_and_records(base):
     cfg = FilterRunConfig.model_validate({
         "storage": {"url": f"file://{base}"}, "init": {"from_run": "base"},
         "tasks": {"size": 40, "data": {"max_digits": 1}},
@@ -201,8 +198,6 @@ def test_filter_flow_scores_keeps_window_and_records(prefect_harness, base):
     assert report.kept == sum(report.histogram[:3])  # 0, 1 or 2 of 4 solved
     storage = run_storage(cfg)
     assert len(storage.listdir("parts")) == 3
-    from intellect.data.loaders import load_math_tasks
-
     kept = load_math_tasks(Path(str(base)) / "filter" / "tasks.jsonl").tasks
     assert len(kept) == report.kept
     with Ledger(ledger_path(cfg)) as ledger:

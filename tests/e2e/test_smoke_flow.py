@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from flows.cli import main
+from flows.smoke import smoke
 from intellect.config import SmokeConfig, load_config
 from intellect.storage import RunStorage
 
@@ -20,9 +22,8 @@ def tiny_cfg(tmp_path, **over) -> SmokeConfig:
     return load_config(SmokeConfig, overrides=overrides, environ={})
 
 
-def test_smoke_flow_trains_publishes_and_reports(prefect_harness, tmp_path):
-    from flows.smoke import smoke
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_smoke_flow_trains_publishes_and_reports(tmp_path):
     cfg = tiny_cfg(tmp_path)
     state = smoke(cfg, return_state=True)
     assert state.is_completed()
@@ -42,8 +43,6 @@ def test_smoke_flow_trains_publishes_and_reports(prefect_harness, tmp_path):
 
 
 def test_cli_rejects_bad_config_in_one_line(capsys):
-    from flows.cli import main
-
     assert main(["smoke", "train.lr=-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "intellect: invalid config: train.lr: Input should be greater than 0 (got -1)"

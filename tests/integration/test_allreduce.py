@@ -101,7 +101,8 @@ def _rank_main(worker, local, world, nlocal, port, cases, out_dir, timeout):
     path = os.path.join(out_dir, f"{worker}_{local}.pt")
     res = {}
     try:
-        store = torch.distributed.TCPStore(
+        # public torch API (torch.distributed's docs); its __init__ re-exports it from torch._C without __all__
+        store = torch.distributed.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             "127.0.0.1", port, world * nlocal, worker == 0 and local == 0, timeout=datetime.timedelta(seconds=30)
         )
         group = transport.shard_group(store, "test", worker, world, local, timeout=timeout, hostname="127.0.0.1")

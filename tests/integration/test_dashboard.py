@@ -18,6 +18,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from websockets.sync.client import connect
 
 from infra import cluster
 from intellect.config import ModelConfig
@@ -37,8 +40,6 @@ class Browser:
     """One page of a fresh headless Chromium, driven over the DevTools protocol; every wait has a deadline."""
 
     def __init__(self, tmp_path: Path, timeout: float = 60.0):
-        from websockets.sync.client import connect
-
         exe = shutil.which("chromium")
         if exe is None:
             pytest.skip("headless Chromium missing: apt-get install chromium (.ci/run does)")
@@ -118,9 +119,6 @@ class Browser:
 
 
 def test_the_dashboard_shows_a_finished_rl_run_and_its_artifacts(tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
     port = free_port()
     state = tmp_path / "cluster"
     env = cluster.up(state, port, pools=())

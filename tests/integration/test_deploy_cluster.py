@@ -14,11 +14,18 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import cast
 
 import pytest
+from prefect.automations import Automation
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
 
 from infra import cluster
-from intellect.config import ModelConfig
+from infra.automations import NAME
+from intellect.config import DilocoRunConfig, ModelConfig, load_config
 from intellect.diloco.coordinator import free_port
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
@@ -70,10 +77,6 @@ def local_cluster(tmp_path_factory, alert_sink):
 
 
 def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-    from prefect.deployments import run_deployment
-
     state, env = local_cluster
     cluster.deploy(state)
     model, tok = build_model(TINY)
@@ -90,6 +93,7 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
     with cluster.api_settings(env):
         run = run_deployment("rl-orchestrate/rl-orchestrate", parameters={"config": cfg.model_dump(mode="json")},
                              timeout=600, poll_interval=1)
+        assert isinstance(run, FlowRun)  # run_deployment's result: called outside an event loop, it ran here
         assert run.state.is_completed(), (run.state, (state / "logs" / "worker-cpu.log").read_text()[-3000:])
         with get_client(sync_client=True) as client:
             runs = {name: client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
@@ -110,14 +114,11 @@ def test_rl_steps_run_as_flow_runs_on_their_pools(local_cluster, tmp_path):
 
 
 def test_a_worker_with_many_rejections_triggers_the_automation(local_cluster, alert_sink):
-    from prefect.automations import Automation
-
-    from infra.automations import NAME
-
     state, env = local_cluster
     url, received = alert_sink
     with cluster.api_settings(env):
-        assert Automation.read(name=NAME).enabled
+        # cast: Prefect types Automation.read's overloads as async, but out of an event loop it returns the model
+        assert cast(Automation, Automation.read(name=NAME)).enabled
     # emitted by a process of its own, as a flow run would: this test process's events client may
     # already be bound to another test's server
     emit = subprocess.run(
@@ -137,8 +138,6 @@ def test_a_worker_with_many_rejections_triggers_the_automation(local_cluster, al
 
 
 def _diloco_config(tmp_path, run_name: str, outer_steps: int) -> dict:
-    from intellect.config import DilocoRunConfig, load_config
-
     return load_config(DilocoRunConfig, overrides=[
         f"run_name={run_name}", f"storage.url=file://{tmp_path}", "model.num_layers=1", "model.hidden_size=32",
         "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64", "train.batch_size=8",
@@ -149,8 +148,6 @@ def _diloco_config(tmp_path, run_name: str, outer_steps: int) -> dict:
 
 
 def _runs_of(client, flow_name: str, run_name: str) -> list:
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
     return [r for r in client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])))
             if (r.parameters.get("run_name") or r.parameters.get("config", {}).get("run_name")) == run_name]
 
@@ -158,14 +155,12 @@ def _runs_of(client, flow_name: str, run_name: str) -> list:
 def test_diloco_workers_run_as_flow_runs_on_their_pool(local_cluster, tmp_path):
     """diloco-train on `cpu` launches each worker as a diloco-worker flow run on `gpu-diloco`; a
     coordinator that gives up cancels its workers' flow runs and nothing keeps running."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-
     state, env = local_cluster
     cluster.deploy(state)
     with cluster.api_settings(env):
         run = run_deployment("diloco-train/diloco-train", timeout=600, poll_interval=1,
                              parameters={"config": _diloco_config(tmp_path, "dl-pools", 2), "timeout_s": 300})
+        assert isinstance(run, FlowRun)  # run_deployment's result: called outside an event loop, it ran here
         assert run.state.is_completed(), (run.state, (state / "logs" / "worker-gpu-diloco.log").read_text()[-3000:])
         with get_client(sync_client=True) as client:
             workers = _runs_of(client, "diloco-worker", "dl-pools")
@@ -182,6 +177,7 @@ def test_diloco_workers_run_as_flow_runs_on_their_pool(local_cluster, tmp_path):
     with cluster.api_settings(env):
         run = run_deployment("diloco-train/diloco-train", timeout=600, poll_interval=1,
                              parameters={"config": _diloco_config(tmp_path, "dl-cancel", 10_000), "timeout_s": 40})
+        assert isinstance(run, FlowRun)  # as above
         assert run.state.is_failed(), run.state
         deadline = time.monotonic() + 90
         while True:

@@ -13,6 +13,16 @@ from uuid import uuid4
 
 import httpx
 import pytest
+from prefect import Flow, flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+from prefect.utilities.processutils import command_to_string, get_sys_executable
+from prefect.utilities.schema_tools import ValidationError, validate
+from prefect.workers.process import ProcessJobConfiguration
 
 from infra import cluster
 from intellect.diloco.coordinator import free_port
@@ -34,8 +44,6 @@ def _mode(path: Path) -> int:
 
 
 def _engine_command() -> str:
-    from prefect.utilities.processutils import command_to_string, get_sys_executable
-
     return command_to_string([get_sys_executable(), "-m", "prefect.engine"])
 
 
@@ -59,10 +67,6 @@ def test_the_auth_string_is_made_once_private_and_reused(tmp_path):
 def test_a_pool_template_has_no_command_for_job_variables_to_replace(path, tmp_path):
     """The server refuses a ``command`` job variable (the schema allows no unknown variable), and
     Prefect's own template machinery, given one anyway, still starts the flow-run engine."""
-    from prefect.client.schemas.objects import FlowRun
-    from prefect.utilities.schema_tools import ValidationError, validate
-    from prefect.workers.process import ProcessJobConfiguration
-
     template = json.loads(path.read_text())
     assert "command" not in template["job_configuration"]
     assert "command" not in template["variables"]["properties"]
@@ -77,19 +81,13 @@ def test_a_pool_template_has_no_command_for_job_variables_to_replace(path, tmp_p
 
 
 def _deploy(job: Path, name: str, pool: str) -> None:
-    from prefect import flow
-
-    flow.from_source(source=str(job), entrypoint="marked.py:marked").deploy(
-        name=name, work_pool_name=pool, print_next_steps=False, ignore_warnings=True)
+    marked = flow.from_source(source=str(job), entrypoint="marked.py:marked")
+    assert isinstance(marked, Flow)  # from_source's result: called outside an event loop, it ran here
+    marked.deploy(name=name, work_pool_name=pool, print_next_steps=False, ignore_warnings=True)
 
 
 @pytest.mark.slow
 def test_the_cluster_api_demands_its_auth_string_and_runs_no_job_variable_command(tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.exceptions import PrefectHTTPStatusError
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
     state = tmp_path / "cluster"
     env = cluster.up(state, free_port(), pools=("cpu",))
     try:
@@ -121,8 +119,6 @@ def test_the_cluster_api_demands_its_auth_string_and_runs_no_job_variable_comman
         relaxed = {**template, "variables": {k: v for k, v in template["variables"].items()
                                              if k != "additionalProperties"}}
         with cluster.api_settings(env):
-            from prefect.client.schemas.actions import WorkPoolCreate
-
             # the same job configuration under a schema that lets `command` through to the worker
             with get_client(sync_client=True) as client:
                 client.create_work_pool(WorkPoolCreate(name="relaxed", type="process", base_job_template=relaxed))
@@ -136,6 +132,7 @@ def test_the_cluster_api_demands_its_auth_string_and_runs_no_job_variable_comman
             # the variable reaches a worker: it starts the flow-run engine, not the command
             run = run_deployment("marked/on-relaxed", parameters={"path": str(ran)}, job_variables=hostile,
                                  timeout=300, poll_interval=1)
+        assert isinstance(run, FlowRun)  # run_deployment's result: called outside an event loop, it ran here
         assert run.job_variables == hostile
         log = (state / "logs" / "worker-relaxed.log").read_text()
         assert run.state.is_completed(), (run.state, log[-3000:])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.rl import rl_train
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
@@ -77,9 +78,8 @@ def accepted(cfg: RLRunConfig) -> dict[int, list[tuple]]:
                 for n in range(STEPS)}
 
 
-def test_an_adversarial_worker_changes_nothing(prefect_harness, tmp_path):
-    from flows.rl import rl_train
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_an_adversarial_worker_changes_nothing(tmp_path):
     runs = {}
     for name in ("plain", "again"):
         cfg = make_run(tmp_path / name, adversary=False)

@@ -71,13 +71,15 @@ def test_env_credentials_and_no_shared_instances(bucket: str, s3_env: str, monke
     assert a.read_bytes("x") == b"1"
 
 
-def test_missing_bucket_is_a_clear_error(s3_env: str) -> None:
+@pytest.mark.usefixtures("s3_env")
+def test_missing_bucket_is_a_clear_error() -> None:
     store = RunStorage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/r")
     with pytest.raises(FileNotFoundError, match="bucket"):
         store.write_bytes("x", b"1")
 
 
-def test_unresponsive_endpoint_times_out(s3_env: str) -> None:
+@pytest.mark.usefixtures("s3_env")
+def test_unresponsive_endpoint_times_out() -> None:
     # a socket that completes TCP handshakes (backlog) but never answers
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

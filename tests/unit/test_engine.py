@@ -3,6 +3,7 @@ import doctest
 import pytest
 import torch
 from pydantic import ValidationError
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 import intellect.inference.sampling
 
@@ -72,7 +73,10 @@ def test_uniforms_are_a_pure_function_of_seed_position_and_token_id():
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p_and_always_the_top_token():
     z = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]], dtype=torch.float64)).float()
-    kept = lambda p: (top_p_mask(z, torch.tensor([p])) > float("-inf"))[0].tolist()
+
+    def kept(p):
+        return (top_p_mask(z, torch.tensor([p])) > float("-inf"))[0].tolist()
+
     assert kept(1.0) == [True] * 4
     assert kept(0.39) == [False, True, False, False]
     assert kept(0.41) == [False, True, False, True]
@@ -268,8 +272,6 @@ def test_capture_can_be_turned_off(tiny):
 
 
 def _other_architecture(name):
-    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(0)
     if name == "qwen2":  # INTELLECT-2's base (QwQ-32B) family: GQA, untied head
         cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

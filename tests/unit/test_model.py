@@ -88,8 +88,11 @@ def test_cached_batched_generation_matches_step_by_step_greedy():
 def test_sampling_is_reproducible_and_stops_at_eos():
     model, tok = build_model(ModelConfig(num_layers=1))
     prompts = [tok("12+3=")["input_ids"]] * 4
-    run = lambda s: generate(model, prompts, max_new_tokens=8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                             temperature=1.0, generator=torch.Generator().manual_seed(s))
+
+    def run(s):
+        return generate(model, prompts, max_new_tokens=8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                        temperature=1.0, generator=torch.Generator().manual_seed(s))
+
     assert run(1) == run(1)
     for g in run(2):
         assert tok.eos_token_id not in g.tokens

@@ -27,7 +27,9 @@ def written(tmp_path, version: int, blob: bytes, shard_size: int = 64, key: Sign
 
 
 def answer(store: VersionStore, version: int, since: int = 0, listing: str = "") -> ManifestDelta:
-    return store.delta(version, since, listing)
+    delta = store.delta(version, since, listing)
+    assert delta is not None, f"the store has no version {version}"
+    return delta
 
 
 def view(version: int, key: SigningKey = KEY) -> ManifestView:

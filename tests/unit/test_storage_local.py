@@ -184,7 +184,7 @@ class StorageContract:
             store.mark_stable(3, "rollouts")
 
     def test_crash_before_stable_leaves_step_invisible(self, store: RunStorage, monkeypatch) -> None:
-        def crash(*args, **kwargs):
+        def crash(*_args, **_kwargs):
             raise RuntimeError("power cut")
 
         monkeypatch.setattr(store, "mark_stable", crash)
@@ -301,7 +301,7 @@ def test_temp_files_are_hidden_and_not_published(store: RunStorage, tmp_path: Pa
 def test_failed_write_keeps_old_content_and_no_temp(store: RunStorage, monkeypatch) -> None:
     store.write_bytes("f", b"old")
 
-    def broken_replace(src, dst):
+    def broken_replace(_src, _dst):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", broken_replace)

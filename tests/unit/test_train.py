@@ -39,8 +39,8 @@ def test_training_lowers_loss_and_clips_gradients():
     stream = train_stream(DataConfig())
     logs = trainer.train_steps(60, iter(lambda: [next(stream).text for _ in range(32)], None))
     assert trainer.step == 60
-    assert sum(l["loss"] for l in logs[-10:]) / 10 < logs[0]["loss"] - 1.0
-    assert all(l["tokens"] > 0 for l in logs)
+    assert sum(log["loss"] for log in logs[-10:]) / 10 < logs[0]["loss"] - 1.0
+    assert all(log["tokens"] > 0 for log in logs)
     state = trainer.state_dict()
     again = Trainer(model, tok, cfg)
     again.load_state_dict(state)
