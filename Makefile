@@ -9,11 +9,12 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test lint venv clean
 
+# pip's own notices go to a log, shown only if the install fails.
 $(BIN)/.installed: pyproject.toml
+	@echo "installing into $(VENV) (log: $(VENV)/install.log)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e '.[test]'
+	@{ $(BIN)/pip install --upgrade pip && $(BIN)/pip install $(TORCH_SPEC) && \
+	  $(BIN)/pip install -e '.[test]'; } > $(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
 	touch $@
 
 venv: $(BIN)/.installed
