@@ -44,7 +44,9 @@ def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=300))
     model, tok = build_model(run.model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    ddp.config = model.config  # Trainer reads it; DDP does not forward attributes
+    # Trainer reads it; DDP does not forward attributes. Module.__setattr__ is typed for tensors and
+    # modules only, but it stores any other value as a plain attribute
+    ddp.config = model.config  # pyright: ignore[reportArgumentType]
     trainer = Trainer(ddp, tok, inner_train_config(run))
     stream = shard_stream(run, rank)
     batches = iter(lambda: [next(stream) for _ in range(run.train.batch_size)], None)
@@ -80,8 +82,9 @@ def run_ddp(run: DilocoRunConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="intellect-ddp-") as tmp:
         out = os.path.join(tmp, "result.pt")
         t0 = time.perf_counter()
-        mp.start_processes(_rank, args=(run.diloco.workers, free_port(), run.model_dump_json(), out),
-                           nprocs=run.diloco.workers, join=True, start_method="spawn")
+        mp.start_processes(  # pyright: ignore[reportPrivateImportUsage]  # documented API, missing from __all__
+            _rank, args=(run.diloco.workers, free_port(), run.model_dump_json(), out),
+            nprocs=run.diloco.workers, join=True, start_method="spawn")
         r = torch.load(out)
         r["seconds_with_startup"] = time.perf_counter() - t0 - r["eval_seconds"]
         return r

@@ -44,6 +44,7 @@ def serve(kind: str) -> tuple[subprocess.Popen, int]:
     code = SERVE[kind].format(port=port) + "\nprint('up', flush=True)\nimport time\ntime.sleep(3600)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout is not None  # stdout=PIPE
     assert proc.stdout.readline().strip() == "up"
     return proc, port
 
@@ -51,8 +52,9 @@ def serve(kind: str) -> tuple[subprocess.Popen, int]:
 def client(kind: str, port: int):
     if kind == "ours":
         return RendezvousStore("127.0.0.1", port, SECRET, "bench", peer="w0", timeout=30)
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30),
-                         wait_for_workers=False, use_libuv=True)
+    return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False, use_libuv=True)
 
 
 def outer_step(s, t: int, w: int) -> int:
@@ -70,9 +72,13 @@ def outer_step(s, t: int, w: int) -> int:
     op(s.check, [P.MEMBERS(t, 0)])
     n = op(s.add, P.LAUNCHED.under(), 0)
     for i in range(n):
-        op(s.check, [P.LAUNCHED(i)]), op(s.get, P.LAUNCHED(i)), op(s.check, [P.BANNED(f"w{i}")])
+        op(s.check, [P.LAUNCHED(i)])
+        op(s.get, P.LAUNCHED(i))
+        op(s.check, [P.BANNED(f"w{i}")])
     for x in names[1:]:
-        op(s.check, [P.ARRIVE(t, x)]), op(s.check, [P.DEAD(x)]), op(s.add, P.HB(x), 0)
+        op(s.check, [P.ARRIVE(t, x)])
+        op(s.check, [P.DEAD(x)])
+        op(s.add, P.HB(x), 0)
     op(s.compare_set, P.MEMBERS(t, 0), "", json.dumps(names))
     for x in names:
         op(s.get, P.COMMITTED(t, x))
@@ -87,11 +93,13 @@ def outer_step(s, t: int, w: int) -> int:
     op(s.set, P.FLAGS(t, 0, me), "[]")
     op(s.set, P.VOTE(t, 0, me), "ok")
     for x in names:
-        op(s.check, [P.VOTE(t, 0, x)]), op(s.get, P.VOTE(t, 0, x))
+        op(s.check, [P.VOTE(t, 0, x)])
+        op(s.get, P.VOTE(t, 0, x))
     op(s.compare_set, P.OUTCOME(t, 0), "", "commit")
     op(s.set, P.DIGEST(t, me), "d" * 64)
     for x in names:
-        op(s.check, [P.FLAGS(t, 0, x)]), op(s.get, P.FLAGS(t, 0, x))
+        op(s.check, [P.FLAGS(t, 0, x)])
+        op(s.get, P.FLAGS(t, 0, x))
     op(s.set, P.PROGRESS(), str(t + 1))
     op(s.set, P.METRICS(t, me), "{}" * 200)
     return ops

@@ -87,11 +87,11 @@ def run_diloco(run: DilocoRunConfig, log_dir: Path, timeout: float) -> dict:
 
 def plot(path: Path, tokens: list[int], d: dict, b: dict, title: str) -> str:
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency, only for the plot
     except ImportError:
         return "matplotlib is not installed: no PNG (pip install matplotlib)"
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency; after matplotlib.use("Agg")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     x = [t / 1e6 for t in tokens]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections.abc import Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def artifact_key(run_name: str, suffix: str) -> str:
@@ -16,6 +19,21 @@ def artifact_key(run_name: str, suffix: str) -> str:
     'rl-tiny-v2-rl-step'
     """
     return f"{run_name.lower().replace('_', '-').replace('.', '-')}-{suffix}"
+
+
+def synced(result: T | Coroutine[Any, Any, T]) -> T:
+    """The result of a Prefect ``sync_compatible`` call (typed ``T | Coroutine``) made from sync code.
+
+    Called from a synchronous flow or task such a function runs to completion and returns ``T``;
+    a coroutine here would mean the call was made from async code, which must ``await`` it.
+
+    >>> synced(3)
+    3
+    """
+    if isinstance(result, Coroutine):
+        result.close()
+        raise TypeError("synced: a sync_compatible call returned a coroutine; await it in async code")
+    return result
 
 
 class BackgroundArtifacts:

@@ -26,7 +26,7 @@ from prefect.client.orchestration import get_client
 from prefect.settings import get_current_settings
 from pydantic import BaseModel
 
-from flows.artifacts import artifact_key
+from flows.artifacts import artifact_key, synced
 from flows.diloco_events import emit_outliers
 from flows.diloco_worker import diloco_worker
 from flows.events import emit_membership
@@ -84,8 +84,8 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
     start = start_run(cfg)
     local = cfg.dispatch.mode == "local"
     env = _api_env() if local and worker_module == "flows.diloco_worker" else {}
-    progress = create_progress_artifact(progress=100.0 * start / cfg.diloco.outer_steps,
-                                        description=f"DiLoCo {cfg.run_name}: outer steps committed")
+    progress = synced(create_progress_artifact(progress=100.0 * start / cfg.diloco.outer_steps,
+                                               description=f"DiLoCo {cfg.run_name}: outer steps committed"))
     rows: list[dict] = []
     members: list[list[str]] = []
     bar = progress_bar(cfg.diloco.outer_steps, f"DiLoCo {cfg.run_name}", initial=start, unit="outer step")

@@ -32,10 +32,14 @@ def round_robin(n: int) -> list[list[tuple[int, int]]]:
     """
     slots = list(range(n)) + ([None] if n % 2 else [])
     m = len(slots)
-    rounds = []
+    rounds: list[list[tuple[int, int]]] = []
     for _ in range(m - 1):
-        pairs = [(slots[i], slots[m - 1 - i]) for i in range(m // 2)]
-        rounds.append(sorted(tuple(sorted(p)) for p in pairs if None not in p))
+        pairs: list[tuple[int, int]] = []
+        for i in range(m // 2):
+            a, b = slots[i], slots[m - 1 - i]
+            if a is not None and b is not None:  # None: the bye of an odd n
+                pairs.append((min(a, b), max(a, b)))
+        rounds.append(sorted(pairs))
         slots = [slots[0], slots[-1]] + slots[1:-1]
     return rounds
 
@@ -79,7 +83,12 @@ def solve_ring(columns: Sequence[Sequence[float]]) -> list[int]:
     return ring_order(bw)
 
 
-def measure_ring(group: dist.ProcessGroup, store: dist.Store, key: str, nbytes: int) -> tuple[list[int], list[list[float]]]:
+def measure_ring(
+    group: dist.ProcessGroup,
+    store: dist.Store,  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
+    key: str,
+    nbytes: int,
+) -> tuple[list[int], list[list[float]]]:
     """Probe, publish this rank's column under ``key/<rank>``, read all, solve; (order, columns)."""
     column = probe_rates(group, nbytes)
     store.set(f"{key}/{group.rank()}", json.dumps(column))

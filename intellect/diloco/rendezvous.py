@@ -387,7 +387,7 @@ class StoreError(dist.DistStoreError):
     whose peers never came) see the same type."""
 
 
-class RendezvousStore(dist.Store):
+class RendezvousStore(dist.Store):  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
     """A ``torch.distributed.Store`` client of :class:`RendezvousServer` (see the module docstring).
 
     Each thread gets its own kept-alive connection; every request and every answer is MAC'd

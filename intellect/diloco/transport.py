@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime
 import struct
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ def _td(timeout: float | datetime.timedelta) -> datetime.timedelta:
 
 
 def new_group(
-    store: dist.Store,
+    store: dist.Store,  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
     prefix: str,
     rank: int,
     size: int,
@@ -71,19 +71,22 @@ def new_group(
     """
     if not 0 <= rank < size:
         raise ValueError(f"new_group: rank {rank} outside [0, {size})")
-    pstore = dist.PrefixStore(prefix.rstrip("/") + "/", store)
+    pstore = dist.PrefixStore(prefix.rstrip("/") + "/", store)  # pyright: ignore[reportPrivateImportUsage]  # public, from torch._C
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        # the stubs name it `Options` (without `_devices`); the runtime class that takes devices is `_Options`
+        opts = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
         opts._timeout = _td(timeout)
         dev = dist.ProcessGroupGloo
         opts._devices = [dev.create_device(hostname=hostname) if hostname else dev.create_default_device()]
-        return dist.ProcessGroupGloo(pstore, rank, size, opts)
+        # a c10d Backend used directly as the group: it has the ProcessGroup surface used here (rank/size/send/recv)
+        return cast(dist.ProcessGroup, dist.ProcessGroupGloo(pstore, rank, size, opts))
     if backend == "nccl":  # not exercised by the CPU test suite
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise RuntimeError("new_group: this torch build has no NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _td(timeout)
-        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+        # a c10d Backend used directly as the group, as for gloo above
+        return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(pstore, rank, size, opts))
     raise ValueError(f"new_group: unknown backend {backend!r}")
 
 
@@ -92,7 +95,8 @@ def shard_prefix(prefix: str, local_rank: int) -> str:
 
 
 def shard_group(
-    store: dist.Store, prefix: str, worker_rank: int, num_workers: int, local_rank: int, **kw
+    store: dist.Store,  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
+    prefix: str, worker_rank: int, num_workers: int, local_rank: int, **kw
 ) -> dist.ProcessGroup:
     """The group of local rank ``local_rank`` across ``num_workers`` workers (one of M
     independent groups on ``store``); ``kw`` as in ``new_group``."""
@@ -133,9 +137,9 @@ class Channel:
         self.sent_to: dict[int, int] = {}
         self.messages = 0
 
-    def _seal(self, t: torch.Tensor, dst: int, tag_: int) -> torch.Tensor:
+    def _seal(self, key: bytes, t: torch.Tensor, dst: int, tag_: int) -> torch.Tensor:
         body = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        mac = tag(self.mac_key, _SEAL_DOMAIN, self.rank, dst, tag_, body)
+        mac = tag(key, _SEAL_DOMAIN, self.rank, dst, tag_, body)
         return torch.frombuffer(bytearray(mac + _LEN.pack(len(body)) + body), dtype=torch.uint8)
 
     def open(self, buf: torch.Tensor, src: int, tag_: int) -> torch.Tensor:
@@ -157,7 +161,7 @@ class Channel:
 
     def isend(self, t: torch.Tensor, dst: int, tag: int, kind: str) -> dist.Work:
         if self.mac_key is not None:
-            t = self._seal(t, dst, tag)
+            t = self._seal(self.mac_key, t, dst, tag)
         t = t.to(self.device).contiguous()
         try:
             work = self.group.send([t], dst, tag)

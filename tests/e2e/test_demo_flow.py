@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from flows.demo import demo
 from intellect.config import ConfigError, load_config
 from intellect.pipeline import DemoConfig
 
@@ -29,9 +30,8 @@ def demo_cfg(root) -> DemoConfig:
 
 
 @pytest.mark.slow
-def test_the_demo_runs_every_phase_and_reports(prefect_harness, tmp_path, monkeypatch):
-    from flows.demo import demo
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_demo_runs_every_phase_and_reports(tmp_path, monkeypatch):
     monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[2])
     report = demo(demo_cfg(tmp_path))
     assert set(report.accuracy) == {"before", "pretrained", "after"}

@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
+from flows.diloco import diloco_train
 from intellect.config import DilocoRunConfig, load_config
 from intellect.storage import RunStorage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-def test_diloco_flow_runs_one_flow_run_per_worker_and_outer_step(prefect_harness, tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
-    from flows.diloco import diloco_train
-
+@pytest.mark.usefixtures("prefect_harness")
+def test_diloco_flow_runs_one_flow_run_per_worker_and_outer_step(tmp_path):
     cfg = load_config(DilocoRunConfig, overrides=[
         f"storage.url=file://{tmp_path}", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
         "model.num_kv_heads=2", "model.intermediate_size=64", "train.batch_size=8", "diloco.workers=2",

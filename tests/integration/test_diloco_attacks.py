@@ -11,24 +11,26 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
 import sys
-import time
 import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from diloco_faults import FaultPlan, faulty_launcher
 from test_diloco_elastic import digests, logs, run_cfg
 
-from intellect.data.arithmetic import heldout_problems
-from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
-from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, Coordinator
-from intellect.diloco.coordinator import free_port
 from intellect.checkpoints import fetch
+from intellect.data.arithmetic import heldout_problems
+from intellect.diloco import allreduce, schedules
+from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
+from intellect.diloco.coordinator import EXIT_BANNED, EXIT_DONE, Coordinator, free_port
+from intellect.diloco.transport import new_group
 from intellect.storage import RunStorage
 from intellect.train import encode_texts
 
@@ -183,15 +185,9 @@ def test_an_outsider_without_the_secret_is_refused_and_changes_nothing(tmp_path)
 
 
 def _sealed_rank(rank: int, world: int, port: int, keys: list, q) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from intellect.diloco.transport import new_group
-
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=datetime.timedelta(seconds=30),
-                              wait_for_workers=False)
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
+            "127.0.0.1", port, is_master=rank == 0, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
         out = []
         for case, key in enumerate(keys):
             group = new_group(store, f"pg/{case}", rank, world, timeout=10)
@@ -202,7 +198,7 @@ def _sealed_rank(rank: int, world: int, port: int, keys: list, q) -> None:
             except AllReduceError as e:
                 out.append(("error", str(e)))
         q.put((rank, out))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a spawned rank reports every failure to the parent through q
         q.put((rank, traceback.format_exc()))
 
 
@@ -278,16 +274,9 @@ def test_an_admitted_liar_is_flagged_banned_and_bounded(tmp_path, honest_four, k
 
 
 def _lying_rank(rank: int, world: int, port: int, lie: str, q) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from intellect.diloco import allreduce, schedules
-    from intellect.diloco.transport import new_group
-
     try:
         if rank == world - 1 and lie == "owner":  # publishes 1e3 everywhere for the chunks it owns
-            def owner(self, parts, received, senders=(), b=0):
+            def owner(self, parts, *_args, **_kwargs):  # stands in for Run._owner(parts, received, senders, b)
                 return schedules.encode(self.quantize(torch.full_like(parts[self.pos], 1e3)), self.codec)
             schedules.Run._owner = owner
         if rank == world - 1 and lie == "claims":  # announces a millionth of what it sends
@@ -300,8 +289,8 @@ def _lying_rank(rank: int, world: int, port: int, lie: str, q) -> None:
                 finally:
                     self.tensors = kept
             schedules.Run.exchange_claims = claims
-        store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=datetime.timedelta(seconds=30),
-                              wait_for_workers=False)
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
+            "127.0.0.1", port, is_master=rank == 0, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
         group = new_group(store, "pg", rank, world, timeout=20)
         g = torch.Generator().manual_seed(1)
         signal = torch.randn(2000, generator=g)
@@ -313,7 +302,7 @@ def _lying_rank(rank: int, world: int, port: int, lie: str, q) -> None:
             q.put((rank, ("ok", stats.outliers, float((x[0] - signal).norm() / signal.norm()))))
         except allreduce.Misbehaviour as e:
             q.put((rank, ("blamed", e.blamed, 0.0)))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a spawned rank reports every failure to the parent through q
         q.put((rank, ("crash", traceback.format_exc(), 0.0)))
 
 

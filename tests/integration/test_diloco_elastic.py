@@ -199,14 +199,14 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
         proc.wait(timeout=10)
         # the workers are not our children: find them by their command line
         t0 = time.monotonic()
-        while _worker_pids(cfg_file) and time.monotonic() - t0 < 60:
+        while _worker_pids() and time.monotonic() - t0 < 60:
             time.sleep(0.2)
-        assert not _worker_pids(cfg_file), "workers kept running without their coordinator"
+        assert not _worker_pids(), "workers kept running without their coordinator"
         assert time.monotonic() - t0 < 30
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _worker_pids(cfg_file):
+        for pid in _worker_pids():
             os.kill(pid, signal.SIGKILL)
     resumed_from = storage.latest_step("checkpoints")
     assert 2 <= resumed_from < 6
@@ -221,7 +221,8 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
         c.close()
 
 
-def _worker_pids(cfg_file) -> list[int]:
+def _worker_pids() -> list[int]:
+    """Live DiLoCo worker processes of a run.json config (any test's), by command line."""
     out = subprocess.run(["pgrep", "-f", "intellect.diloco.coordinator worker --config"], capture_output=True, text=True)
     pids = []
     for pid in out.stdout.split():

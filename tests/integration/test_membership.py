@@ -1,7 +1,12 @@
 """Membership over the real rendezvous server in this process: liveness, deathrattle, agreement, timeouts."""
 
+import http.client
+import http.server
+import json
+import secrets
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -9,7 +14,18 @@ import pytest
 from intellect.diloco.coordinator import free_port
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost, connect_store, scope
 from intellect.diloco.protocol import Quorum
-from intellect.diloco.rendezvous import RendezvousServer
+from intellect.diloco.rendezvous import (
+    MAC_HEADER,
+    MAX_BODY,
+    NONCE_HEADER,
+    PEER_HEADER,
+    TIME_HEADER,
+    RendezvousServer,
+    RendezvousStore,
+    StoreError,
+    peer_key,
+    request_tag,
+)
 
 SECRET = bytes(range(32))
 
@@ -29,7 +45,9 @@ def member(port, name, **kw):
 def test_heartbeat_deathrattle_and_timeout(store):
     port, _ = store
     a, b, c = member(port, "a"), member(port, "b"), member(port, "c")
-    a.start_heartbeat(), b.start_heartbeat(), c.start_heartbeat()
+    a.start_heartbeat()
+    b.start_heartbeat()
+    c.start_heartbeat()
     time.sleep(0.5)
     assert a.live(["a", "b", "c"]) == ["a", "b", "c"]
     b.deathrattle()
@@ -52,21 +70,26 @@ def test_heartbeat_deathrattle_and_timeout(store):
 def test_first_proposal_wins_for_everyone(store):
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
-    a.set("arrive/3/a", "1"), b.set("arrive/3/b", "1")  # the rendezvous takes proposals from those that arrived
+    # the rendezvous takes proposals from those that arrived
+    a.set("arrive/3/a", "1")
+    b.set("arrive/3/b", "1")
     # the proposal's order (admission order) is kept, never the names' sort order
     qa, qb = Quorum(a, "a", 3), Quorum(b, "b", 3)
     assert qa.propose_members(0, ["b", "a", "b"]) == ["b", "a"]
     assert qb.propose_members(0, ["a"]) == ["b", "a"]
     assert qa.members(0) == qb.members(0) == ["b", "a"]
     assert qa.members(1) is None
-    a.set("vote/3/0/a", "ok"), b.set("vote/3/0/b", "fail")  # outcomes come from members that voted
+    # outcomes come from members that voted
+    a.set("vote/3/0/a", "ok")
+    b.set("vote/3/0/b", "fail")
     assert b.decide("outcome/3/0", "abort") == "abort" and a.decide("outcome/3/0", "commit") == "abort"
 
 
 def test_waits_are_bounded_and_skip_the_dead_and_the_departed(store):
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
-    a.start_heartbeat(), b.start_heartbeat()
+    a.start_heartbeat()
+    b.start_heartbeat()
     b.set("arrive/0/b", "1")
     assert Quorum(b, "b", 0).propose_members(0, ["b"]) == ["b"]  # ready/ keys come from the attempt's members
     b.set("ready/0/0/b", "1")
@@ -79,14 +102,17 @@ def test_waits_are_bounded_and_skip_the_dead_and_the_departed(store):
     assert absent == ["b"] and time.monotonic() - t0 < 1
     with pytest.raises(MembershipTimeout, match="never"):
         a.wait_until(lambda: False, time.monotonic() + 0.2, "never")
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 def test_the_quorum_commits_only_when_every_member_voted_ok(store):
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
-    a.start_heartbeat(), b.start_heartbeat()
-    a.set("arrive/0/a", "1"), b.set("arrive/0/b", "1")
+    a.start_heartbeat()
+    b.start_heartbeat()
+    a.set("arrive/0/a", "1")
+    b.set("arrive/0/b", "1")
     qa, qb = Quorum(a, "a", 0), Quorum(b, "b", 0)
     members = qa.propose_members(0, ["a", "b"])
     deadline = time.monotonic() + 10
@@ -100,7 +126,8 @@ def test_the_quorum_commits_only_when_every_member_voted_ok(store):
     assert qa.propose_members(1, ["a", "b"]) == ["a", "b"]
     b.set("vote/0/1/b", "ok")
     assert qa.should_commit(1, True, members, deadline) and qb.decide(1, False)  # decided: commit for both
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 SERVER = """
@@ -147,8 +174,6 @@ def test_a_peer_without_the_secret_is_refused_with_a_reason(store):
 
 
 def _raw(port: int, body: bytes, headers: dict) -> tuple[int, bytes]:
-    import http.client
-
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.request("POST", "/v1/set", body, headers)
     resp = conn.getresponse()
@@ -158,12 +183,6 @@ def _raw(port: int, body: bytes, headers: dict) -> tuple[int, bytes]:
 
 
 def test_replayed_stale_and_oversized_requests_are_refused(store):
-    import json as _json
-    import secrets
-
-    from intellect.diloco.rendezvous import (MAC_HEADER, MAX_BODY, NONCE_HEADER, PEER_HEADER, TIME_HEADER,
-                                             peer_key, request_tag)
-
     port, server = store
     key = peer_key(SECRET, "run", "w0")
 
@@ -172,24 +191,19 @@ def test_replayed_stale_and_oversized_requests_are_refused(store):
         return {TIME_HEADER: str(ms), NONCE_HEADER: nonce, PEER_HEADER: "w0",
                 MAC_HEADER: request_tag(key, "set", body, ms, nonce, "w0").hex()}
 
-    body = _json.dumps({"key": "arrive/0/w0", "value": "MQ=="}).encode()
+    body = json.dumps({"key": "arrive/0/w0", "value": "MQ=="}).encode()
     headers = signed(body, time.time())
     assert _raw(port, body, headers)[0] == 200
     status, why = _raw(port, body, headers)  # the same request again
-    assert status == 401 and _json.loads(why)["reason"] == "replay"
+    assert status == 401 and json.loads(why)["reason"] == "replay"
     status, why = _raw(port, body, signed(body, time.time() - 3600))
-    assert status == 401 and _json.loads(why)["reason"] == "stale"
-    big = _json.dumps({"key": "k", "value": "A" * MAX_BODY}).encode()
+    assert status == 401 and json.loads(why)["reason"] == "stale"
+    big = json.dumps({"key": "k", "value": "A" * MAX_BODY}).encode()
     assert _raw(port, big, signed(big, time.time()))[0] == 413
     assert server.refusals == {"replay": 1, "stale": 1, "too_large": 1}
 
 
 def test_an_answer_without_the_run_mac_is_not_believed():
-    import http.server
-    import threading
-
-    from intellect.diloco.rendezvous import RendezvousStore, StoreError
-
     class Impostor(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers["content-length"]))
@@ -215,8 +229,6 @@ def test_an_answer_without_the_run_mac_is_not_believed():
 def test_the_deathrattle_goes_out_after_a_request_interrupted_midway(store, monkeypatch):
     """SIGTERM raises SystemExit wherever the main thread is, possibly between sending a request and
     reading its answer: the deathrattle that follows must go out on a fresh connection."""
-    import http.client
-
     port, _ = store
     a, b = member(port, "a"), member(port, "b")
     a.store.set("arrive/0/a", "1")  # the thread's kept-alive connection exists

@@ -42,7 +42,7 @@ def refused(fn, reason: str) -> str:
     return why["detail"]
 
 
-def honest_step(coord, peers, t=0):
+def honest_step(peers, t=0):
     """The rendezvous of one committed step by ``peers`` (the first leads), as workers write it."""
     for p, s in peers.items():
         s.set(f"arrive/{t}/{p}", "1")
@@ -57,12 +57,17 @@ def honest_step(coord, peers, t=0):
 
 def test_a_peer_speaks_only_as_itself_and_writes_only_its_own_keys(server):
     coord = client(server, COORDINATOR, peer_key(SECRET, "run", COORDINATOR))
-    coord.set("launched/0", "alice"), coord.set("launched/1", "mallory"), coord.add("launched", 2)
+    coord.set("launched/0", "alice")
+    coord.set("launched/1", "mallory")
+    coord.add("launched", 2)
     alice, mal = client(server, "alice"), client(server, "mallory")
     # mallory's key does not MAC a request in alice's name, nor the coordinator's
     refused(lambda: client(server, "alice", peer_key(SECRET, "run", "mallory")).set("hb/alice", "1"), "bad_mac")
     refused(lambda: client(server, COORDINATOR, peer_key(SECRET, "run", "mallory")).num_keys(), "bad_mac")
-    mal.add("hb/mallory", 1), mal.set("dead/mallory", "1"), mal.delete_key("dead/mallory")  # its own keys
+    # its own keys
+    mal.add("hb/mallory", 1)
+    mal.set("dead/mallory", "1")
+    mal.delete_key("dead/mallory")
     for move in [lambda: mal.add("hb/alice", 1), lambda: mal.set("dead/alice", "1"),
                  lambda: mal.delete_key("hb/alice"), lambda: mal.set("arrive/0/alice", "1"),
                  lambda: mal.set("committed/0/alice", "0"), lambda: mal.set("left/0/alice", "1"),
@@ -75,7 +80,8 @@ def test_a_peer_speaks_only_as_itself_and_writes_only_its_own_keys(server):
     # reads are open; a counter read creates nothing
     assert alice.get("launched/0") == b"alice" and mal.add("hb/nobody", 0) == 0 and not alice.check(["hb/nobody"])
     # gloo's keys under a group prefix are open to every peer
-    mal.set("pg/0/0/0", "addr"), alice.add("pg/0/0/count", 1)
+    mal.set("pg/0/0/0", "addr")
+    alice.add("pg/0/0/count", 1)
 
 
 def test_the_red_team_moves_of_an_admitted_peer_change_nothing(server):
@@ -97,7 +103,7 @@ def test_the_red_team_moves_of_an_admitted_peer_change_nothing(server):
     mal.set("arrive/5/mallory", "1")
     refused(lambda: mal.compare_set("members/5/0", "", '["mallory"]'), "scope")
     # an overwrite of a decision, or a ban by one peer, takes nothing either
-    honest_step(coord, {"alice": alice, "bob": bob})
+    honest_step({"alice": alice, "bob": bob})
     assert mal.compare_set("outcome/0/0", "", "abort") == b"commit"  # decided: the decision comes back
     refused(lambda: mal.compare_set("outcome/0/0", "commit", "abort"), "scope")
     refused(lambda: mal.set("vote/0/0/mallory", "fail"), "scope")  # not a member of that attempt
@@ -119,16 +125,15 @@ def test_the_red_team_moves_of_an_admitted_peer_change_nothing(server):
 
 
 def test_only_the_leader_of_a_commit_moves_progress_forward(server):
-    coord = client(server, COORDINATOR, peer_key(SECRET, "run", COORDINATOR))
     alice, bob = client(server, "alice"), client(server, "bob")
-    honest_step(coord, {"alice": alice, "bob": bob}, t=0)
+    honest_step({"alice": alice, "bob": bob}, t=0)
     assert "leader" in refused(lambda: bob.set("progress", "1"), "scope")
     refused(lambda: alice.set("progress", "2"), "scope")  # step 1 has not committed
     alice.set("progress", "1")  # the same again (a retried request) is fine
     # step 1: only a veteran proposes, and only from those that arrived
     alice.set("arrive/1/alice", "1")
     refused(lambda: alice.compare_set("members/1/0", "", '["alice", "bob"]'), "scope")  # bob has not arrived
-    honest_step(coord, {"bob": bob, "alice": alice}, t=1)
+    honest_step({"bob": bob, "alice": alice}, t=1)
     assert json.loads(alice.get("progress")) == 2
     refused(lambda: bob.set("progress", "1"), "scope")  # never back
 
