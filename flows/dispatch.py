@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from prefect import Flow
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from intellect.config import DispatchConfig
@@ -36,6 +37,8 @@ def dispatch(flow: Flow, parameters: dict[str, Any], cfg: DispatchConfig) -> Any
     name = deployment_name(flow, cfg)
     run = run_deployment(name=name, parameters=parameters, timeout=cfg.timeout, poll_interval=cfg.poll_interval,
                          as_subflow=True)
+    if not isinstance(run, FlowRun):  # a coroutine only when called from async code, which no caller is
+        raise TypeError(f"dispatch() must be called from sync code; run_deployment gave {type(run).__name__}")
     state = run.state
     if state is None or not state.is_final():
         raise DispatchError(f"{name}: flow run {run.name} ({run.id}) did not finish within {cfg.timeout:.0f} s "

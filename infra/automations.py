@@ -10,7 +10,17 @@ webhook configured it only records the trigger, which the dashboard's Automation
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
+
+from pydantic import SecretStr
+
+if TYPE_CHECKING:
+    from prefect.events.actions import ActionTypesOrUnknown
+
+T = TypeVar("T")
 
 NAME = "intellect-worker-rejections"
 WEBHOOK_BLOCK = "intellect-alerts"
@@ -22,28 +32,43 @@ PAYLOAD = (
 )
 
 
+def _synced(value: T | Coroutine[Any, Any, T]) -> T:
+    """The result of one of Prefect's sync-or-async methods, called from sync code (where it is never
+    a coroutine: they return one only inside a running event loop or an async flow)."""
+    if isinstance(value, Coroutine):
+        value.close()
+        raise TypeError("create_automations() must be called from sync code")
+    return value
+
+
 def create_automations(webhook_url: str | None = None) -> UUID:
     """Create (or replace) the automation, and its webhook block when ``webhook_url`` is given; its id.
     Runs against the API in the current Prefect settings."""
-    from prefect.automations import Automation
-    from prefect.blocks.webhook import Webhook
-    from prefect.events.actions import CallWebhook, DoNothing
-    from prefect.events.schemas.automations import EventTrigger, Posture
+    # Prefect takes seconds to import: only `up` needs it, not `python -m infra.cluster status/down`.
+    from prefect.automations import Automation  # noqa: PLC0415 - heavy, only for `up` (see above)
+    from prefect.blocks.webhook import Webhook  # noqa: PLC0415 - heavy, only for `up`
+    from prefect.events.actions import CallWebhook, DoNothing  # noqa: PLC0415 - heavy, only for `up`
+    from prefect.events.schemas.automations import EventTrigger, Posture  # noqa: PLC0415 - heavy, only for `up`
 
+    actions: list[ActionTypesOrUnknown]
     if webhook_url:
-        block_id = Webhook(url=webhook_url, method="POST", allow_private_urls=True).save(WEBHOOK_BLOCK, overwrite=True)
+        webhook = Webhook(url=SecretStr(webhook_url), method="POST", allow_private_urls=True)
+        block_id = _synced(webhook.save(WEBHOOK_BLOCK, overwrite=True))
         actions = [CallWebhook(block_document_id=block_id, payload=PAYLOAD)]
     else:
         actions = [DoNothing()]
     try:
-        Automation.read(name=NAME).delete()
+        _synced(Automation.read(name=NAME)).delete()
     except ValueError:  # not there yet
         pass
-    automation = Automation(
+    automation = _synced(Automation(
         name=NAME,
         description="A worker's share of rejected samples in an RL step reached RLRunConfig.alert_rejection_rate.",
         trigger=EventTrigger(expect={EVENT}, match={"prefect.resource.id": "intellect.rl.worker.*"},
-                             for_each={"prefect.resource.id"}, posture=Posture.Reactive, threshold=1, within=0),
+                             for_each={"prefect.resource.id"}, posture=Posture.Reactive, threshold=1,
+                             within=timedelta(0)),
         actions=actions,
-    ).create()
+    ).create())
+    if automation.id is None:
+        raise RuntimeError(f"the API created automation {NAME} without an id")
     return automation.id

@@ -102,7 +102,8 @@ def server_env(env: dict[str, str]) -> dict[str, str]:
 @contextmanager
 def api_settings(env: dict[str, str]) -> Iterator[None]:
     """Prefect clients made inside the block talk to the cluster of ``env`` (its URL and auth string)."""
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    # Prefect takes seconds to import: `status` and `down` never need it.
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings  # noqa: PLC0415 - heavy
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"],
                              PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}):
@@ -141,9 +142,9 @@ def wait_healthy(api_url: str, timeout: float, pid: int | None = None) -> None:
 
 def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
     """Create (or update) each pool from its base job template, with its concurrency limit."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.client.orchestration import get_client  # noqa: PLC0415 - heavy, see api_settings
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate  # noqa: PLC0415 - heavy
+    from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415 - heavy
 
     with api_settings(env), get_client(sync_client=True) as client:
         for name in pools:

@@ -7,10 +7,12 @@ the three configs wired that way, so a TOML that breaks the chain fails at load 
 
 from __future__ import annotations
 
+import io
+
 from pydantic import Field, model_validator
 
 from intellect.config import DilocoRunConfig, StrictModel
-from intellect.rl.config import FilterRunConfig, RLRunConfig
+from intellect.rl.config import FilterRunConfig, InitConfig, RLRunConfig
 
 
 class DemoConfig(StrictModel):
@@ -18,10 +20,10 @@ class DemoConfig(StrictModel):
 
     diloco: DilocoRunConfig = Field(default_factory=lambda: DilocoRunConfig(run_name="demo-diloco"))
     filter: FilterRunConfig | None = Field(
-        None, description="The difficulty filter between the phases; None: RL trains on the generated pool."
+        default=None, description="The difficulty filter between the phases; None: RL trains on the generated pool."
     )
     rl: RLRunConfig = Field(default_factory=lambda: RLRunConfig(run_name="demo-rl",
-                                                                init={"from_run": "demo-diloco"}))
+                                                                init=InitConfig(from_run="demo-diloco")))
 
     @model_validator(mode="after")
     def _chained(self) -> "DemoConfig":
@@ -43,12 +45,11 @@ class DemoConfig(StrictModel):
 
 def plot_pretraining(rows: list[dict], title: str) -> bytes:
     """PNG of the mean inner loss of each committed DiLoCo outer step (``DilocoReport.steps`` rows)."""
-    import io
-
-    import matplotlib
+    # matplotlib is heavy and only the report needs it; the Agg backend is chosen before pyplot loads
+    import matplotlib  # noqa: PLC0415 - heavy, report only (see above)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["outer_step"] for r in rows], [r["mean_inner_loss"] for r in rows], "o-")

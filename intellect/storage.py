@@ -37,7 +37,7 @@ import tempfile
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping, cast
 
 import fsspec
 
@@ -265,7 +265,8 @@ class RunStorage:
 
     def read_bytes(self, rel: str) -> bytes:
         """The whole content of ``rel``; ``FileNotFoundError`` if absent."""
-        return self.fs.cat_file(self._path(rel))
+        # fsspec is untyped and pyright's inference of cat_file lets in str; it returns the bytes
+        return cast(bytes, self.fs.cat_file(self._path(rel)))
 
     def read_text(self, rel: str, encoding: str = "utf-8") -> str:
         return self.read_bytes(rel).decode(encoding)
@@ -318,6 +319,8 @@ class RunStorage:
             found = self.fs.find(path, detail=True)
         except FileNotFoundError:
             return {}
+        if not isinstance(found, dict):  # detail=True: {path: info}
+            raise TypeError(f"{type(self.fs).__name__}.find(detail=True) gave a {type(found).__name__}")
         out = {}
         for p, info in found.items():
             if info.get("type", "file") != "file" or not p.startswith(path + "/"):

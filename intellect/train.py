@@ -20,11 +20,17 @@ from intellect.model.generate import generate
 
 
 class Task(Protocol):
-    """Anything with a prompt, its reference answer and the full training text."""
+    """Anything with a prompt, its reference answer and the full training text (read-only:
+    :class:`~intellect.data.arithmetic.Problem` computes them)."""
 
-    prompt: str
-    answer: str
-    text: str
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def answer(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -253,18 +253,20 @@ class Testbed:
                     self._shape(self.hosts[i], f"l{j}", rate[i][j], delay[i][j])
 
     def _build_star(self, up: list[Any], down: list[Any], delay: list[Any]) -> None:
+        switch = self.switch
+        assert switch is not None, "a star testbed has a switch namespace"
         root = [f"netns add {ns}" for ns in self.namespaces]
-        root += [f"link add {IFNAME} netns {ns} type veth peer name p{i} netns {self.switch}"
+        root += [f"link add {IFNAME} netns {ns} type veth peer name p{i} netns {switch}"
                  for i, ns in enumerate(self.hosts)]
         _batch("ip", None, root)
         sw = ["link set lo up", "link add br0 type bridge", "link set br0 up"]
         sw += [f"link set p{i} master br0 up" for i in range(self.n)]
-        _batch("ip", self.switch, sw)
+        _batch("ip", switch, sw)
         for i, ns in enumerate(self.hosts):
             _batch("ip", ns, ["link set lo up", f"addr add {self.addr(i)}/24 dev {IFNAME}",
                               f"link set {IFNAME} up"])
             self._shape(ns, IFNAME, up[i], delay[i])
-            self._shape(self.switch, f"p{i}", down[i], delay[i])
+            self._shape(switch, f"p{i}", down[i], delay[i])
 
     def _shape(self, ns: str, dev: str, rate_mbit: float | None, delay_ms: float) -> None:
         if delay_ms and (why := probe().netem):
@@ -293,6 +295,8 @@ class Testbed:
 
     def set_downlink(self, i: int, rate_mbit: float | None = None, delay_ms: float = 0.0) -> None:
         """Reshape star host i's downlink (switch -> host)."""
+        if self.switch is None:
+            raise ValueError("set_downlink is for the star topology; use set_link")
         self._shape(self.switch, f"p{i}", rate_mbit, delay_ms)
 
     def run(self, i: int, argv: Sequence[Any], **popen_kwargs: Any) -> subprocess.Popen:
@@ -304,6 +308,7 @@ class Testbed:
     def _serve(self, j: int, count: int, timeout: float) -> tuple[subprocess.Popen, int]:
         argv = [sys.executable, PROBE, "serve", self.addr(j), "--count", count, "--timeout", timeout]
         p = self.run(j, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None  # stdout=PIPE
         line = p.stdout.readline()  # bounded: the server exits after `timeout`
         if not line.startswith("ready"):
             raise RuntimeError(f"probe server on host {j} did not start: {_finish(p, timeout)}")
@@ -367,7 +372,7 @@ def _unit(value: str, units: dict[str, float]) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infra.wan.testbed", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infra.wan.testbed", description=(__doc__ or "").split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="build a testbed and hold it until Ctrl-C / SIGTERM")
     up.add_argument("--hosts", type=int, default=4)

@@ -24,12 +24,10 @@ import re
 import string
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Literal
 
 from intellect.config import DataConfig
-
-if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+from intellect.data.loaders import MathTask
 
 __all__ = [
     "ALPHABET",
@@ -54,6 +52,7 @@ ALPHABET = "0123456789+-*/=()., :" + string.ascii_lowercase
 
 #: The operators :class:`Problem` supports.
 OPS = ("+", "-", "*")
+Op = Literal["+", "-", "*"]  # one of OPS, as DataConfig.ops types it
 
 #: Seed of the stream the held-out list is drawn from (never ``DataConfig.seed``).
 HELDOUT_SEED = 20_240_601
@@ -136,10 +135,8 @@ class Problem:
         """
         return str(-self.value)
 
-    def to_task(self) -> "MathTask":
+    def to_task(self) -> MathTask:
         """This problem as a :class:`~intellect.data.loaders.MathTask` (id, prompt, answer)."""
-        from intellect.data.loaders import MathTask
-
         return MathTask(id=self.id, prompt=self.prompt, answer=self.answer)
 
 
@@ -257,7 +254,7 @@ def train_stream(cfg: DataConfig, seed: int | None = None) -> Iterator[Problem]:
 
 
 @lru_cache(maxsize=32)
-def _has_train_problem(ops: tuple[str, ...], min_digits: int, max_digits: int, pct: int) -> bool:
+def _has_train_problem(ops: tuple[Op, ...], min_digits: int, max_digits: int, pct: int) -> bool:
     cfg = DataConfig(ops=list(ops), min_digits=min_digits, max_digits=max_digits, heldout_percent=pct)
     if problem_space_size(cfg) > _ENUMERATE_LIMIT:
         return True  # a large space is never all held out (pct <= 50)
@@ -320,7 +317,7 @@ def heldout_problems(cfg: DataConfig, n: int) -> list[Problem]:
 
 
 @lru_cache(maxsize=32)
-def _heldout(ops: tuple[str, ...], min_digits: int, max_digits: int, pct: int, n: int) -> tuple[Problem, ...]:
+def _heldout(ops: tuple[Op, ...], min_digits: int, max_digits: int, pct: int, n: int) -> tuple[Problem, ...]:
     cfg = DataConfig(ops=list(ops), min_digits=min_digits, max_digits=max_digits, heldout_percent=pct)
     size = problem_space_size(cfg)
     rng = random.Random(HELDOUT_SEED)

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterable, Iterator, NamedTuple, TypeVar
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 __all__ = [
     "CodeTask",
     "LoadResult",
@@ -122,9 +125,6 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_parquet(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:

@@ -18,7 +18,7 @@ from typing import Literal, Protocol, Sequence
 
 import torch
 
-from intellect.inference.sampling import MAX_SEED, SamplingParams
+from intellect.inference.sampling import MAX_SEED, LowProb, SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
@@ -61,6 +61,21 @@ class InferenceEngine(Protocol):
         self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
     ) -> list[Completion]:
         """One completion per request, in order; one ``SamplingParams`` for all or one per request."""
+        ...
+
+
+class Scorer(Protocol):
+    """What a validator scores claimed outputs with (:meth:`~intellect.inference.torch_engine.TorchEngine.prefill`)."""
+
+    def prefill(
+        self,
+        requests: Sequence[Request],
+        outputs: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        *,
+        low_prob: LowProb | None = None,
+    ) -> list[Scored]:
+        """One :class:`Scored` per request, in order."""
         ...
 
 

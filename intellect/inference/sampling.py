@@ -38,10 +38,10 @@ _SALT = (0x9E3779B9, 0x85EBCA6B)
 class SamplingParams(StrictModel):
     """How one request is decoded."""
 
-    temperature: float = Field(1.0, ge=0, le=100, description="Softmax temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass kept before sampling; 1 keeps every token.")
-    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated, EOS included.")
-    stop_at_eos: bool = Field(True, description="End the completion when an EOS token is sampled.")
+    temperature: float = Field(default=1.0, ge=0, le=100, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus mass kept before sampling; 1 keeps every token.")
+    max_tokens: int = Field(default=16, ge=1, le=1 << 20, description="Most tokens generated, EOS included.")
+    stop_at_eos: bool = Field(default=True, description="End the completion when an EOS token is sampled.")
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -113,6 +113,7 @@ def sample(
         z = logits / torch.where(hot, temperature, 1.0)[:, None]
         if bool((top_p < 1).any()):  # the sort is the costly part; rule 2 skips it at top_p == 1 anyway
             z = top_p_mask(z, top_p)
+        assert u is not None, "u is needed when a row samples (temperature > 0)"
         gumbel = -torch.log(-torch.log(u.to(logits.device)))
         tokens = torch.where(hot, (z + gumbel).argmax(-1), tokens)
     return tokens

@@ -13,13 +13,30 @@ positions that get logits.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from intellect.inference.protocol import Completion, Request, Scored, per_request
 from intellect.inference.sampling import LowProb, SamplingParams, chosen_logprobs, sample, score_tokens, uniforms
 from intellect.model.generate import _cache_kwarg, _cache_of, left_pad
+
+
+@runtime_checkable
+class _CausalLM(Protocol):
+    """What the engine needs of an HF causal LM beyond ``torch.nn.Module``."""
+
+    def get_output_embeddings(self) -> torch.nn.Module | None: ...
+
+
+def lm_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The LM head (``get_output_embeddings()``) of an HF causal LM; ``ValueError`` without one."""
+    if not isinstance(model, _CausalLM):
+        raise TypeError(f"{type(model).__name__} is not an HF causal LM (no get_output_embeddings)")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError("the model has no LM head (get_output_embeddings() is None)")
+    return head
 
 
 class TorchEngine:
@@ -39,8 +56,7 @@ class TorchEngine:
         max_batch_size: int = 64,
         capture_hidden: bool = True,
     ):
-        if model.get_output_embeddings() is None:
-            raise ValueError("the model has no LM head (get_output_embeddings() is None)")
+        lm_head(model)  # ValueError without one
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model.eval()
@@ -67,7 +83,7 @@ class TorchEngine:
         if not enabled:
             yield seen
             return
-        head = self.model.get_output_embeddings()
+        head = lm_head(self.model)
         # bf16 at once: that is what TOPLOC commits to, and it halves what a long decode holds
         handle = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].to(torch.bfloat16)))
         try:
@@ -188,7 +204,8 @@ class TorchEngine:
         return out  # type: ignore[return-value]
 
     def _empty_score(self, low_prob: LowProb | None) -> Scored:
-        head = self.model.get_output_embeddings().weight
+        head = lm_head(self.model).weight
+        assert isinstance(head, torch.Tensor)  # [vocab, hidden]: the head is a linear layer
         return Scored(
             hidden_states=torch.empty(0, head.shape[1], dtype=torch.bfloat16),
             logprobs=torch.empty(0), resampled=torch.empty(0, dtype=torch.int64),

@@ -32,6 +32,13 @@ _LOAD_LOCK = threading.Lock()
 _PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
+def _token_id(value: object) -> int:
+    """The id of one special token of :func:`build_tokenizer` (which defines each as one token)."""
+    if not isinstance(value, int):
+        raise TypeError(f"expected a special token id, got {value!r}")
+    return value
+
+
 def build_model(cfg: ModelConfig):
     """A freshly initialized tiny Llama and its tokenizer, or ``cfg.pretrained`` loaded.
 
@@ -52,9 +59,9 @@ def build_model(cfg: ModelConfig):
         max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        bos_token_id=_token_id(tok.bos_token_id),
+        eos_token_id=_token_id(tok.eos_token_id),
+        pad_token_id=_token_id(tok.pad_token_id),
         use_cache=True,
     )
     with _LOAD_LOCK, torch.random.fork_rng(devices=[]):

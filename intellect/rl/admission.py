@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Iterable, Literal, Mapping, TypeVar, cast, get_args
+from typing import Annotated, Iterable, Literal, Mapping, TypeVar, get_args
 from urllib.parse import parse_qs
 
 from pydantic import Field, ValidationError
@@ -77,7 +77,7 @@ class Refusal(Exception):
 
     @classmethod
     def auth(cls, e: AuthError) -> Refusal:
-        return cls(_AUTH_STATUS.get(e.reason, 401), cast(Reason, e.reason), e.detail)
+        return cls(_AUTH_STATUS.get(e.reason, 401), e.reason, e.detail)
 
 
 # --------------------------------------------------------------------- signed requests in two halves

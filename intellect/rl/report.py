@@ -6,6 +6,7 @@ whole (atomically) after each evaluation, so a resumed run extends it.
 
 from __future__ import annotations
 
+import io
 import json
 from typing import TYPE_CHECKING, Sequence
 
@@ -37,12 +38,11 @@ def add_eval(storage: RunStorage, step: int, accuracy: float) -> list[dict]:
 
 def plot_curve(steps: Sequence[dict], evals: Sequence[dict], title: str) -> bytes:
     """PNG of mean accepted reward per step (``steps``: ledger step rows) and held-out accuracy."""
-    import io
-
-    import matplotlib
+    # matplotlib is heavy and only the report needs it; the Agg backend is chosen before pyplot loads
+    import matplotlib  # noqa: PLC0415 - heavy, report only (see above)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     ax[0].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "o-")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import io
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
     from intellect.ledger import Ledger
     from intellect.rl.config import RLRunConfig
     from intellect.storage import RunStorage
-    from intellect.toploc.check import EngineFor
     from intellect.verdict import Verdict
 
 EngineFactory = Callable[[torch.nn.Module, Any], "InferenceEngine"]
@@ -204,7 +203,7 @@ def validate_files(
     if cfg.toploc is not None:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         # the check only prefills, which is all a serialized engine offers
-        check = toploc_check(cast("EngineFor", engines), cfg.submission.sampling(), cfg.toploc, eos)
+        check = toploc_check(engines, cfg.submission.sampling(), cfg.toploc, eos)
         extra_checks = [*extra_checks, check]
     out = []
     for rel in files:

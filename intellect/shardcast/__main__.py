@@ -26,11 +26,15 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from intellect.shardcast.config import LOOPBACK, ClientConfig, RelayConfig
 from intellect.shardcast.store import VersionStore
 from intellect.shardcast.writer import publish_folder
 from intellect.trust.keys import SigningKey
+
+if TYPE_CHECKING:
+    from intellect.shardcast.relay import Relay
 
 # Each role imports only what it runs: ``publish`` is on the critical path of every broadcast (the
 # trainer starts it per checkpoint), and the HTTP client stack is dear to import.
@@ -39,7 +43,7 @@ _COPY_HELP = ("Copy the files into the origin's folder. By default they are hard
               "allows (no second copy on disk), and must then not be rewritten in place afterwards.")
 
 
-def _serve(args, store: VersionStore, relay=None) -> int:
+def _serve(args, store: VersionStore, relay: Relay | None = None) -> int:
     from intellect.shardcast.server import Server, bind, write_port_file  # noqa: PLC0415 - each role imports only what it runs
 
     server = Server(store, bind(args.host, args.port))
@@ -59,7 +63,7 @@ def _serve(args, store: VersionStore, relay=None) -> int:
         write_port_file(args.port_file, *server.sock.getsockname()[:2])
     logging.getLogger("intellect.shardcast").info("serving %s on %s", store.root, server.url)
     stop.wait()
-    if sync is not None:
+    if relay is not None and sync is not None:  # started together above
         sync.join(timeout=10)
         relay.close()
     server.stop()

@@ -83,8 +83,9 @@ class ChainedSha256:
             raise RuntimeError("no OpenSSL SHA256_* calls in this process (chain.AVAILABLE is False)")
         if offset % BLOCK or offset < 0 or (chain is None and offset):
             raise ValueError(f"resume needs a chaining value at a 64-byte boundary (offset {offset}, chain {chain})")
+        self._lib = _LIB  # checked above: the SHA256_Init, _Update and _Final calls
         self._ctx = _Ctx()
-        _LIB[0](ctypes.byref(self._ctx))
+        self._lib[0](ctypes.byref(self._ctx))
         if chain is not None:
             words = bytes.fromhex(chain)
             if len(words) != 32:
@@ -99,7 +100,7 @@ class ChainedSha256:
         _get_buffer(data, ctypes.byref(view), 0)  # 0: PyBUF_SIMPLE, a contiguous run of bytes
         try:
             if view.len:
-                _LIB[1](ctypes.byref(self._ctx), view.buf, view.len)
+                self._lib[1](ctypes.byref(self._ctx), view.buf, view.len)
                 self.length += view.len
         finally:
             _release_buffer(ctypes.byref(view))
@@ -114,7 +115,7 @@ class ChainedSha256:
         """SHA-256 of the whole blob so far (hashing may go on afterwards)."""
         done = _Ctx.from_buffer_copy(self._ctx)
         out = ctypes.create_string_buffer(32)
-        _LIB[2](out, ctypes.byref(done))
+        self._lib[2](out, ctypes.byref(done))
         return out.raw.hex()
 
 

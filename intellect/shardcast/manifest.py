@@ -49,7 +49,7 @@ class _Strict(BaseModel):
 class FileEntry(_Strict):
     name: str = Field(pattern=FILE_NAME.pattern, description="File name inside the checkpoint folder.")
     offset: int = Field(ge=0, description="Offset of the file's first byte in the blob.")
-    size: int | None = Field(None, ge=0, description="Bytes; None while the origin is still writing it.")
+    size: int | None = Field(default=None, ge=0, description="Bytes; None while the origin is still writing it.")
 
 
 class ShardEntry(_Strict):
@@ -58,12 +58,12 @@ class ShardEntry(_Strict):
     size: int = Field(ge=1)
     sha256: str = Field(pattern=SHA256_HEX)
     chain: str | None = Field(
-        None, pattern=SHA256_HEX, description="SHA-256 chaining value of the blob right after this shard "
+        default=None, pattern=SHA256_HEX, description="SHA-256 chaining value of the blob right after this shard "
         "(:mod:`~intellect.shardcast.chain`): with the previous shard's, it checks this shard and, shard by "
         "shard, the whole blob in one pass. None where the shard ends mid-block or the origin had no way to "
         "compute it.")
     signature: str | None = Field(
-        None, pattern=SIGNATURE_FIELD, description="The trainer's Ed25519 signature of this shard "
+        default=None, pattern=SIGNATURE_FIELD, description="The trainer's Ed25519 signature of this shard "
         "(:func:`~intellect.shardcast.signing.shard_message`), passed on unchanged by relays.")
 
 
@@ -78,13 +78,13 @@ class Manifest(_Strict):
     version: int = Field(ge=0, description="The checkpoint's step.")
     files: list[FileEntry] = Field(default_factory=list)
     shards: list[ShardEntry] = Field(default_factory=list)
-    shard_size: int = Field(16 << 20, ge=1, description="Bytes per shard (the last one may be shorter).")
-    total_size: int | None = Field(None, ge=0, description="Blob bytes, once complete.")
-    sha256: str | None = Field(None, pattern=SHA256_HEX, description="SHA-256 of the blob, once complete.")
+    shard_size: int = Field(default=16 << 20, ge=1, description="Bytes per shard (the last one may be shorter).")
+    total_size: int | None = Field(default=None, ge=0, description="Blob bytes, once complete.")
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX, description="SHA-256 of the blob, once complete.")
     complete: bool = False
-    publication: str | None = Field(None, pattern=PUBLICATION, description="Id of this writing of the version.")
+    publication: str | None = Field(default=None, pattern=PUBLICATION, description="Id of this writing of the version.")
     signature: str | None = Field(
-        None, pattern=SIGNATURE_FIELD, description="The trainer's signature of the header: version, publication, "
+        default=None, pattern=SIGNATURE_FIELD, description="The trainer's signature of the header: version, publication, "
         "shard size, files, total size and SHA-256 (:func:`~intellect.shardcast.signing.header_message`).")
 
     @model_validator(mode="after")
@@ -187,13 +187,13 @@ class ManifestDelta(_Strict):
     version: int = Field(ge=0)
     files: list[FileEntry] = Field(default_factory=list)
     shard_size: int = Field(ge=1)
-    total_size: int | None = Field(None, ge=0)
-    sha256: str | None = Field(None, pattern=SHA256_HEX)
+    total_size: int | None = Field(default=None, ge=0)
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX)
     complete: bool = False
-    publication: str | None = Field(None, pattern=PUBLICATION)
-    signature: str | None = Field(None, pattern=SIGNATURE_FIELD, description="The trainer's, over the header.")
-    listing: str = Field("", pattern=r"^[0-9a-f]{0,32}$", description="Name of the server's listing.")
-    since: int = Field(0, ge=0, description="Listing position of the first shard here.")
+    publication: str | None = Field(default=None, pattern=PUBLICATION)
+    signature: str | None = Field(default=None, pattern=SIGNATURE_FIELD, description="The trainer's, over the header.")
+    listing: str = Field(default="", pattern=r"^[0-9a-f]{0,32}$", description="Name of the server's listing.")
+    since: int = Field(default=0, ge=0, description="Listing position of the first shard here.")
     shards: list[ShardEntry] = Field(default_factory=list, description="In listing order.")
 
     @model_validator(mode="after")
@@ -221,10 +221,10 @@ class ListedVersion(_Strict):
     shards: int = Field(ge=0, description="Shards the server lists.")
     files: list[FileEntry] = Field(default_factory=list, max_length=100_000)
     shard_size: int = Field(ge=1)
-    total_size: int | None = Field(None, ge=0)
-    sha256: str | None = Field(None, pattern=SHA256_HEX)
-    publication: str | None = Field(None, pattern=PUBLICATION)
-    signature: str | None = Field(None, pattern=SIGNATURE_FIELD)
+    total_size: int | None = Field(default=None, ge=0)
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX)
+    publication: str | None = Field(default=None, pattern=PUBLICATION)
+    signature: str | None = Field(default=None, pattern=SIGNATURE_FIELD)
 
     @classmethod
     def of(cls, m: Manifest, shards: int) -> "ListedVersion":

@@ -104,6 +104,7 @@ class _ShardResponse(Response):
             if pending is None:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             for i, (_, want, at) in enumerate(reads):
+                assert pending is not None  # the read of reads[i], started before this step
                 piece = await pending
                 pending = loop.run_in_executor(None, os.pread, *reads[i + 1]) if i + 1 < len(reads) else None
                 if len(piece) != want:  # the file shrank under us: the client sees a short body and retries
@@ -139,7 +140,9 @@ class _SendfileCycle(RequestResponseCycle):
             return
         count = message["count"]
         if self.scope["method"] != "HEAD":
-            for piece in self.conn.send_with_data_passthrough(h11.Data(data=_FileRegion(count))):
+            # h11 passes the Data event's object through untouched: it never needs the bytes, only len()
+            region = h11.Data(data=_FileRegion(count))  # pyright: ignore[reportArgumentType]  # see above
+            for piece in self.conn.send_with_data_passthrough(region) or ():  # None only for ConnectionClosed
                 if not isinstance(piece, _FileRegion):
                     self.transport.write(piece)
                     continue
@@ -208,6 +211,8 @@ class _Changes:
         return seen
 
     async def _run(self) -> None:
+        cond = self._cond
+        assert cond is not None  # wait() makes it before it starts this task
         last = None
         while self._watched:
             try:
@@ -217,8 +222,8 @@ class _Changes:
             if now != last:
                 last = now
                 self.stamp += 1
-                async with self._cond:
-                    self._cond.notify_all()
+                async with cond:
+                    cond.notify_all()
             await asyncio.sleep(_WAIT_STEP)
         self._task = None
 
@@ -368,7 +373,9 @@ class Server:
         # pick httptools/uvloop wherever they happen to be installed, and a server must behave the same
         # on every install.
         config = uvicorn.Config(create_app(store), http=H11Sendfile if zero_copy else "h11", loop="asyncio",
-                                log_level="warning", access_log=False, timeout_keep_alive=idle_timeout,
+                                log_level="warning", access_log=False,
+                                # uvicorn annotates an int, but uses it as a call_later delay: a float works
+                                timeout_keep_alive=idle_timeout,  # pyright: ignore[reportArgumentType]
                                 lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

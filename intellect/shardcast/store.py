@@ -70,7 +70,10 @@ class _Listing:
                 break
             try:
                 if not self.name:
-                    self.name = _LISTING_NAME.match(line).group(1).decode()
+                    header = _LISTING_NAME.match(line)
+                    if header is None:
+                        raise ValueError(f"not a listing header: {line[:80]!r}")
+                    self.name = header.group(1).decode()
                     continue
                 e = ShardEntry.model_validate_json(line)
             except (ValueError, AttributeError) as err:
@@ -140,7 +143,7 @@ class VersionStore:
                 listing = self._listings.get(version)
                 if entry is None and listing is not None:
                     entry = listing.by_index.get(index)
-        if entry is None:  # not listed yet: not hashed yet
+        if entry is None or m is None:  # not listed yet: not hashed yet (no entry without m)
             return None
         pieces: list[tuple[int, int, int]] = []
         try:

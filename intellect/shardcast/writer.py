@@ -138,28 +138,32 @@ class VersionWriter:
                 if copy:
                     self._tmp = self.store.temp_file(self.version)
                     self._fh = os.open(self._tmp, os.O_WRONLY)
+            shard_hash, fh, hasher = self._shard_hash, self._fh, self._hasher
             in_shard = self._pos - len(self._shards) * self.shard_size
             take = view[: self.shard_size - in_shard]
             # the whole-blob hash goes piece by piece, so that its state at each shard's end (the
             # chaining value) is there to read when the shard is sealed
             if len(take) >= _PARALLEL_MIN and copy:
-                hashing = [self._hasher.submit(h.update, take) for h in (self._whole, self._shard_hash)]
+                assert hasher is not None and fh is not None  # made above: view is at least as long as take
+                hashing = [hasher.submit(self._whole.update, take), hasher.submit(shard_hash.update, take)]
                 try:
-                    write_at(self._fh, take, in_shard)
+                    write_at(fh, take, in_shard)
                 finally:
                     for f in hashing:
                         f.result()
             elif len(take) >= _PARALLEL_MIN:  # nothing to write: this thread hashes one of the two
-                hashing = self._hasher.submit(self._shard_hash.update, take)
+                assert hasher is not None  # made above: view is at least as long as take
+                hashing = hasher.submit(shard_hash.update, take)
                 try:
                     self._whole.update(take)
                 finally:
                     hashing.result()
             else:
                 if copy:
-                    write_at(self._fh, take, in_shard)
+                    assert fh is not None  # opened above with the shard's hash
+                    write_at(fh, take, in_shard)
                 self._whole.update(take)
-                self._shard_hash.update(take)
+                shard_hash.update(take)
             self._pos += len(take)
             view = view[len(take):]
             if in_shard + len(take) == self.shard_size:
@@ -195,11 +199,14 @@ class VersionWriter:
     def _seal_shard(self) -> None:
         index = len(self._shards)
         size = self._pos - index * self.shard_size
+        shard_hash = self._shard_hash
+        assert shard_hash is not None  # only a shard with bytes in it is sealed
         if self._fh is not None:
+            assert self._tmp is not None  # opened together
             os.close(self._fh)
             self.store.put_shard(self.version, index, self._tmp)
         entry = self._signer.shard(ShardEntry(index=index, offset=index * self.shard_size, size=size,
-                                              sha256=self._shard_hash.hexdigest(), chain=self._whole.chain()))
+                                              sha256=shard_hash.hexdigest(), chain=self._whole.chain()))
         self._shards.append(entry)
         self._fh = self._tmp = self._shard_hash = None
         if self._files != self._header_files:  # the header first: it must cover the shard's files
@@ -225,7 +232,7 @@ class VersionWriter:
             self._files[-1] = last.model_copy(update={"size": self._pos - last.offset})
         self._publish()
         self._done = True
-        return self.store.manifest(self.version)
+        return _published(self.store, self.version)
 
     def _stop_hasher(self) -> None:
         if self._hasher is not None:
@@ -237,7 +244,8 @@ class VersionWriter:
         self._stop_hasher()
         if self._fh is not None:
             os.close(self._fh)
-            self._tmp.unlink(missing_ok=True)
+            if self._tmp is not None:  # opened together
+                self._tmp.unlink(missing_ok=True)
         self.store.drop(self.version)
 
     def __enter__(self) -> "VersionWriter":
@@ -250,7 +258,14 @@ class VersionWriter:
             self.abort()
 
 
-def _size_mtime(path: Path) -> list[int]:
+def _published(store: VersionStore, version: int) -> Manifest:
+    m = store.manifest(version)
+    if m is None:
+        raise RuntimeError(f"version {version} was deleted as it was published")
+    return m
+
+
+def _size_mtime(path: str | os.PathLike) -> list[int]:
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
 
@@ -277,4 +292,4 @@ def publish_folder(store: VersionStore, version: int, folder: str | os.PathLike,
             for p in files:
                 w.add_file(p)
     store.retain(keep)
-    return store.manifest(version)
+    return _published(store, version)

@@ -61,11 +61,11 @@ import torch
 
 from intellect.inference.protocol import Request, Scored
 from intellect.inference.sampling import LowProb, low_prob_draws, sampling_probs
-from intellect.inference.torch_engine import scored_rows
+from intellect.inference.torch_engine import lm_head, scored_rows
 from intellect.toploc.proofs import ToplocConfig, build_proofs_many, check_many
 
 if TYPE_CHECKING:
-    from intellect.inference.protocol import Completion, InferenceEngine
+    from intellect.inference.protocol import Completion, Scorer
     from intellect.inference.sampling import SamplingParams
     from intellect.inference.torch_engine import TorchEngine
     from intellect.rl.rollouts import Rollout
@@ -73,10 +73,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("intellect.toploc.check")
 
 #: Policy step -> an engine holding that checkpoint's weights (raises ``FileNotFoundError`` if absent).
-EngineFor = Callable[[int], "InferenceEngine"]
+EngineFor = Callable[[int], "Scorer"]
 #: ``prefill(engine, requests, outputs, sampling, low_prob) -> scored``: how the validator scores rows
 #: (``low_prob`` None: no per-token ``low`` and ``chance``).
-Prefill = Callable[["InferenceEngine", Sequence[Request], Sequence[Sequence[int]], "SamplingParams",
+Prefill = Callable[["Scorer", Sequence[Request], Sequence[Sequence[int]], "SamplingParams",
                     "LowProb | None"], "list[Scored]"]
 
 __all__ = ["Draws", "EngineFor", "Prefill", "completion_proofs", "engine_prefill", "low_prob_draws",
@@ -85,9 +85,10 @@ __all__ = ["Draws", "EngineFor", "Prefill", "completion_proofs", "engine_prefill
 
 def completion_proofs(completions: Sequence[Completion], cfg: ToplocConfig) -> list[bytes]:
     """The proof blob of each completion (its engine must capture hidden states)."""
-    if any(c.hidden_states is None for c in completions):
+    states = [c.hidden_states for c in completions if c.hidden_states is not None]
+    if len(states) != len(completions):
         raise ValueError("TOPLOC proofs need hidden states: build the engine with capture_hidden=True")
-    return build_proofs_many([c.hidden_states for c in completions], cfg.chunk, cfg.k)
+    return build_proofs_many(states, cfg.chunk, cfg.k)
 
 
 # ---------------------------------------------------------------- distribution statistic (pure)
@@ -146,6 +147,7 @@ def sampling_detail(layer: str, scope: str, draws: Draws | None = None, resample
             text += (f" where {expected:.2g} were expected, surprise "
                      f"{float(low_prob_surprise(float(resampled), expected)):.1f}")
         return text
+    assert draws is not None, "a distribution detail needs its draws"
     return (f"distribution ({scope}): {draws.low} of {draws.tokens} tokens below min_token_prob where "
             f"{draws.expected:.2f} were expected, surprise {draws.surprise:.1f}")
 
@@ -153,7 +155,7 @@ def sampling_detail(layer: str, scope: str, draws: Draws | None = None, resample
 # ---------------------------------------------------------------- prefill
 
 
-def engine_prefill(engine: InferenceEngine, requests: Sequence[Request], outputs: Sequence[Sequence[int]],
+def engine_prefill(engine: Scorer, requests: Sequence[Request], outputs: Sequence[Sequence[int]],
                    sampling: SamplingParams, low_prob: LowProb | None = None) -> list[Scored]:
     """The engine's own prefill (left-padded batches for :class:`TorchEngine`)."""
     return engine.prefill(requests, outputs, sampling, low_prob=low_prob)
@@ -173,7 +175,7 @@ def right_padded_prefill(engine: TorchEngine, requests: Sequence[Request], outpu
     on which side a validator pads (``tests/integration/test_toploc_nondeterminism.py``).
     """
     model, dev = engine.model, engine.device
-    head = model.get_output_embeddings()
+    head = lm_head(model)
     out: list[Scored] = []
     for start in range(0, len(requests), engine.max_batch_size):
         reqs, outs = requests[start:start + engine.max_batch_size], outputs[start:start + engine.max_batch_size]
@@ -247,8 +249,8 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
                 return torch.bincount(row_of, weights=values.double(), minlength=len(idx)).tolist()
 
             differ = [int(d) for d in per_row(resampled != claimed)]
-            lows = [int(x) for x in per_row(torch.cat([s.low for s in scored]))] if low_prob else []
-            expected = per_row(torch.cat([s.chance for s in scored])) if low_prob else []
+            lows = [int(x) for x in per_row(torch.cat(_asked([s.low for s in scored], "low")))] if low_prob else []
+            expected = per_row(torch.cat(_asked([s.chance for s in scored], "chance"))) if low_prob else []
             ends_at = [e - 1 for e in torch.tensor(n).cumsum(0).tolist()]
             same_last = (resampled == claimed).tolist()
             probs = torch.cat([s.logprobs for s in scored]).exp().tolist()
@@ -261,7 +263,8 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
                 if cfg.seeded_check and differ[j] > cfg.max_resampled_fraction * n[j]:
                     reasons[i] = _sampling(i, sampling_detail("seeded", "rollout", resampled=differ[j], tokens=n[j]))
                 last = ends_at[j]
-                ends[i] = _termination(outputs[j], sampling, cfg, eos, n[j] and same_last[last], n[j] and probs[last])
+                ends[i] = _termination(outputs[j], sampling, cfg, eos, n[j] > 0 and same_last[last],
+                                       n[j] and probs[last])
                 if low_prob:
                     draws[i] = Draws(n[j], lows[j], expected[j])
         if cfg.seeded_check and flips:
@@ -289,6 +292,14 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
         return [r or e for r, e in zip(reasons, ends)]
 
     return check
+
+
+def _asked(values: Sequence[torch.Tensor | None], what: str) -> list[torch.Tensor]:
+    """Per-token results a prefill returns only when asked (``low``, ``chance``: with a ``LowProb``)."""
+    out = [v for v in values if v is not None]
+    if len(out) != len(values):
+        raise ValueError(f"the prefill returned no {what!r} although low_prob was given")
+    return out
 
 
 def _sampling(row: int, detail: str) -> str:

@@ -60,29 +60,29 @@ class ToplocConfig(StrictModel):
       (``configs/rl-tiny.toml``) may set 1e-4, which catches one update stale.
     """
 
-    chunk: int = Field(32, ge=1, le=4096, description="Generated tokens per proof.")
-    k: int = Field(128, ge=1, le=4096, description="Top-k magnitudes committed per chunk.")
+    chunk: int = Field(default=32, ge=1, le=4096, description="Generated tokens per proof.")
+    k: int = Field(default=128, ge=1, le=4096, description="Top-k magnitudes committed per chunk.")
     max_exp_mismatches: int = Field(
-        38, ge=0, description="Most positions (of k) whose bf16 exponent may differ (reference: 38 of 128)."
+        default=38, ge=0, description="Most positions (of k) whose bf16 exponent may differ (reference: 38 of 128)."
     )
-    max_mant_err_mean: float = Field(10.0, ge=0, description="Largest mean mantissa error over matching exponents.")
-    max_mant_err_median: float = Field(8.0, ge=0, description="Largest median mantissa error over matching exponents.")
+    max_mant_err_mean: float = Field(default=10.0, ge=0, description="Largest mean mantissa error over matching exponents.")
+    max_mant_err_median: float = Field(default=8.0, ge=0, description="Largest median mantissa error over matching exponents.")
     max_sign_mismatches: int = Field(
-        0, ge=0, description="Most sign mismatches among positions whose exponents match (the reference has no "
+        default=0, ge=0, description="Most sign mismatches among positions whose exponents match (the reference has no "
         "sign check); the top magnitudes of honest recomputations never change sign.",
     )
     seeded_check: bool = Field(
-        True, description="Sampling check, seeded layer: recompute every token from the validator's logits and the "
+        default=True, description="Sampling check, seeded layer: recompute every token from the validator's logits and the "
         "request seed. Needs workers with the engine's reproducible seeded sampler (a vLLM worker has none: off).",
     )
     max_resampled_fraction: float = Field(
-        0.01, ge=0, le=1,
+        default=0.01, ge=0, le=1,
         description="Sampling check: largest share of a rollout's tokens that may differ from the token the "
         "validator's logits and the request seed select (near-ties flip under bf16 nondeterminism: 0.1-0.3% "
         "in INTELLECT-2; on CPU in fp32 none do).",
     )
     honest_flip_rate: float = Field(
-        0.005, gt=0, le=0.1,
+        default=0.005, gt=0, le=0.1,
         description="Sampling check, seeded layer pooled per submission: the share of an honest worker's tokens "
         "assumed to differ from the validator's seeded choice (near-tie flips). A submission's rows that passed "
         "the computation check fail together when a Chernoff bound on honest flips reaching their summed count "
@@ -92,29 +92,29 @@ class ToplocConfig(StrictModel):
         "run may set far less (configs/rl-tiny.toml: 1e-4; see the class docstring).",
     )
     distribution_check: bool = Field(
-        True, description="Sampling check, distribution layer (INTELLECT-2's): reject rollouts, and submissions "
+        default=True, description="Sampling check, distribution layer (INTELLECT-2's): reject rollouts, and submissions "
         "pooled, whose tokens hold more low-probability draws under the validator's model than honest sampling "
         "plausibly makes. Works without a reproducible sampler.",
     )
     min_token_prob: float = Field(
-        0.01, gt=0, le=1,
+        default=0.01, gt=0, le=1,
         description="Distribution check: a chosen token is low-probability when the validator's sampling "
         "distribution (temperature, top-p) gives it less than this.",
     )
     max_low_prob_surprise: float = Field(
-        6.0, gt=0, le=100,
+        default=6.0, gt=0, le=100,
         description="Distribution check, and the seeded re-check pooled per submission: reject when a Chernoff "
         "bound on honest sampling drawing at least the observed number of low-probability tokens (or of "
         "near-tie flips) is below 10**-this (6: at most one honest rollout or submission in a million).",
     )
     low_prob_floor: float = Field(
-        0.001, ge=0, le=1,
+        default=0.001, ge=0, le=1,
         description="Distribution check: the least chance of an honest low-probability draw assumed at any "
         "token, also where the validator's distribution says none (greedy, or a token outside the nucleus): "
         "rounding can move an honest choice across min_token_prob, the top-p cut or a greedy tie.",
     )
     min_eos_prob: float = Field(
-        0.1, ge=0, le=1,
+        default=0.1, ge=0, le=1,
         description="Termination check: an output shorter than max_tokens must end with EOS, and an EOS the "
         "validator's seeded sampler does not pick there must have at least this probability (INTELLECT-2: 0.1).",
     )

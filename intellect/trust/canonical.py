@@ -22,17 +22,17 @@ _TAGS = {bytes: b"b", str: b"s", int: b"i", bool: b"t", type(None): b"n"}
 
 
 def _encode(value: Field) -> bytes:
-    kind = type(value)
-    if kind is bool:
+    kind = type(value)  # exact types: a bool is not an int here, and no subclass is encoded
+    if type(value) is bool:
         body = b"\1" if value else b"\0"
-    elif kind is int:
-        if not -(1 << 63) <= value < (1 << 63):  # type: ignore[operator]
+    elif type(value) is int:
+        if not -(1 << 63) <= value < (1 << 63):
             raise ValueError(f"integer field out of int64 range: {value}")
         body = struct.pack(">q", value)
-    elif kind is str:
-        body = value.encode("utf-8")  # type: ignore[union-attr]
-    elif kind is bytes:
-        body = value  # type: ignore[assignment]
+    elif type(value) is str:
+        body = value.encode("utf-8")
+    elif type(value) is bytes:
+        body = value
     elif value is None:
         body = b""
     else:

@@ -53,7 +53,8 @@ class AuthError(PermissionError):
 
     def __init__(self, reason: Reason, detail: str):
         super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
+        self.reason: Reason = reason
+        self.detail = detail
 
 
 def request_message(audience: str, method: str, path: str, body_sha256: str, time_ms: int, nonce: str) -> bytes:
@@ -137,9 +138,10 @@ def parse_headers(headers: Mapping[str, str], window: float, now: float | None =
     ``window`` seconds of ``now``; :class:`AuthError` otherwise. Cheap: a server can refuse a
     request from its headers before it reads the body."""
     now = time.time() if now is None else now
-    got = {h: headers.get(h) for h in HEADERS}
-    if any(v is None for v in got.values()):
-        raise AuthError("unsigned", "missing " + ", ".join(h for h, v in got.items() if v is None))
+    missing = [h for h in HEADERS if headers.get(h) is None]
+    if missing:
+        raise AuthError("unsigned", "missing " + ", ".join(missing))
+    got = {h: headers[h] for h in HEADERS}
     try:
         key = VerifyKey.from_hex(got[KEY_HEADER])
         time_ms = int(got[TIME_HEADER]) if len(got[TIME_HEADER]) <= 16 else None
