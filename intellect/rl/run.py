@@ -5,7 +5,8 @@ per process; leaving it (``close()``) stops whatever the run started (submission
 servers, worker processes) and closes the ledger. The trainer stays in memory between steps
 (reloading it each step would cost more than the step); a fresh process rebuilds it from the newest
 recorded checkpoint and its saved optimizer state. Each method is one phase with one side effect,
-and each Prefect task of ``tasks/rl.py`` calls one; :func:`run_rl_step` runs them in order.
+and each Prefect task of ``tasks/rl.py`` calls one; :func:`intellect.rl.local_step.run_rl_step` runs
+them in order without Prefect.
 
 What only the trainer may write stays in this process or behind its secret: done state is the
 service's (``service.done``), verdict files carry a MAC under the run's secret
@@ -19,7 +20,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -51,7 +51,6 @@ from intellect.rl.workers import WorkerResult, await_done, start_workers, stop_w
 from intellect.shardcast.local import LocalCDN, start_local
 from intellect.storage import RunStorage
 from intellect.train import evaluate
-from intellect.trust.mac import new_secret
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -447,70 +446,3 @@ class RLRun:
         self.storage.write_bytes(CURVE, plot_curve(self.ledger.steps(), evals,
                                                    f"GRPO {self.cfg.run_name} (async_level {self.cfg.async_level})"))
         return evals, self.storage.uri(CURVE)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    step: int
-    policy_step: int
-    files: list[str]
-    generated: list[str]  # files written by this call (the rest existed)
-    accepted: int
-    rejected: int
-    trained_samples: int
-    trained: bool  # False when the checkpoint existed (a rerun) or the step was committed already
-    checkpoint: str
-    committed: bool  # True when this call committed the step
-    loss: float | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def step_counts(ledger: Ledger, step: int) -> tuple[int, int]:
-    """(accepted, rejected) samples of ``step`` in the ledger."""
-    n = {"accepted": 0, "rejected": 0}
-    for row in ledger.step_verdicts(step):
-        n[row["status"]] += row["n"]
-    return n["accepted"], n["rejected"]
-
-
-def run_rl_step(
-    cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int, workers: Sequence[str],
-    tasks: Sequence[MathTask], *, engine_factory: EngineFactory | None = None, reward_fn: RewardFn = math_task_reward,
-    extra_checks: Sequence[RowCheck] = (), trainer: GRPOTrainer | None = None,
-) -> StepReport:
-    """Run (or resume) RL step ``step`` in this process, every role played here (each of ``workers``,
-    the validator, the trainer): the phases of ``rl-step`` (:meth:`RLRun.generate`, ``validate``,
-    ``record``, ``update``, ``commit``) over ``storage`` and ``ledger``, without Prefect. A committed
-    step returns at once.
-
-    ``tasks`` is the prompt pool (unique ids). ``trainer``, when given, must hold checkpoint ``step``'s
-    weights (e.g. the trainer of the previous call), which keeps its optimizer state; otherwise one is
-    built from checkpoint ``step``.
-    """
-    policy = policy_for(step, cfg.async_level, recorded_steps(storage, ledger))
-    if policy is None:
-        raise FileNotFoundError(f"no checkpoint within {cfg.async_level} of step {step} in {storage.uri(CHECKPOINTS)}")
-    next_uri = storage.uri(storage.step_path(step + 1, CHECKPOINTS))
-    if (done := ledger.get_step(step)) is not None:
-        return StepReport(step, policy, list_submissions(storage, step), [], done["accepted"], done["rejected"],
-                          done["trained_samples"] or 0, False, next_uri, False, done["loss"])
-    # the verdicts go from validate to record inside this call: a secret of its own MACs them
-    with RLRun(cfg, storage=storage, ledger=ledger, tasks=tasks, reward_fn=reward_fn, extra_checks=extra_checks,
-               engine_factory=engine_factory, secret=new_secret()) as run:
-        if trainer is not None:
-            run.trainer, run.trainer_step = trainer, step
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
-        generated = run.generate(step, workers)
-        timings["generate"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        reports = run.validate(step, run.step_files(step))
-        run.record(step, [(r.verdicts, r.mac) for r in reports])
-        timings["validate"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        upd = run.update(step, policy)
-        timings["train"] = time.perf_counter() - t0
-        committed = run.commit(step, timings)
-    accepted, rejected = step_counts(ledger, step)
-    return StepReport(step, policy, list_submissions(storage, step), generated, accepted, rejected,
-                      upd.trained_samples, upd.trained, next_uri, committed, upd.loss, timings)

@@ -10,7 +10,7 @@ from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
 from intellect.rl.rollouts import list_submissions, write_submission
-from intellect.rl.run import run_rl_step
+from intellect.rl.local_step import run_rl_step
 from intellect.rl.step import torch_engine
 from intellect.rl.submission import SubmissionConfig, generate_submission
 from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig
