@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from intellect.config import DilocoRunConfig, load_config  # noqa: E402
+from intellect.config import load_config  # noqa: E402
+from intellect.diloco.config import DilocoRunConfig  # noqa: E402
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
 from intellect.diloco.worker import inner_train_config, shard_stream  # noqa: E402

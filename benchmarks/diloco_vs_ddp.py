@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddp_baseline import EVAL_SIZE, run_ddp  # noqa: E402
 
-from intellect.config import DilocoConfig, DilocoRunConfig, load_config  # noqa: E402
+from intellect.config import load_config  # noqa: E402
+from intellect.diloco.config import DilocoConfig, DilocoRunConfig  # noqa: E402
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
 from intellect.diloco.coordinator import Coordinator, worker_launcher  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402

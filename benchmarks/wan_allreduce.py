@@ -67,7 +67,7 @@ def resolve_auto(trial: dict, group, store, key: str, numel: int) -> tuple[dict,
     """A worker's ``auto``: probe, solve the ring, choose; (all_reduce_mean kwargs, what was chosen)."""
     import torch.distributed as dist
 
-    from intellect.config import DilocoConfig
+    from intellect.diloco.config import DilocoConfig
     from intellect.diloco.bandwidth import measure_ring
     from intellect.diloco.worker import allreduce_plan
 

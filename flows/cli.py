@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from intellect.config import ConfigError, DilocoRunConfig, SmokeConfig, load_config
+from intellect.config import ConfigError, SmokeConfig, load_config
+from intellect.diloco.config import DilocoRunConfig
 from intellect.pipeline import DemoConfig
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 

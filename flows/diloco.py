@@ -32,7 +32,7 @@ from flows.diloco_worker import diloco_worker
 from flows.events import emit_membership
 from flows.launch import DeploymentLauncher
 from flows.progress import progress_bar
-from intellect.config import DilocoRunConfig
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import (EXIT_BANNED, EXIT_DONE, EXIT_FAILED, Coordinator, parse_worker_args,
                                           worker_launcher)
 from intellect.diloco.worker import init_run

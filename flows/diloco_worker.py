@@ -18,7 +18,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.artifacts import artifact_key
-from intellect.config import DilocoRunConfig
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, main, parse_worker_args, worker_main
 from intellect.diloco.worker import StepReport
 

@@ -41,13 +41,45 @@ class StrictModel(BaseModel):
 # --------------------------------------------------------------------- components
 
 
+# Named model shapes: a preset fills the size fields a config leaves unset.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": {"arch": "llama", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+                   "intermediate_size": 384},
+    "llama-20m": {"arch": "llama", "hidden_size": 384, "num_layers": 6, "num_heads": 6, "num_kv_heads": 6,
+                  "intermediate_size": 1024, "max_position_embeddings": 1024},
+    "llama-150m": {"arch": "llama", "hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12,
+                   "intermediate_size": 2048, "max_position_embeddings": 2048},
+    "llama-1b": {"arch": "llama", "hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
+                 "intermediate_size": 8192, "max_position_embeddings": 4096, "rope_theta": 500000.0},
+    "qwen2.5-0.5b": {"arch": "qwen2", "hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
+                     "intermediate_size": 4864, "max_position_embeddings": 4096, "rope_theta": 1000000.0},
+}
+SIZE_FIELDS = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+               "max_position_embeddings", "rope_theta")
+
+
 class ModelConfig(StrictModel):
-    """The tiny Llama built from scratch, or any local HF checkpoint folder."""
+    """A model built from scratch (any ``transformers`` causal-LM architecture, sized by the fields
+    below or a named preset), or any local HF checkpoint folder."""
 
     pretrained: str | None = Field(
         default=None,
         description="Path of a local HF checkpoint folder to load instead of building a new model "
         "(config.json + safetensors + tokenizer files). Nothing is downloaded.",
+    )
+    preset: str | None = Field(
+        default=None,
+        description=f"Named shape filling the size fields not set explicitly: {', '.join(MODEL_PRESETS)}.",
+    )
+    arch: str = Field(
+        default="llama", pattern=r"^[a-z0-9_]{1,40}$",
+        description="transformers model_type with causal-LM support (llama, qwen2, mistral, ...), built from "
+        "the size fields without a download.",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="Local HF tokenizer folder (e.g. from `intellect tokenizer train`); None: the built-in "
+        "character tokenizer of the arithmetic task. The model's vocabulary follows the tokenizer.",
     )
     hidden_size: int = Field(default=128, ge=8, le=8192, description="Width of the residual stream.")
     num_layers: int = Field(default=4, ge=1, le=128, description="Number of decoder blocks.")
@@ -60,6 +92,16 @@ class ModelConfig(StrictModel):
     rope_theta: float = Field(default=10000.0, gt=0, le=1e8, description="RoPE base frequency.")
     tie_word_embeddings: bool = Field(default=True, description="Share the input embedding and the LM head.")
     init_seed: int = Field(default=0, ge=0, description="Seed of the random initialization.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            shape = MODEL_PRESETS.get(data["preset"])
+            if shape is None:
+                raise ValueError(f"unknown preset {data['preset']!r}; known: {', '.join(MODEL_PRESETS)}")
+            data = {**shape, **data}
+        return data
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -74,9 +116,42 @@ class ModelConfig(StrictModel):
         return self
 
 
-class DataConfig(StrictModel):
-    """Seeded synthetic arithmetic: pretraining text and RL prompts."""
+class TextDataConfig(StrictModel):
+    """A text corpus: Parquet, JSONL or plain-text files, local or ``s3://``, read as a stream."""
 
+    files: list[str] = Field(
+        default_factory=list, max_length=10000,
+        description="Files, directories (searched recursively for the suffixes below) or glob patterns, local "
+        "or s3://BUCKET/KEY (a prefix ending in / lists it); the entry 'python:stdlib' is the Python standard "
+        "library's own source, a corpus every machine has.",
+    )
+    column: str = Field(default="text", min_length=1, max_length=128, description="Text column of Parquet/JSONL rows.")
+    suffixes: list[str] = Field(
+        default=[".parquet", ".jsonl", ".txt", ".md", ".py"], min_length=1,
+        description="File suffixes taken from directories and prefixes (.parquet and .jsonl are read by row, "
+        "anything else as one document per file).",
+    )
+    seq_len: int = Field(default=256, ge=8, le=131072, description="Tokens per packed training sequence.")
+    document_mask: bool = Field(
+        default=False,
+        description="Mask attention across the document boundaries inside a packed sequence (each token sees "
+        "only its own document); False: causal attention over the whole packed sequence.",
+    )
+    max_document_bytes: int = Field(
+        default=1 << 20, ge=1024, le=1 << 30,
+        description="Bytes read of one document at most (longer ones are cut): memory stays bounded whatever "
+        "the corpus holds.",
+    )
+    eval_sequences: int = Field(default=64, ge=1, le=100000, description="Held-out packed sequences per evaluation.")
+
+
+class DataConfig(StrictModel):
+    """The training data: seeded synthetic arithmetic (pretraining text and RL prompts), or a text corpus."""
+
+    kind: Literal["arithmetic", "text"] = Field(
+        default="arithmetic", description="arithmetic: the synthetic task; text: the corpus of [data.text].",
+    )
+    text: TextDataConfig = Field(default_factory=TextDataConfig)
     seed: int = Field(
         default=0, ge=0, description="Seed of the training stream (the held-out split never depends on it).",
     )
@@ -91,7 +166,8 @@ class DataConfig(StrictModel):
     )
     heldout_percent: int = Field(
         default=5, ge=1, le=50,
-        description="Share of all problems (by content hash) reserved for evaluation; training never sees them.",
+        description="Share of all problems, or of the corpus's documents (by content hash), reserved for "
+        "evaluation; training never sees them.",
     )
     slip_rate: float = Field(
         default=0.0, ge=0, le=0.95,
@@ -103,6 +179,8 @@ class DataConfig(StrictModel):
     def _digits_ordered(self) -> "DataConfig":
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
+        if self.kind == "text" and not self.text.files:
+            raise ValueError("data.kind = 'text' needs data.text.files")
         return self
 
 
@@ -152,7 +230,12 @@ class TrainConfig(StrictModel):
     """The plain single-process training loop (also DiLoCo's inner loop)."""
 
     steps: int = Field(default=1000, ge=1, le=10_000_000, description="Optimizer steps.")
-    batch_size: int = Field(default=128, ge=1, le=65536, description="Sequences per optimizer step.")
+    batch_size: int = Field(default=128, ge=1, le=65536, description="Sequences per optimizer step (global batch).")
+    micro_batch_size: int = Field(
+        default=0, ge=0, le=65536,
+        description="Sequences per forward/backward; gradients accumulate over batch_size / micro_batch_size "
+        "micro-batches (0: the whole batch at once). Must divide batch_size.",
+    )
     lr: float = Field(default=3e-3, gt=0, le=1.0, description="Peak learning rate of AdamW.")
     min_lr_ratio: float = Field(
         default=0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine floor).",
@@ -167,109 +250,47 @@ class TrainConfig(StrictModel):
     seed: int = Field(default=0, ge=0, description="Seed of dropout-free training noise (batch order).")
     threads: int = Field(default=0, ge=0, le=1024, description="torch intra-op threads (0: leave torch's default).")
 
-
-class DilocoConfig(StrictModel):
-    """DiLoCo outer loop, int8 all-reduce and elastic membership."""
-
-    workers: int = Field(default=2, ge=1, le=64, description="Worker processes the coordinator starts.")
-    inner_steps: int = Field(default=50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
-    outer_steps: int = Field(default=10, ge=1, le=1_000_000, description="Outer steps of the run.")
-    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
-    nesterov: bool = Field(default=True, description="Nesterov momentum for the outer step.")
-    algorithm: Literal["auto", "direct", "ring-residual", "ring-owner", "ring"] = Field(
-        default="auto",
-        description="int8 all-reduce. auto: per membership, from the bandwidth probe, whichever of direct and "
-        "ring-owner (on the solved ring) has the smaller link-bandwidth bound: ring-owner when a pair is far "
-        "slower than the solved ring's slowest link, else direct (also when "
-        "unmeasured: fewer than 3 workers or bandwidth_probe_bytes 0); "
-        "direct: each chunk straight to its owner, each result straight to all "
-        "(fewest bytes, every value quantized twice, all-to-all; a slow pair slows it); ring-residual: ring "
-        "neighbours only, partial sums sent with an int8 residual (lowest error, 1.5x bytes); ring-owner: "
-        "ring relaying the original contributions; ring: classic, requantizes every hop (error grows with W).",
-    )
-    clip_sigmas: list[float] = Field(
-        default=[4.0, 6.0], min_length=1, max_length=4,
-        description="Quantizer clip ranges in standard deviations; each chunk uses whichever fits it best.",
-    )
-    wire_codec: Literal["none", "zstd"] = Field(
-        default="zstd",
-        description="Coding of the int8 indices on the wire. zstd: entropy-coded, fewer bytes for some CPU per "
-        "byte, so it pays on slow links; sent raw when coding saves nothing. none: raw uint8 (fast links, "
-        "CPU-starved hosts). Peers may differ; NCCL groups always send raw.",
-    )
-    data_split: Literal["iid", "non_iid"] = Field(
-        default="iid",
-        description="iid: every worker draws from all ops; non_iid: worker i only from ops[i % len(ops)].",
-    )
-    heartbeat_interval: float = Field(default=2.0, gt=0, le=60, description="Seconds between heartbeats.")
-    heartbeat_timeout: float = Field(
-        default=10.0, gt=0, le=600, description="Seconds without a heartbeat before a peer is dead.",
-    )
-    collective_timeout: float = Field(
-        default=60.0, gt=0, le=3600, description="Bound on one all-reduce (gloo timeout).",
-    )
-    boundary_timeout: float = Field(
-        default=120.0, gt=0, le=86400, description="Longest wait at an outer-step boundary for slower peers."
-    )
-    bandwidth_probe_bytes: int = Field(
-        default=1 << 20, ge=0, le=1 << 30,
-        description="Bytes sent each way per worker pair to measure throughput when membership changes; "
-        "the ring follows the max-min-bandwidth cycle (0: fixed order).",
-    )
-    store_host: str = Field(
-        default="127.0.0.1",
-        description="Address of the rendezvous store (the coordinator). It authenticates every request with the "
-        "run secret, but values and gloo's traffic travel in clear: off one machine, use a private network "
-        "(WireGuard) or TLS.",
-    )
-    secret_file: str | None = Field(
-        default=None,
-        description="File holding the run secret (hex, at least 32 digits, mode 0600), held by the coordinator; "
-        "the environment variable INTELLECT_DILOCO_SECRET (hex) takes precedence. Unset: the coordinator makes a "
-        "fresh secret. Workers it starts never get the secret, only their own rendezvous key and the all-reduce "
-        "root derived from it (local: in their environment; deployments: in the flow run's job variables, i.e. "
-        "to whoever can read the Prefect API). A worker given the secret file itself derives its own keys. "
-        "Never part of the config itself, which travels as flow-run parameters.",
-    )
-    rendezvous_window: float = Field(
-        default=60.0, ge=5, le=3600,
-        description="Seconds a rendezvous request's timestamp may differ from the store's clock (hosts need NTP); "
-        "nonces are remembered that long, so a captured request cannot be sent again.",
-    )
-    outlier_clip: float = Field(
-        default=4.0, ge=0, le=1000,
-        description="Robust aggregation (direct and ring-owner all-reduces, 3+ contributors): each owner clips "
-        "every contribution to its chunk to this many times the median distance from the coordinate-wise "
-        "median (centred clip) and flags those it clipped; 0 turns it off (plain mean).",
-    )
-    exclude_after: int = Field(
-        default=2, ge=1, le=1000,
-        description="Committed outer steps in which a majority of the members flagged a worker as an outlier "
-        "before it is banned from the run.",
-    )
-    store_port: int = Field(default=0, ge=0, le=65535, description="Port of the rendezvous store (0: pick a free one).")
-    checkpoint_every: int = Field(
-        default=1, ge=1, le=1_000_000, description="Publish an outer checkpoint every N outer steps.",
-    )
-    max_attempts: int = Field(
-        default=5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.",
-    )
-
     @model_validator(mode="after")
-    def _timeouts_ordered(self) -> "DilocoConfig":
-        if not all(0 < c <= 64 for c in self.clip_sigmas):
-            raise ValueError(f"clip_sigmas must lie in (0, 64] (got {self.clip_sigmas})")
-        if self.outlier_clip and self.outlier_clip < 1:
-            raise ValueError(f"outlier_clip must be 0 (off) or at least 1 (got {self.outlier_clip})")
-        if self.outlier_clip and self.algorithm in ("ring", "ring-residual"):
-            raise ValueError(f"algorithm {self.algorithm!r} sends partial sums, so no owner sees a contribution "
-                             "to clip: set outlier_clip = 0 to run it without robust aggregation")
-        if self.heartbeat_timeout <= self.heartbeat_interval:
+    def _micro_divides(self) -> "TrainConfig":
+        if self.micro_batch_size and self.batch_size % self.micro_batch_size:
             raise ValueError(
-                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
+                f"micro_batch_size ({self.micro_batch_size}) must divide batch_size ({self.batch_size})"
             )
         return self
+
+
+class ComputeConfig(StrictModel):
+    """Where and in what precision a process computes (:mod:`intellect.device`)."""
+
+    device: str = Field(
+        default="auto", pattern=r"^(auto|cpu|cuda|cuda:[0-9]{1,2})$",
+        description="auto: CUDA when present (a worker process takes the GPU of its local rank, within "
+        "CUDA_VISIBLE_DEVICES), else the CPU; cpu; cuda; cuda:N.",
+    )
+    precision: Literal["fp32", "bf16-mixed", "bf16"] = Field(
+        default="fp32",
+        description="fp32; bf16-mixed: fp32 master weights and optimizer state, bf16 autocast compute "
+        "(DiLoCo's synced copy, pseudo-gradients and outer state stay fp32 on the CPU); bf16: weights, "
+        "gradients and optimizer state in bf16.",
+    )
+    compile: bool = Field(default=False, description="torch.compile the model for training.")
+    activation_checkpointing: bool = Field(
+        default=False, description="Recompute each decoder block's activations in the backward pass (less memory).",
+    )
+    peak_tflops: float = Field(
+        default=0.0, ge=0, le=100000,
+        description="Peak TFLOP/s of one device at the run's precision, for MFU; 0: a table of known GPUs by "
+        "name, or on the CPU a matmul benchmark measured once per process.",
+    )
+
+
+class LoggingConfig(StrictModel):
+    """Per-step metrics: always a JSONL time series in run storage; TensorBoard event files optionally."""
+
+    every: int = Field(default=1, ge=1, le=1_000_000, description="Write a metrics row every N steps.")
+    tensorboard: bool = Field(
+        default=False, description="Also write TensorBoard event files in the run folder (the tensorboard extra).",
+    )
 
 
 # --------------------------------------------------------------------- runs
@@ -283,6 +304,8 @@ class SmokeConfig(StrictModel):
     data: DataConfig = Field(default_factory=DataConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pass_at_k_samples: int = Field(
         default=8, ge=0, le=64, description="Samples per held-out prompt for the pass-rate report (0: skip)."
     )
@@ -290,22 +313,6 @@ class SmokeConfig(StrictModel):
         default=128, ge=1, le=100000, description="Held-out prompts in the pass-rate report.",
     )
     temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature of the pass-rate report.")
-
-
-class DilocoRunConfig(StrictModel):
-    """A DiLoCo pretraining run: N workers, each training the model on its own data shard."""
-
-    run_name: str = Field(default="diloco", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig, description="The inner loop (train.steps is ignored).")
-    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
-    dispatch: DispatchConfig = Field(
-        default_factory=DispatchConfig,
-        description="Where the workers run: subprocesses of the coordinator (local), or flow runs of the "
-        "diloco-worker deployment on its work pool (deployments; diloco.store_host must be reachable from there).",
-    )
 
 
 # --------------------------------------------------------------------- loading

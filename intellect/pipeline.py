@@ -11,7 +11,8 @@ import io
 
 from pydantic import Field, model_validator
 
-from intellect.config import DilocoRunConfig, StrictModel
+from intellect.config import StrictModel
+from intellect.diloco.config import DilocoRunConfig
 from intellect.rl.config import FilterRunConfig, InitConfig, RLRunConfig
 
 

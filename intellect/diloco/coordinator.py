@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from intellect.config import DilocoRunConfig
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import StoreLost, connect_store, scope
 from intellect.diloco.protocol import BAN, BANNED, LAUNCHED, METRICS, PROGRESS, START, ban_votes, read_count, read_names

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, OUTER_STATE, fetch, publish
-from intellect.config import DilocoRunConfig, TrainConfig
+from intellect.config import TrainConfig
+from intellect.diloco.config import DilocoRunConfig
 from intellect.data.arithmetic import documents
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring

@@ -9,7 +9,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
 from flows.diloco import diloco_train
-from intellect.config import DilocoRunConfig, load_config
+from intellect.config import load_config
+from intellect.diloco.config import DilocoRunConfig
 from intellect.storage import RunStorage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -25,7 +25,8 @@ from prefect.deployments import run_deployment
 
 from infra import cluster
 from infra.automations import NAME
-from intellect.config import DilocoRunConfig, ModelConfig, load_config
+from intellect.config import ModelConfig, load_config
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import free_port
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model

@@ -17,7 +17,8 @@ import time
 import pytest
 from diloco_faults import FaultPlan, faulty_launcher, stall_marker
 
-from intellect.config import DilocoRunConfig, load_config
+from intellect.config import load_config
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher
 from intellect.storage import RunStorage
 
@@ -172,7 +173,7 @@ def test_kill_during_allreduce_retries_with_survivors(tmp_path, coordinator):
 
 COORDINATOR_SCRIPT = """
 import sys, time
-from intellect.config import DilocoRunConfig
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import Coordinator, worker_launcher
 cfg = DilocoRunConfig.model_validate_json(open(sys.argv[1]).read())
 c = Coordinator(cfg, worker_launcher(sys.argv[2]))

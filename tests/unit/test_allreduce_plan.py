@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from intellect import config as C
+from intellect.diloco import config as DC
 from intellect.diloco import allreduce, claims, plan, schedules, transport, worker
 from intellect.diloco.allreduce import _finite, all_reduce_mean
 from intellect.diloco.plan import (
@@ -224,10 +225,10 @@ def test_estimate_rejects_mismatched_shapes(bw, order):
 
 
 def test_auto_is_the_config_default_and_bad_algorithms_name_the_choices():
-    assert C.DilocoConfig().algorithm == "auto"
-    assert C.load_config(C.DilocoRunConfig, path="configs/diloco-tiny.toml", environ={}).diloco.algorithm == "auto"
+    assert DC.DilocoConfig().algorithm == "auto"
+    assert C.load_config(DC.DilocoRunConfig, path="configs/diloco-tiny.toml", environ={}).diloco.algorithm == "auto"
     with pytest.raises(C.ConfigError, match="diloco.algorithm: Input should be 'auto', 'direct', 'ring-residual', "
                                             "'ring-owner' or 'ring'"):
-        C.load_config(C.DilocoRunConfig, overrides=["diloco.algorithm=tree"], environ={})
+        C.load_config(DC.DilocoRunConfig, overrides=["diloco.algorithm=tree"], environ={})
     with pytest.raises(ValueError, match="unknown algorithm 'auto'"):  # resolved by the worker, never sent
         payload_bytes([8], 2, 0, "auto")

@@ -4,13 +4,14 @@ from typing import get_args
 import pytest
 
 from intellect import config as C
+from intellect.diloco import config as DC
 from intellect.diloco.quantize import CODECS
 from intellect.pipeline import DemoConfig
 from intellect.rl.config import FilterRunConfig, RLRunConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 # Each shipped TOML names its run type in a leading comment: "# run: smoke".
-RUN_TYPES = {"smoke": C.SmokeConfig, "diloco": C.DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
+RUN_TYPES = {"smoke": C.SmokeConfig, "diloco": DC.DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
              "demo": DemoConfig}
 
 
@@ -91,9 +92,9 @@ def test_every_field_is_documented_and_configs_are_strict():
 
 
 def test_diloco_wire_codec_is_strict_and_reaches_the_codec_list():
-    assert C.DilocoConfig().wire_codec == "zstd"
-    assert set(get_args(C.DilocoConfig.model_fields["wire_codec"].annotation)) == set(CODECS)
-    cfg = C.load_config(C.DilocoRunConfig, overrides=["diloco.wire_codec=none"], environ={})
+    assert DC.DilocoConfig().wire_codec == "zstd"
+    assert set(get_args(DC.DilocoConfig.model_fields["wire_codec"].annotation)) == set(CODECS)
+    cfg = C.load_config(DC.DilocoRunConfig, overrides=["diloco.wire_codec=none"], environ={})
     assert cfg.diloco.wire_codec == "none"
     with pytest.raises(C.ConfigError, match="diloco.wire_codec: Input should be 'none' or 'zstd'"):
-        C.load_config(C.DilocoRunConfig, overrides=["diloco.wire_codec=lz4"], environ={})
+        C.load_config(DC.DilocoRunConfig, overrides=["diloco.wire_codec=lz4"], environ={})

@@ -1,0 +1,133 @@
+"""The configs of a DiLoCo run: the outer loop and its all-reduce (:class:`DilocoConfig`), and the
+run that composes it with the model, data, inner loop and compute (:class:`DilocoRunConfig`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from intellect.config import (ComputeConfig, DataConfig, DispatchConfig, LoggingConfig, ModelConfig, StorageConfig,
+                              StrictModel, TrainConfig)
+
+
+class DilocoConfig(StrictModel):
+    """DiLoCo outer loop, int8 all-reduce and elastic membership."""
+
+    workers: int = Field(default=2, ge=1, le=64, description="Worker processes the coordinator starts.")
+    inner_steps: int = Field(default=50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
+    outer_steps: int = Field(default=10, ge=1, le=1_000_000, description="Outer steps of the run.")
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    nesterov: bool = Field(default=True, description="Nesterov momentum for the outer step.")
+    algorithm: Literal["auto", "direct", "ring-residual", "ring-owner", "ring"] = Field(
+        default="auto",
+        description="int8 all-reduce. auto: per membership, from the bandwidth probe, whichever of direct and "
+        "ring-owner (on the solved ring) has the smaller link-bandwidth bound: ring-owner when a pair is far "
+        "slower than the solved ring's slowest link, else direct (also when "
+        "unmeasured: fewer than 3 workers or bandwidth_probe_bytes 0); "
+        "direct: each chunk straight to its owner, each result straight to all "
+        "(fewest bytes, every value quantized twice, all-to-all; a slow pair slows it); ring-residual: ring "
+        "neighbours only, partial sums sent with an int8 residual (lowest error, 1.5x bytes); ring-owner: "
+        "ring relaying the original contributions; ring: classic, requantizes every hop (error grows with W).",
+    )
+    clip_sigmas: list[float] = Field(
+        default=[4.0, 6.0], min_length=1, max_length=4,
+        description="Quantizer clip ranges in standard deviations; each chunk uses whichever fits it best.",
+    )
+    wire_codec: Literal["none", "zstd"] = Field(
+        default="zstd",
+        description="Coding of the int8 indices on the wire. zstd: entropy-coded, fewer bytes for some CPU per "
+        "byte, so it pays on slow links; sent raw when coding saves nothing. none: raw uint8 (fast links, "
+        "CPU-starved hosts). Peers may differ; NCCL groups always send raw.",
+    )
+    data_split: Literal["iid", "non_iid"] = Field(
+        default="iid",
+        description="iid: every worker draws from all ops; non_iid: worker i only from ops[i % len(ops)].",
+    )
+    heartbeat_interval: float = Field(default=2.0, gt=0, le=60, description="Seconds between heartbeats.")
+    heartbeat_timeout: float = Field(
+        default=10.0, gt=0, le=600, description="Seconds without a heartbeat before a peer is dead.",
+    )
+    collective_timeout: float = Field(
+        default=60.0, gt=0, le=3600, description="Bound on one all-reduce (gloo timeout).",
+    )
+    boundary_timeout: float = Field(
+        default=120.0, gt=0, le=86400, description="Longest wait at an outer-step boundary for slower peers."
+    )
+    bandwidth_probe_bytes: int = Field(
+        default=1 << 20, ge=0, le=1 << 30,
+        description="Bytes sent each way per worker pair to measure throughput when membership changes; "
+        "the ring follows the max-min-bandwidth cycle (0: fixed order).",
+    )
+    store_host: str = Field(
+        default="127.0.0.1",
+        description="Address of the rendezvous store (the coordinator). It authenticates every request with the "
+        "run secret, but values and gloo's traffic travel in clear: off one machine, use a private network "
+        "(WireGuard) or TLS.",
+    )
+    secret_file: str | None = Field(
+        default=None,
+        description="File holding the run secret (hex, at least 32 digits, mode 0600), held by the coordinator; "
+        "the environment variable INTELLECT_DILOCO_SECRET (hex) takes precedence. Unset: the coordinator makes a "
+        "fresh secret. Workers it starts never get the secret, only their own rendezvous key and the all-reduce "
+        "root derived from it (local: in their environment; deployments: in the flow run's job variables, i.e. "
+        "to whoever can read the Prefect API). A worker given the secret file itself derives its own keys. "
+        "Never part of the config itself, which travels as flow-run parameters.",
+    )
+    rendezvous_window: float = Field(
+        default=60.0, ge=5, le=3600,
+        description="Seconds a rendezvous request's timestamp may differ from the store's clock (hosts need NTP); "
+        "nonces are remembered that long, so a captured request cannot be sent again.",
+    )
+    outlier_clip: float = Field(
+        default=4.0, ge=0, le=1000,
+        description="Robust aggregation (direct and ring-owner all-reduces, 3+ contributors): each owner clips "
+        "every contribution to its chunk to this many times the median distance from the coordinate-wise "
+        "median (centred clip) and flags those it clipped; 0 turns it off (plain mean).",
+    )
+    exclude_after: int = Field(
+        default=2, ge=1, le=1000,
+        description="Committed outer steps in which a majority of the members flagged a worker as an outlier "
+        "before it is banned from the run.",
+    )
+    store_port: int = Field(default=0, ge=0, le=65535, description="Port of the rendezvous store (0: pick a free one).")
+    checkpoint_every: int = Field(
+        default=1, ge=1, le=1_000_000, description="Publish an outer checkpoint every N outer steps.",
+    )
+    max_attempts: int = Field(
+        default=5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.",
+    )
+
+    @model_validator(mode="after")
+    def _timeouts_ordered(self) -> "DilocoConfig":
+        if not all(0 < c <= 64 for c in self.clip_sigmas):
+            raise ValueError(f"clip_sigmas must lie in (0, 64] (got {self.clip_sigmas})")
+        if self.outlier_clip and self.outlier_clip < 1:
+            raise ValueError(f"outlier_clip must be 0 (off) or at least 1 (got {self.outlier_clip})")
+        if self.outlier_clip and self.algorithm in ("ring", "ring-residual"):
+            raise ValueError(f"algorithm {self.algorithm!r} sends partial sums, so no owner sees a contribution "
+                             "to clip: set outlier_clip = 0 to run it without robust aggregation")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
+            )
+        return self
+
+
+class DilocoRunConfig(StrictModel):
+    """A DiLoCo pretraining run: N workers, each training the model on its own data shard."""
+
+    run_name: str = Field(default="diloco", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The inner loop (train.steps is ignored).")
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    dispatch: DispatchConfig = Field(
+        default_factory=DispatchConfig,
+        description="Where the workers run: subprocesses of the coordinator (local), or flow runs of the "
+        "diloco-worker deployment on its work pool (deployments; diloco.store_host must be reachable from there).",
+    )
