@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from intellect.config import DataConfig, DispatchConfig, StorageConfig, StrictModel
+from intellect.config import ComputeConfig, DataConfig, DispatchConfig, StorageConfig, StrictModel
 from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
 from intellect.rl.rollout_schema import RolloutLimits
 from intellect.rl.service import ServiceConfig
@@ -76,6 +76,12 @@ class WorkersConfig(StrictModel):
         "arrive before their step is validated.",
     )
     threads: int = Field(default=1, ge=1, le=256, description="torch threads of each worker process.")
+    launch: Literal["local", "deployments"] = Field(
+        default="local",
+        description="Where rl-train starts its workers: local subprocesses, or flow runs of the rl-worker "
+        "deployment on its work pool (gpu-rollout); remote workers need the submission service reachable "
+        "from there (service.host).",
+    )
     validate_parallel: int = Field(
         default=4, ge=1, le=256,
         description="Workers' files the validator checks at once: however many keys submit, the trusted "
@@ -129,6 +135,10 @@ class RLRunConfig(StrictModel):
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     submission: SubmissionConfig = Field(default_factory=SubmissionConfig)
     trainer: RLTrainerConfig = Field(default_factory=RLTrainerConfig)
+    compute: ComputeConfig = Field(
+        default_factory=ComputeConfig,
+        description="Device and precision of the trainer, of local workers' engines and of the validator's prefill.",
+    )
     trainer_threads: int = Field(
         default=0, ge=0, le=1024, description="torch threads of the trainer (0: torch's default).",
     )
