@@ -79,7 +79,12 @@ class ModelConfig(StrictModel):
     tokenizer: str | None = Field(
         default=None,
         description="Local HF tokenizer folder (e.g. from `intellect tokenizer train`); None: the built-in "
-        "character tokenizer of the arithmetic task. The model's vocabulary follows the tokenizer.",
+        "character tokenizer of the arithmetic task. The model's vocabulary follows the tokenizer. A text run "
+        "whose folder does not exist yet trains a BPE tokenizer on its corpus there first.",
+    )
+    tokenizer_vocab: int = Field(
+        default=8192, ge=256, le=262144,
+        description="Vocabulary size of a BPE tokenizer trained on the corpus (see tokenizer).",
     )
     hidden_size: int = Field(default=128, ge=8, le=8192, description="Width of the residual stream.")
     num_layers: int = Field(default=4, ge=1, le=128, description="Number of decoder blocks.")
