@@ -47,7 +47,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                    "intermediate_size": 384},
     "llama-20m": {"arch": "llama", "hidden_size": 384, "num_layers": 6, "num_heads": 6, "num_kv_heads": 6,
                   "intermediate_size": 1024, "max_position_embeddings": 1024},
-    "llama-150m": {"arch": "llama", "hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12,
+    "llama-150m": {"arch": "llama", "hidden_size": 768, "num_layers": 18, "num_heads": 12, "num_kv_heads": 12,
                    "intermediate_size": 2048, "max_position_embeddings": 2048},
     "llama-1b": {"arch": "llama", "hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
                  "intermediate_size": 8192, "max_position_embeddings": 4096, "rope_theta": 500000.0},

@@ -101,7 +101,13 @@ def prepare_model(model: torch.nn.Module, compute: ComputeConfig, device: torch.
     """Move ``model`` to ``device`` in the precision's weight dtype; for training, turn on activation
     checkpointing and ``torch.compile`` as configured. Returns the same module (compiled in place,
     so its ``state_dict`` keys and ``config`` are unchanged)."""
-    model.to(device=device, dtype=param_dtype(compute.precision))
+    model.to(device=device)
+    dtype = param_dtype(compute.precision)
+    # parameters only: floating buffers such as RoPE's inverse frequencies keep fp32, which long
+    # positions need (bf16 holds 8 bits of mantissa)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     if train and compute.activation_checkpointing:
         enable = getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:

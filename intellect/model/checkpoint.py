@@ -1,4 +1,5 @@
-"""Build the tiny Llama, and save/load the HF folder at the heart of every checkpoint.
+"""Build a new model (any causal-LM architecture, :mod:`intellect.model.arch`), and save/load the HF
+folder at the heart of every checkpoint.
 
 The HF folder is exactly what ``transformers`` (and so vLLM) loads: ``config.json``,
 ``model.safetensors``, ``generation_config.json`` and the tokenizer files. The tiny model and a
@@ -13,62 +14,38 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from intellect.config import ModelConfig
-from intellect.model.tokenizer import build_tokenizer
-
-# transformers builds models under process-wide contexts (meta-device init, patched constructors):
-# two threads loading at once can leave one model with meta tensors, so loads take turns
-_LOAD_LOCK = threading.Lock()
+from intellect.model.arch import BUILD_LOCK, model_config, new_model
+from intellect.model.tokenizer import tokenizer_for
 
 # transformers 5 writes its own class name, which transformers 4 (used by
 # many vLLM releases) does not know; the old name loads in both.
 _PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
-def _token_id(value: object) -> int:
-    """The id of one special token of :func:`build_tokenizer` (which defines each as one token)."""
-    if not isinstance(value, int):
-        raise TypeError(f"expected a special token id, got {value!r}")
-    return value
-
-
 def build_model(cfg: ModelConfig):
-    """A freshly initialized tiny Llama and its tokenizer, or ``cfg.pretrained`` loaded.
+    """A freshly initialized ``cfg.arch`` model (seeded by ``cfg.init_seed``) and its tokenizer
+    (:func:`~intellect.model.tokenizer.tokenizer_for`), or ``cfg.pretrained`` loaded. Generation pads
+    with the tokenizer's pad token, or with EOS when it has none.
 
     >>> model, tok = build_model(ModelConfig())
     >>> round(sum(p.numel() for p in model.parameters()) / 1e6, 2)   # million parameters
     0.86
+    >>> build_model(ModelConfig(arch="qwen2", num_layers=1))[0].config.model_type
+    'qwen2'
     """
     if cfg.pretrained:
         return load_checkpoint(cfg.pretrained)
-    tok = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=_token_id(tok.bos_token_id),
-        eos_token_id=_token_id(tok.eos_token_id),
-        pad_token_id=_token_id(tok.pad_token_id),
-        use_cache=True,
-    )
-    with _LOAD_LOCK, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.init_seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model.float().eval(), tok
+    tok = tokenizer_for(cfg)
+    model = new_model(model_config(cfg, tok), cfg.init_seed)
+    model.generation_config.pad_token_id = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
+    return model.eval(), tok
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None):
@@ -77,7 +54,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an HF checkpoint folder (no config.json)")
     hf_logging.disable_progress_bar()  # per-shard bars drown the run's own progress output
-    with _LOAD_LOCK:
+    with BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", local_files_only=True)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.eval(), tok

@@ -52,11 +52,17 @@ def generate(
     *,
     max_new_tokens: int,
     eos_id: int,
-    pad_id: int,
+    pad_id: int | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> list[Generation]:
-    """Continue every prompt until EOS or ``max_new_tokens``; ``temperature=0`` is greedy."""
+    """Continue every prompt until EOS or ``max_new_tokens``; ``temperature=0`` is greedy.
+
+    ``pad_id`` fills the left padding (masked out, so any valid id works): None pads with ``eos_id``,
+    for tokenizers without a pad token (or with id 0 when ``eos_id`` is negative, i.e. never stops).
+    """
+    if pad_id is None:
+        pad_id = eos_id if eos_id >= 0 else 0
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
