@@ -8,18 +8,36 @@ floating-point rounding of the logits. The final hidden states are taken by a
 forward pre-hook on the LM head: its input is the post-norm state for every
 HF causal LM, whatever the model calls its norm, and it is already cut to the
 positions that get logits.
+
+The engine computes on its model's device: prompts, masks and the KV cache go there, and only
+tokens, per-token vectors and the bf16 hidden states come back. ``precision`` is how a forward
+runs, with the run's ``compute.precision`` meaning for inference:
+
+* ``fp32``: float32 weights and compute;
+* ``bf16-mixed``: float32 weights (the checkpoint as published) under bf16 autocast, the
+  trainer's own forward, at about bf16 speed without a second copy of the weights;
+* ``bf16``: bf16 weights and compute.
+
+Sampling always runs in float32 on the logits, whatever their dtype, and its noise depends only
+on the row's seed and position (:mod:`intellect.inference.sampling`), so decoding on one device is
+deterministic; two devices, or the cached decode and a full prefill, agree up to the rounding of
+the logits, which in bf16 flips an occasional near-tie (TOPLOC's seeded re-check allows for it).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from intellect.device import Precision, autocast, prepare_model, resolve_device
 from intellect.inference.protocol import Completion, Request, Scored, per_request
 from intellect.inference.sampling import LowProb, SamplingParams, chosen_logprobs, sample, score_tokens, uniforms
 from intellect.model.generate import _cache_kwarg, _cache_of, left_pad
+
+if TYPE_CHECKING:
+    from intellect.config import ComputeConfig
 
 
 @runtime_checkable
@@ -44,7 +62,8 @@ class TorchEngine:
 
     ``eos_token_id`` may be one id or several; ``max_batch_size`` bounds the
     rows of one forward pass. With ``capture_hidden=False`` completions carry
-    no hidden states (and skip the hook).
+    no hidden states (and skip the hook). ``precision`` is how forwards run
+    (module docstring); the device is the model's.
     """
 
     def __init__(
@@ -55,6 +74,7 @@ class TorchEngine:
         pad_token_id: int,
         max_batch_size: int = 64,
         capture_hidden: bool = True,
+        precision: Precision = "fp32",
     ):
         lm_head(model)  # ValueError without one
         if max_batch_size < 1:
@@ -64,15 +84,28 @@ class TorchEngine:
         self.pad = pad_token_id
         self.max_batch_size = max_batch_size
         self.capture_hidden = capture_hidden
+        self.precision: Precision = precision
         self.device = next(model.parameters()).device
 
     @classmethod
-    def for_tokenizer(cls, model: torch.nn.Module, tokenizer, **kwargs) -> "TorchEngine":
-        """EOS ids from the tokenizer and the model's generation config (chat models often list several)."""
+    def for_tokenizer(cls, model: torch.nn.Module, tokenizer, *, compute: ComputeConfig | None = None,
+                      **kwargs: Any) -> "TorchEngine":
+        """EOS ids from the tokenizer and the model's generation config (chat models often list several);
+        the pad id is the tokenizer's, else its EOS (left padding is masked, so any id serves).
+
+        With ``compute``, the model is first moved to ``compute.device`` in the precision's weight
+        dtype (:func:`~intellect.device.prepare_model`: float32 for ``fp32`` and ``bf16-mixed``, bf16
+        for ``bf16``) and forwards run in ``compute.precision``; without, the model stays as it is.
+        """
         eos = {tokenizer.eos_token_id}
         extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has neither a pad nor an EOS token to pad prompts with")
+        if compute is not None:
+            prepare_model(model, compute, resolve_device(compute.device), train=False)
+            kwargs["precision"] = compute.precision
         return cls(model, eos_token_id=sorted(e for e in eos if e is not None), pad_token_id=pad, **kwargs)
 
     # ------------------------------------------------------------------ helpers
@@ -90,6 +123,11 @@ class TorchEngine:
             yield seen
         finally:
             handle.remove()
+
+    def _forward(self, **kwargs: Any):
+        """One forward of the model, in the engine's precision."""
+        with autocast(self.device, self.precision):
+            return self.model(**kwargs)
 
     def _batches(self, lengths: Sequence[int]) -> Iterator[list[int]]:
         # similar lengths together to waste less on padding; results do not depend on the grouping
@@ -134,7 +172,8 @@ class TorchEngine:
         length = limit.clone()
         tokens, logprobs = [], []
         with self._lm_head_inputs(self.capture_hidden) as hidden:
-            fwd = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            fwd = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                logits_to_keep=1)
             for t in range(max(p.max_tokens for p in params)):
                 logits = fwd.logits[:, -1, :]
                 u = uniforms(seeds, t, logits.shape[-1]) if any_hot else None
@@ -149,7 +188,7 @@ class TorchEngine:
                 if bool(done.all()):
                     break
                 mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-                fwd = self.model(
+                fwd = self._forward(
                     input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
                     use_cache=True, **{cache_kw: _cache_of(fwd)},
                 )
@@ -225,7 +264,8 @@ class TorchEngine:
         n = [len(o) for o in outputs]
         keep = max(n)  # sequences end in the last column, so each row's producing positions are its last n
         with self._lm_head_inputs(True) as hidden:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
+            logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                   logits_to_keep=keep).logits
         rows = [(r, c) for r in range(len(outputs)) for c in range(keep - n[r], keep)]
         r_idx, c_idx = (torch.tensor(x, device=dev) for x in zip(*rows))
         temperature, top_p = self._row_params([p for p, k in zip(params, n) for _ in range(k)])

@@ -242,4 +242,5 @@ class FilterRunConfig(StrictModel):
     tasks: TaskPoolConfig = Field(default_factory=TaskPoolConfig)
     filter: FilterConfig = Field(default_factory=FilterConfig)
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads (0: torch's default).")
+    compute: ComputeConfig = Field(default_factory=ComputeConfig, description="Device and precision of the engine.")
     engine: Literal["torch"] = Field(default="torch", description="Inference engine (vLLM is its own issue).")

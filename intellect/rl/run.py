@@ -146,7 +146,7 @@ class RLRun:
         self.ledger = ledger or Ledger(ledger_path(cfg))
         self.tasks: list[MathTask] = list(tasks) if tasks is not None else task_pool(cfg.tasks, self.storage)
         self.reward_fn, self.extra_checks, self.engine_factory = reward_fn, list(extra_checks), engine_factory
-        self.engines = S.CheckpointEngines(self.storage, self.ledger, keep=cfg.async_level + 2)
+        self.engines = S.CheckpointEngines(self.storage, self.ledger, keep=cfg.async_level + 2, compute=cfg.compute)
         self.stopping = threading.Event()  # set: waits for workers give up
         self.trainer: GRPOTrainer | None = None  # holding checkpoint `trainer_step`
         self.trainer_step = -1

@@ -43,6 +43,7 @@ from intellect.checkpoints import (
     OPTIMIZER, STEP_REPORT, SavedStepReport, adopt, fetch_recorded, load_step_report, record,
     recorded_copy, recorded_digest,
 )
+from intellect.config import ComputeConfig
 from intellect.inference.torch_engine import TorchEngine
 from intellect.ledger import StepMetrics
 from intellect.model.checkpoint import load_checkpoint_copy
@@ -67,14 +68,17 @@ if TYPE_CHECKING:
 EngineFactory = Callable[[torch.nn.Module, Any], "InferenceEngine"]
 
 
-def torch_engine(model: torch.nn.Module, tokenizer, capture_hidden: bool = False) -> InferenceEngine:
-    """The worker's engine; hidden states are captured only when TOPLOC proofs are built from them."""
-    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden)
+def torch_engine(model: torch.nn.Module, tokenizer, capture_hidden: bool = False,
+                 compute: ComputeConfig | None = None) -> InferenceEngine:
+    """The worker's engine, on ``compute``'s device and in its precision (None: the model as it is);
+    hidden states are captured only when TOPLOC proofs are built from them."""
+    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden, compute=compute)
 
 
 def worker_engines(cfg: RLRunConfig) -> EngineFactory:
-    """The worker engine ``cfg`` needs: with hidden-state capture when ``cfg.toploc`` is set."""
-    return functools.partial(torch_engine, capture_hidden=cfg.toploc is not None)
+    """The worker engine ``cfg`` needs: on ``cfg.compute``, with hidden-state capture when
+    ``cfg.toploc`` is set."""
+    return functools.partial(torch_engine, capture_hidden=cfg.toploc is not None, compute=cfg.compute)
 
 
 class _Serialized:
@@ -95,11 +99,13 @@ class CheckpointEngines:
     Calling it with a policy step returns an engine holding that checkpoint, verified against the
     ledger's digest (``FileNotFoundError`` when it is not complete in storage or not recorded, which
     the TOPLOC check reports as an unknown checkpoint); the ``keep`` most recently loaded stay in
-    memory. Safe to use from several validation threads: each engine's prefills are serialized.
+    memory. Each engine prefills on ``compute``'s device and in its precision, as the workers' engines
+    generate (None: as loaded, on the CPU in float32). Safe to use from several validation threads: each
+    engine's prefills are serialized.
     """
 
-    def __init__(self, storage: RunStorage, ledger: Ledger, keep: int = 4):
-        self.storage, self.ledger, self.keep = storage, ledger, keep
+    def __init__(self, storage: RunStorage, ledger: Ledger, keep: int = 4, compute: ComputeConfig | None = None):
+        self.storage, self.ledger, self.keep, self.compute = storage, ledger, keep, compute
         self._engines: dict[int, _Serialized] = {}
         self._lock = threading.Lock()
 
@@ -107,7 +113,8 @@ class CheckpointEngines:
         with self._lock:
             if policy not in self._engines:
                 model, tok = fetch_recorded(self.storage, self.ledger, policy)
-                self._engines[policy] = _Serialized(TorchEngine.for_tokenizer(model, tok, capture_hidden=True))
+                engine = TorchEngine.for_tokenizer(model, tok, capture_hidden=True, compute=self.compute)
+                self._engines[policy] = _Serialized(engine)
                 for old in sorted(self._engines)[:-self.keep]:
                     del self._engines[old]
             return self._engines[policy]
@@ -219,12 +226,13 @@ def validate_files(
 
 def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int) -> GRPOTrainer:
     """A trainer holding checkpoint ``step`` and, when saved with it, the optimizer state, both read
-    from one copy verified against the ledger's digest."""
+    from one copy verified against the ledger's digest, on ``cfg.compute``'s device and precision."""
     with recorded_copy(storage, ledger, step) as folder:
         model, tok = load_checkpoint_copy(folder)
-        trainer = GRPOTrainer(model, tok, cfg.trainer)
+        trainer = GRPOTrainer(model, tok, cfg.trainer, compute=cfg.compute)
         if (folder / OPTIMIZER).exists():
-            trainer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True))
+            # saved on the CPU; AdamW moves each state tensor to its parameter's device and dtype
+            trainer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu"))
     return trainer
 
 

@@ -18,20 +18,29 @@ samples (length-sorted, to pad less) whose gradients are accumulated so that the
 the gradient of the whole mini-batch in every normalization: ``token`` divides every
 micro-batch by the mini-batch's completion-token count, ``constant`` and ``sequence`` weigh a
 micro-batch of ``b`` rows by ``b / B``.
+
+Given a :class:`~intellect.config.ComputeConfig`, the trainer places its model (and the reference
+model) on ``compute.device`` in the precision's weight dtype (:func:`~intellect.device.prepare_model`)
+and runs the forward passes under :func:`~intellect.device.autocast`. Whatever the precision, the
+loss math (log-softmax, ratios, clipping, KL and entropy) is float32 at least: bf16 logits are
+upcast before the log-softmax. ``bf16-mixed`` keeps float32 master weights and AdamW state; the
+published checkpoints and the saved optimizer state are always on the CPU, the weights in float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from pydantic import Field
 
 from intellect import checkpoints
-from intellect.config import StrictModel, TrainConfig
+from intellect.config import ComputeConfig, StrictModel, TrainConfig
+from intellect.device import Precision, autocast, pin, prepare_model, resolve_device
 from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
 from intellect.train import lr_at
 
@@ -182,19 +191,62 @@ def _split(items: Sequence, n: int) -> list[Sequence]:
     return [items[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples of tensors) with every tensor on the CPU; CPU tensors are
+    returned as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+@contextlib.contextmanager
+def cpu_weights(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` on the CPU with half-precision weights in float32 for the duration (what a published
+    checkpoint holds), then back where and as it was. The parameters are moved in place, so an
+    optimizer over them stays valid; a model already on the CPU in float32 (or float64) is untouched.
+    """
+    first = next(model.parameters())
+    device, dtype = first.device, first.dtype
+    half = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cpu" and not half:
+        yield model
+        return
+    model.to(device="cpu", dtype=torch.float32 if half else None)
+    try:
+        yield model
+    finally:
+        model.to(device=device, dtype=dtype)
+
+
 class GRPOTrainer:
     """AdamW and the GRPO loss over ``model``; optimizer state and step count persist across RL steps.
 
     ``ref_model`` (never updated) is required by ``loss.kl_coef > 0``; whenever given, the KL to
-    it is logged.
+    it is logged. ``compute`` places both models on its device in its precision (module docstring);
+    None leaves them where and as they are, in the precision they have, without autocast.
     """
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer, cfg: RLTrainerConfig, ref_model: torch.nn.Module | None = None
+        self, model: torch.nn.Module, tokenizer, cfg: RLTrainerConfig, ref_model: torch.nn.Module | None = None,
+        compute: ComputeConfig | None = None,
     ):
         if cfg.loss.kl_coef > 0 and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a ref_model")
         self.model, self.tokenizer, self.cfg, self.ref_model = model, tokenizer, cfg, ref_model
+        self.precision: Precision = "fp32"
+        if compute is None:
+            self.device = next(model.parameters()).device
+        else:
+            self.device, self.precision = resolve_device(compute.device), compute.precision
+            prepare_model(model, compute, self.device, train=True)
+            if ref_model is not None:
+                prepare_model(ref_model, compute, self.device, train=False).eval()
+        # after placement: AdamW's state takes each parameter's device and dtype (fp32 master weights
+        # under bf16-mixed)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -209,8 +261,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ batches
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return pin(t, self.device).to(self.device, non_blocking=True)
 
     def _collate(self, samples: Sequence[Sample]) -> _Micro:
         seqs = [list(s.prompt_tokens) + list(s.output_tokens) for s in samples]
@@ -226,11 +278,11 @@ class GRPOTrainer:
             mask[i, out] = True
             if behaviour is not None:
                 behaviour[i, out] = torch.tensor(s.behaviour_logprobs, dtype=torch.float64)
-        dev = self._device()
+        ids = self._to_device(ids)
         return _Micro(
-            ids=ids.to(dev), targets=ids[:, 1:].to(dev), mask=mask.to(dev),
-            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float64, device=dev),
-            behaviour=None if behaviour is None else behaviour.to(dev),
+            ids=ids, targets=ids[:, 1:], mask=self._to_device(mask),
+            advantages=self._to_device(torch.tensor([s.advantage for s in samples], dtype=torch.float64)),
+            behaviour=None if behaviour is None else self._to_device(behaviour),
         )
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[_Micro]:
@@ -240,7 +292,9 @@ class GRPOTrainer:
 
     def _logprobs(self, model: torch.nn.Module, mb: _Micro, entropy_grad: bool = False):
         # Right padding needs no attention mask: causal attention never lets a real token see the pads.
-        logits = model(input_ids=mb.ids).logits[:, :-1]
+        with autocast(self.device, self.precision):
+            logits = model(input_ids=mb.ids).logits[:, :-1]
+        # outside autocast: the log-softmax and everything after it run in float32 (bf16 logits upcast)
         return token_logprobs(logits, mb.targets, self.cfg.temperature, entropy_grad=entropy_grad)
 
     @torch.no_grad()
@@ -331,7 +385,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+        """Optimizer state (on the CPU, so that it loads on any machine) and the step count."""
+        return {"optimizer": _to_cpu(self.optimizer.state_dict()), "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -339,6 +394,8 @@ class GRPOTrainer:
 
     def publish(self, storage: RunStorage, step: int,
                 sidecars: Mapping[checkpoints.Sidecar, Any] | None = None) -> str:
-        """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``); returns its URI."""
+        """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``; float32 weights
+        on the CPU whatever the training precision); returns its URI."""
         self.model.eval()
-        return checkpoints.publish(self.model, self.tokenizer, storage, step, sidecars)
+        with cpu_weights(self.model) as model:
+            return checkpoints.publish(model, self.tokenizer, storage, step, sidecars)

@@ -7,6 +7,11 @@ key, and nothing else: no Prefect API, no storage credentials, no shared file sy
 
     intellect worker --run-url http://trainer:8750 --key worker.key --trainer-key <hex> [--cache DIR]
 
+It computes on ``--device`` (default ``auto``: the GPU of its ``LOCAL_RANK`` among those
+``CUDA_VISIBLE_DEVICES`` leaves visible, else the CPU; :func:`~intellect.device.resolve_device`) in
+the precision the run's validator prefills in (``WorkerRunInfo.precision``), so that its TOPLOC
+proofs are within the validator's tolerances.
+
 It registers, reads the run's description (:class:`WorkerRunInfo`: steps, lag bound, sampling,
 TOPLOC, the SHARDCAST relays), and for each step from the first uncommitted one to the last: waits
 until a checkpoint the lag rule allows is on the relays (:func:`~intellect.rl.lag.policy_for`),
@@ -31,14 +36,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 import httpx
 import torch
 from pydantic import Field
 
-from intellect.config import StrictModel
+from intellect.config import ComputeConfig, StrictModel
 from intellect.data.loaders import MathTask
+from intellect.device import DeviceError, resolve_device
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits, encode_submission, submission_path
 from intellect.rl.service_client import ServiceClient, ServiceError
@@ -75,6 +81,10 @@ class WorkerRunInfo(StrictModel):
     async_level: int = Field(ge=0, description="Most policy lag of a sample.")
     submission: SubmissionConfig
     toploc: ToplocConfig | None = Field(description="TOPLOC proofs the validator checks (None: off).")
+    precision: Literal["fp32", "bf16-mixed", "bf16"] = Field(
+        default="fp32", description="The precision the validator prefills in (the run's compute.precision): "
+        "a worker's engine generates in it.",
+    )
     limits: RolloutLimits | None = Field(description="Bounds the validator applies; None: defaults.")
     min_signal_samples: int = Field(ge=0, description="Online filter (see WorkersConfig).")
     max_submissions: int = Field(ge=1, description="Most submissions per step.")
@@ -88,7 +98,7 @@ class WorkerRunInfo(StrictModel):
         """What a run of ``cfg`` tells its workers, ``committed`` its newest committed step."""
         return cls(
             run=cfg.run_name, steps=cfg.steps, committed=committed, async_level=cfg.async_level,
-            submission=cfg.submission, toploc=cfg.toploc, limits=cfg.limits,
+            submission=cfg.submission, toploc=cfg.toploc, precision=cfg.compute.precision, limits=cfg.limits,
             min_signal_samples=cfg.workers.min_signal_samples, max_submissions=cfg.workers.max_submissions,
             relays=relays, client=cfg.weights_broadcast().client, poll_interval=cfg.workers.poll_interval,
             checkpoint_timeout=cfg.workers.checkpoint_timeout,
@@ -155,8 +165,10 @@ def run_worker(
     reward_fn: RewardFn = math_task_reward,
     stop: Callable[[], bool] = lambda: False,
     timeout: float = 30.0,
+    device: str = "auto",
 ) -> list[dict]:
-    """Work for the run at ``url`` until its last step (see the module docstring); one record per step."""
+    """Work for the run at ``url`` until its last step (see the module docstring); one record per step.
+    ``device`` is a ``compute.device`` value; the precision is the run's."""
     try:
         run = run_name(url, timeout)
     except httpx.HTTPError as e:
@@ -167,6 +179,7 @@ def run_worker(
     try:
         client.register()
         info = WorkerRunInfo.model_validate(client.run_info())
+        compute = ComputeConfig(device=device, precision=info.precision)
         weights = relay_weights(info, trainer_key, Path(cache))
         held, engine, tok, limits = None, None, None, None
         for step in range(info.committed + 1, info.steps):
@@ -184,7 +197,8 @@ def run_worker(
                     break
                 if engine is None or policy != held:
                     model, tok = weights.load(policy)
-                    engine, held = torch_engine(model, tok, capture_hidden=info.toploc is not None), policy
+                    engine = torch_engine(model, tok, capture_hidden=info.toploc is not None, compute=compute)
+                    held = policy
                     limits = info.limits or RolloutLimits(vocab_size=len(tok))
                 files, signal = [], 0
                 if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
@@ -253,6 +267,8 @@ def main(argv: list[str] | None = None, prog: str = "intellect worker") -> int:
     ap.add_argument("--trainer-key", required=True, help="The trainer's public key (64 hex digits), pinned.")
     ap.add_argument("--cache", default=None, help="Folder for downloaded checkpoints (default ./worker-cache).")
     ap.add_argument("--threads", type=int, default=1, help="torch threads.")
+    ap.add_argument("--device", default="auto",
+                    help="auto (the GPU of LOCAL_RANK within CUDA_VISIBLE_DEVICES, else the CPU), cpu, cuda or cuda:N.")
     ap.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)  # exit when this PID is gone
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -265,9 +281,18 @@ def main(argv: list[str] | None = None, prog: str = "intellect worker") -> int:
     except (OSError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    try:
+        ComputeConfig(device=args.device)
+        resolve_device(args.device)
+    except ValueError:  # the config's own pattern
+        print(f"{prog}: --device must be auto, cpu, cuda or cuda:N (got {args.device!r})", file=sys.stderr)
+        return 2
+    except DeviceError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     try:
-        run_worker(args.run_url, key, trainer, args.cache or "worker-cache")
+        run_worker(args.run_url, key, trainer, args.cache or "worker-cache", device=args.device)
     except CheckpointTimeout as e:
         log.error("worker %s: %s", key.public.id, e)
         return EXIT_NO_CHECKPOINT

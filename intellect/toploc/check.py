@@ -13,6 +13,11 @@ and checks every chunk's proof against its own hidden states
 ``toploc_malformed``, ``toploc_null_proof``, ...); a checkpoint the validator cannot load fails its
 rows with ``toploc_no_checkpoint`` instead of raising.
 
+The prefill computes on its engine's device and in its precision (the run's ``compute``:
+:meth:`~intellect.inference.torch_engine.TorchEngine.for_tokenizer`); TOPLOC commits to bf16
+hidden states whatever the precision, and its tolerances hold when workers and validator compute
+alike (:class:`~intellect.rl.worker.WorkerRunInfo` tells workers the run's precision).
+
 The same prefill gives two more checks, in this order after the computation check. It computes
 on the logits' device what they need per scored token (the seeded choice, the claimed token's
 log-probability, and its ``low`` flag and ``chance`` below), so no ``[tokens x vocab]`` tensor
@@ -59,6 +64,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from intellect.device import autocast
 from intellect.inference.protocol import Request, Scored
 from intellect.inference.sampling import LowProb, low_prob_draws, sampling_probs
 from intellect.inference.torch_engine import lm_head, scored_rows
@@ -195,8 +201,9 @@ def right_padded_prefill(engine: TorchEngine, requests: Sequence[Request], outpu
         seen: list[torch.Tensor] = []
         handle = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].to(torch.bfloat16)))
         try:
-            logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
-                           logits_to_keep=width - skip).logits
+            with autocast(dev, engine.precision):  # the engine's own precision, as its left-padded prefill
+                logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                               logits_to_keep=width - skip).logits
         finally:
             handle.remove()
         rows = [(r, first[r] - skip + t) for r in range(len(outs)) for t in range(n[r])]
