@@ -1,12 +1,15 @@
-"""DDP baseline for the DiLoCo quality benchmark: W processes, torch DDP on gloo.
+"""DDP baseline for the DiLoCo quality benchmark: W processes, torch DDP (gloo on the CPU, NCCL on CUDA).
 
-Same model and init as a DiLoCo run (``build_model(run.model)``), rank r draws
-its B sequences per step from ``shard_stream(run, r)``, DiLoCo worker r's
-stream, so both see exactly the same sequences in the same order; global batch
+Same model and init as a DiLoCo run (``build_model(run.model)``), on the device and in the
+precision of ``run.compute`` (rank r takes GPU r of the visible ones); rank r draws its B
+sequences per step from DiLoCo worker r's data: ``shard_stream(run, r)`` for the arithmetic
+task, shard r of W of the corpus (``PackedStream``) for ``data.kind = "text"``, so both see
+exactly the same sequences in the same order and the ranks read disjoint documents; global batch
 W*B; the same AdamW hyperparameters and one warmup+cosine schedule over all
 ``outer_steps * inner_steps`` steps (the schedule DiLoCo's inner loop follows).
-Rank 0 snapshots the weights every H steps and evaluates the snapshots after
-training, so the wall time is training only.
+Rank 0 snapshots the weights (fp32, on the CPU) every H steps and evaluates the snapshots after
+training, so the wall time is training only: held-out loss and greedy accuracy on the arithmetic
+task, held-out loss (``heldout_batches``; accuracy NaN) on a corpus.
 
     .venv/bin/python benchmarks/ddp_baseline.py [--batch-size 32 --inner-steps 50 --outer-steps 40]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import tempfile
@@ -29,35 +33,48 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from intellect.config import load_config  # noqa: E402
 from intellect.diloco.config import DilocoRunConfig  # noqa: E402
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
+from intellect.data.text import PackedStream, heldout_batches  # noqa: E402
+from intellect.device import dist_backend, prepare_model, resolve_device  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
 from intellect.diloco.worker import inner_train_config, shard_stream  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
-from intellect.train import Trainer, evaluate  # noqa: E402
+from intellect.train import Trainer, evaluate, heldout_loss  # noqa: E402
 
 EVAL_SIZE = 512
 
 
+def _batches(run: DilocoRunConfig, tok, rank: int, world: int):
+    """Rank ``rank``'s training batches: DiLoCo worker ``rank``'s stream, or shard ``rank`` of ``world`` of the corpus."""
+    size = run.train.batch_size
+    if run.data.kind == "text":
+        packed = PackedStream(run.data, tok, shard=rank, shards=world)
+        return iter(lambda: packed.next_batch(size), None)
+    stream = shard_stream(run, rank)
+    return iter(lambda: [next(stream) for _ in range(size)], None)
+
+
 def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
-    torch.set_num_threads(1)  # W processes share few cores
     run = DilocoRunConfig.model_validate_json(run_json)
+    device = resolve_device(run.compute.device, rank=rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # W processes share few cores
     H, T = run.diloco.inner_steps, run.diloco.outer_steps
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     model, tok = build_model(run.model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    # Trainer reads it; DDP does not forward attributes. Module.__setattr__ is typed for tensors and
-    # modules only, but it stores any other value as a plain attribute
-    ddp.config = model.config  # pyright: ignore[reportArgumentType]
-    trainer = Trainer(ddp, tok, inner_train_config(run))
-    stream = shard_stream(run, rank)
-    batches = iter(lambda: [next(stream) for _ in range(run.train.batch_size)], None)
-    snap = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()}  # noqa: E731
+    prepare_model(model, run.compute, device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    trainer = Trainer(ddp, tok, inner_train_config(run), compute=run.compute)
+    batches = _batches(run, tok, rank, world)
+    snap = lambda: {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in model.state_dict().items()}  # noqa: E731
     snaps, tokens, seen = [snap()], [0], 0
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(T):
         seen += sum(int(log["tokens"]) for log in trainer.train_steps(H, batches))
-        n = torch.tensor([seen], dtype=torch.long)
+        n = torch.tensor([seen], dtype=torch.long, device=device)  # NCCL reduces device tensors only
         dist.all_reduce(n)
         tokens.append(int(n))
         if rank == 0:
@@ -66,13 +83,20 @@ def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
     seconds = time.perf_counter() - t0
     if rank == 0:
         t1 = time.perf_counter()
-        tasks = heldout_problems(run.data, EVAL_SIZE)
+        text = run.data.kind == "text"
+        held = heldout_batches(run.data, tok) if text else None
+        tasks = None if text else heldout_problems(run.data, EVAL_SIZE)
         loss, acc = [], []
         for s in snaps:
             model.load_state_dict(s)
-            r = evaluate(model, tok, tasks)
-            loss.append(r.loss)
-            acc.append(r.accuracy)
+            if held is not None:
+                loss.append(heldout_loss(model, held).loss)
+                acc.append(math.nan)
+            else:
+                assert tasks is not None
+                r = evaluate(model, tok, tasks)
+                loss.append(r.loss)
+                acc.append(r.accuracy)
         torch.save({"step": [t * H for t in range(T + 1)], "tokens": tokens, "loss": loss, "accuracy": acc,
                     "seconds": seconds, "eval_seconds": time.perf_counter() - t1}, out)
     dist.destroy_process_group()

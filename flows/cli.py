@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", add_help=False,
                    help="a permissionless RL inference worker: keygen, or join a run by its URL "
                    "(see `intellect worker -h`)")
+    sub.add_parser("tokenizer", add_help=False,
+                   help="train a BPE tokenizer on a run config's text corpus (see `intellect tokenizer -h`)")
     sub.add_parser("shardcast", add_help=False,
                    help="SHARDCAST servers and client: origin | publish | relay | client "
                    "(see `intellect shardcast -h`)")
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from intellect.rl.worker import main as worker_main  # noqa: PLC0415 - no Prefect, no RL trainer code
 
         return worker_main(argv[1:], prog="intellect worker")
+    if argv[:1] == ["tokenizer"]:  # its own parser: a tokenizer from a run config's corpus, no flow
+        from intellect.model.bpe import main as tokenizer_main  # noqa: PLC0415 - no Prefect
+
+        return tokenizer_main(argv[1:], prog="intellect tokenizer", run_configs=(SmokeConfig, DilocoRunConfig))
     if argv[:1] == ["shardcast"]:  # its own parser: servers and a client, not a run config
         from intellect.shardcast.__main__ import main as shardcast_main  # noqa: PLC0415 - no Prefect
 

@@ -6,7 +6,11 @@ worker per outer step; this flow publishes the run-level table and progress. Wor
 subprocesses of this flow run (``dispatch.mode = "local"``) or flow runs of the
 ``diloco-worker`` deployment on its work pool (``"deployments"``,
 :func:`deployment_launcher`). Members that the robust all-reduce flags or bans
-show in the event feed (``flows.diloco_events``) and in the table's ``flagged``.
+show in the event feed (``flows.diloco_events``) and in the table's ``flagged``. Each row of the
+outer-step table and the run report show how well the run used its devices: compute utilization
+(inner-phase seconds over the outer step's wall seconds), tokens, tokens/s and MFU. Local workers'
+output is kept in the run folder's ``logs/<worker>.log`` (copied there at the end for remote
+storage).
 
 The run secret reaches the workers as ``Coordinator`` hands it out: in the
 environment of local subprocesses, in the job variables of deployment flow runs
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
@@ -34,8 +39,8 @@ from flows.launch import DeploymentLauncher
 from flows.progress import progress_bar
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import (EXIT_BANNED, EXIT_DONE, EXIT_FAILED, Coordinator, parse_worker_args,
-                                          worker_launcher)
-from intellect.diloco.worker import init_run
+                                          save_logs, worker_launcher, worker_log_dir)
+from intellect.diloco.outer import init_run
 from intellect.launch import Launcher
 from intellect.storage import RunStorage
 
@@ -45,6 +50,51 @@ class DilocoReport(BaseModel):
     committed_steps: int
     exit_codes: dict[str, int | None]
     steps: list[dict]
+    compute: dict[str, float] = {}  # run_compute() of the committed steps
+
+
+def step_row(n: int, metrics: list[dict], flagged: Sequence[str]) -> dict:
+    """One row of the outer-step table from the members' reports of outer step ``n - 1``: the slowest
+    member's seconds and utilization (everyone waits for it), throughput summed over the members.
+
+    >>> m = {"inner_loss": 2.0, "bytes_sent": 10, "allreduce_seconds": 0.5, "algorithm": "direct", "attempts": 1,
+    ...      "compute_utilization": 0.8, "tokens": 1000, "tokens_per_s": 100.0, "mfu": 0.25}
+    >>> r = step_row(1, [m, m | {"compute_utilization": 0.6}], [])
+    >>> r["compute_utilization"], r["tokens"], r["tokens_per_s"], r["mfu"]
+    (0.6, 2000, 200.0, 0.25)
+    """
+    loss = sum(m["inner_loss"] for m in metrics) / max(len(metrics), 1)
+    return {"outer_step": n, "participants": len(metrics), "mean_inner_loss": round(loss, 4),
+            "bytes_sent": sum(m["bytes_sent"] for m in metrics),
+            "allreduce_s": round(max((m["allreduce_seconds"] for m in metrics), default=0.0), 3),
+            "compute_utilization": round(min((m.get("compute_utilization", 0.0) for m in metrics), default=0.0), 4),
+            "tokens": sum(int(m.get("tokens", 0)) for m in metrics),
+            "tokens_per_s": round(sum(m.get("tokens_per_s", 0.0) for m in metrics), 1),
+            "mfu": round(sum(m.get("mfu", 0.0) for m in metrics) / max(len(metrics), 1), 4),
+            "algorithm": metrics[0].get("algorithm", "") if metrics else "",
+            "attempts": max((m["attempts"] for m in metrics), default=0),
+            "flagged": ",".join(flagged)}
+
+
+def run_compute(rows: Sequence[dict]) -> dict[str, float]:
+    """The run's device use over the outer-step rows: mean compute utilization, tokens, tokens/s, MFU.
+
+    >>> run_compute([{"compute_utilization": 0.5, "tokens": 10, "tokens_per_s": 4.0, "mfu": 0.1},
+    ...              {"compute_utilization": 0.7, "tokens": 30, "tokens_per_s": 6.0, "mfu": 0.3}])
+    {'compute_utilization': 0.6, 'tokens': 40, 'tokens_per_s': 5.0, 'mfu': 0.2}
+    """
+    rows = [r for r in rows if "tokens" in r]
+    n = max(len(rows), 1)
+    return {"compute_utilization": round(sum(r["compute_utilization"] for r in rows) / n, 4),
+            "tokens": sum(r["tokens"] for r in rows),
+            "tokens_per_s": round(sum(r["tokens_per_s"] for r in rows) / n, 1),
+            "mfu": round(sum(r["mfu"] for r in rows) / n, 4)}
+
+
+def compute_line(c: dict[str, float]) -> str:
+    """The run report's line on device use (:func:`run_compute`)."""
+    return (f"compute utilization {100 * c['compute_utilization']:.1f}% (inner phase / outer-step wall time), "
+            f"{c['tokens']:,} tokens, {c['tokens_per_s']:,.0f} tokens/s, MFU {100 * c['mfu']:.2f}%")
 
 
 @task(name="init-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -95,21 +145,16 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         now = sorted(metrics[0].get("members", [])) if metrics else []
         emit_membership(cfg.run_name, n, now, members[-1] if members else None)
         members.append(now)
-        flagged = emit_outliers(cfg.run_name, n - 1, metrics)
-        loss = sum(m["inner_loss"] for m in metrics) / max(len(metrics), 1)
-        row = {"outer_step": n, "participants": len(metrics), "mean_inner_loss": round(loss, 4),
-               "bytes_sent": sum(m["bytes_sent"] for m in metrics),
-               "allreduce_s": round(max((m["allreduce_seconds"] for m in metrics), default=0.0), 3),
-               "algorithm": metrics[0].get("algorithm", "") if metrics else "",
-               "attempts": max((m["attempts"] for m in metrics), default=0),
-               "flagged": ",".join(flagged)}
+        row = step_row(n, metrics, emit_outliers(cfg.run_name, n - 1, metrics))
         rows.append(row)
         logger.info("outer step %d/%d committed: %s", n, cfg.diloco.outer_steps, row)
         update_progress_artifact(artifact_id=progress, progress=100.0 * n / cfg.diloco.outer_steps)
 
-    with tempfile.TemporaryDirectory(prefix="intellect-diloco-logs-") as logs:
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    with tempfile.TemporaryDirectory(prefix="intellect-diloco-logs-") as tmp:
+        logs = worker_log_dir(storage) or Path(tmp)  # remote storage: copied there when the run ends
         launcher: Launcher = worker_launcher(logs, module=worker_module) if local else deployment_launcher(cfg)
-        coord = Coordinator(cfg, launcher, env=env)
+        coord = Coordinator(cfg, launcher, env=env, local_ranks=local)
         try:
             for _ in range(cfg.diloco.workers):
                 coord.start_worker()
@@ -119,12 +164,17 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         finally:
             coord.close()
             bar.close()
+            if local:
+                save_logs(storage, logs)
+    compute = run_compute(rows)
     create_table_artifact(key=artifact_key(cfg.run_name, "outer-steps"),
                           table=rows or [{"outer_step": start}], description="DiLoCo outer steps")
     create_markdown_artifact(markdown=f"# DiLoCo `{cfg.run_name}`\n\n{committed}/{cfg.diloco.outer_steps} outer steps "
                              f"committed; worker exit codes {codes}"
-                             + (f"; the rendezvous refused requests: {refused}" if refused else ""))
+                             + (f"; the rendezvous refused requests: {refused}" if refused else "")
+                             + (f"\n\n{compute_line(compute)}" if rows else ""))
     # a banned worker is the run defending itself (its events are in the feed), not a failure
     if any(c not in (EXIT_DONE, EXIT_BANNED) for c in codes.values()):
         raise RuntimeError(f"DiLoCo workers failed: exit codes {codes}")
-    return DilocoReport(run_name=cfg.run_name, committed_steps=committed, exit_codes=codes, steps=rows)
+    return DilocoReport(run_name=cfg.run_name, committed_steps=committed, exit_codes=codes, steps=rows,
+                        compute=compute)

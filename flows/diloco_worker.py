@@ -4,7 +4,8 @@ Started by the ``diloco-train`` flow's launcher, either as a subprocess of its f
 (``python -m flows.diloco_worker`` + ``coordinator.worker_args``) or as a flow run of the
 ``diloco-worker`` deployment on a GPU pool (:func:`diloco_worker`). The worker drives its own loop
 (``DilocoWorker.run_until_done``); this module only observes: after each outer step, :func:`report_step`
-records it as a ``diloco-outer-step`` flow run with the step's table artifact.
+records it as a ``diloco-outer-step`` flow run with the step's table artifact (its all-reduce,
+compute utilization, tokens, tokens/s and MFU among the columns).
 """
 
 from __future__ import annotations
@@ -23,6 +24,20 @@ from intellect.diloco.coordinator import EXIT_DONE, main, parse_worker_args, wor
 from intellect.diloco.worker import StepReport
 
 LISTS = ("members", "flagged", "banned")  # joined with commas in the table
+HIDDEN = ("data_sketch",)  # hashes for comparing workers' reads: in the metrics series, not the table
+
+
+def table_row(report: dict) -> dict:
+    """A step report as one table row: lists joined, the shard as ``i/n``, the data sketch left out.
+
+    >>> table_row({"step": 1, "members": ["w0", "w1"], "flagged": [], "banned": [], "shard": [1, 2],
+    ...            "data_sketch": ["ab"]})
+    {'step': 1, 'shard': '1/2', 'members': 'w0,w1', 'flagged': '', 'banned': ''}
+    """
+    row = {k: v for k, v in report.items() if k not in LISTS + HIDDEN}
+    if "shard" in row:
+        row["shard"] = "/".join(str(x) for x in row["shard"])
+    return row | {k: ",".join(report.get(k, [])) for k in LISTS}
 
 
 @flow(name="diloco-outer-step", flow_run_name="{worker_id}-step-{step}")
@@ -30,7 +45,7 @@ def diloco_outer_step(worker_id: str, step: int, run_name: str, report: dict) ->
     """The record of one outer step of one worker: its report as a table artifact."""
     create_table_artifact(
         key=artifact_key(run_name, f"{worker_id}-outer-step"),
-        table=[{k: v for k, v in report.items() if k not in LISTS} | {k: ",".join(report[k]) for k in LISTS}],
+        table=[table_row(report)],
         description=f"DiLoCo outer step {step} on {worker_id}",
     )
     return report

@@ -9,6 +9,7 @@ reads as exit code ``0``, a cancelled one as ``-SIGTERM``, any other final state
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,8 @@ from uuid import UUID
 
 from prefect import Flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled, Cancelling
 
@@ -57,6 +60,30 @@ class FlowRunHandle:
 
     def kill(self) -> None:
         self.terminate()  # the process worker escalates to SIGKILL when SIGTERM is not enough
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        """Every row of the table artifacts the flow run has created so far, oldest first (rows
+        that are not JSON objects are left out)."""
+        with get_client(sync_client=True) as client:
+            arts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id]),
+                                               type=ArtifactFilterType(any_=["table"])),
+                sort=ArtifactSort.CREATED_DESC)
+        return [row for a in reversed(arts) for row in _rows(a.data)]
+
+
+def _rows(data: Any) -> list[dict[str, Any]]:
+    """The rows of a table artifact's data (Prefect stores a list-of-rows table as its JSON text).
+
+    >>> _rows('[{"a": 1}, 2]'), _rows("not json"), _rows(None)
+    ([{'a': 1}], [], [])
+    """
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError:
+            return []
+    return [r for r in data if isinstance(r, dict)] if isinstance(data, list) else []
 
 
 class DeploymentLauncher:

@@ -3,14 +3,15 @@
 One step is the DAG ``collect -> validate -> record -> grpo-update -> broadcast -> commit-step``:
 six task runs whatever the number of workers (``collect`` and ``validate`` handle each worker in a
 thread of their own). In ``rl-train`` the generation is done by ``intellect worker`` processes
-(:mod:`intellect.rl.worker`), each with its own key, which reach the run only through the
-submission service the flow starts beside the trainer and get weights only through SHARDCAST
-(signed by the trainer; without ``cfg.shardcast`` the run starts a local origin alone, so remote
-workers can join the same way). They run up to ``async_level`` steps ahead of the trainer, so
-``collect`` mostly finds their files already written, and the flow ingests (collect, validate,
-record) step ``n + 1`` in a second thread while step ``n`` trains: the
-pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone generates in this process
-(synchronous).
+(:mod:`intellect.rl.worker`; subprocesses of the flow run, or with ``workers.launch =
+"deployments"`` flow runs of ``rl-worker`` on ``gpu-rollout``, :mod:`flows.rl_worker`), each with
+its own key, which reach the run only through the submission service the flow starts beside the
+trainer and get weights only through SHARDCAST (signed by the trainer; without ``cfg.shardcast``
+the run starts a local origin alone, so remote workers can join the same way). They run up to
+``async_level`` steps ahead of the trainer, so ``collect`` mostly finds their files already
+written, and the flow ingests (collect, validate, record) step ``n + 1`` in a second thread while
+step ``n`` trains: the pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone
+generates in this process (synchronous).
 
 Each flow opens the run once (:func:`tasks.rl.open_run`, an :class:`~intellect.rl.run.RLRun`) and
 its tasks act on it; ``rl-train`` holds SHARDCAST, the submission service and the workers in
@@ -41,6 +42,7 @@ from pydantic import BaseModel
 from flows.artifacts import BackgroundArtifacts, artifact_key
 from flows.events import emit_rejections
 from flows.progress import progress_bar
+from flows.rl_worker import worker_launcher
 from intellect.rl.config import RLRunConfig
 from tasks import rl as T
 
@@ -216,9 +218,10 @@ def submission_service(cfg: RLRunConfig, first_step: int, logger) -> Iterator[st
 
 @contextlib.contextmanager
 def inference_workers(cfg: RLRunConfig, url: str) -> Iterator[dict[str, int | None]]:
-    """The run's ``intellect worker`` processes; on exit their exit codes fill the yielded dict (an
-    ingest still waiting for a worker gives up first)."""
-    T.start_workers(cfg, url)
+    """The run's ``intellect worker`` processes (``workers.launch``: subprocesses here, or flow runs of
+    ``rl-worker`` on its pool); on exit their exit codes fill the yielded dict (an ingest still
+    waiting for a worker gives up first)."""
+    T.start_workers(cfg, url, worker_launcher(cfg))
     codes: dict[str, int | None] = {}
     try:
         yield codes

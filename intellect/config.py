@@ -83,7 +83,7 @@ class ModelConfig(StrictModel):
         "whose folder does not exist yet trains a BPE tokenizer on its corpus there first.",
     )
     tokenizer_vocab: int = Field(
-        default=8192, ge=256, le=262144,
+        default=8192, ge=258, le=262144,
         description="Vocabulary size of a BPE tokenizer trained on the corpus (see tokenizer).",
     )
     hidden_size: int = Field(default=128, ge=8, le=8192, description="Width of the residual stream.")

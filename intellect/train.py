@@ -2,8 +2,11 @@
 
 It is the smoke run's trainer and DiLoCo's inner loop, so it keeps its
 optimizer resident (:class:`Trainer`) and knows nothing about processes,
-storage or Prefect. Evaluation reports held-out loss and exact-match
-accuracy under greedy decoding.
+storage or Prefect. It trains on texts (the arithmetic task) or on packed
+batch dicts (a text corpus), on whatever device and in whatever precision
+the caller placed the model. Evaluation reports held-out loss (and
+perplexity) and, for tasks with answers, exact-match accuracy under greedy
+decoding.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from intellect.config import TrainConfig
+from intellect.config import ComputeConfig, TrainConfig
+from intellect.device import autocast, pin
 from intellect.model.generate import generate
 
 
@@ -48,6 +52,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+Batch = Sequence[str] | Mapping[str, torch.Tensor]
+
+
+def pad_id(tokenizer) -> int:
+    """The id that fills padding: the tokenizer's pad token, or EOS when it has none (the attention mask
+    and -100 labels mark padding either way, so its id never reaches the loss)."""
+    pid = tokenizer.pad_token_id
+    return tokenizer.eos_token_id if pid is None else pid
+
+
 def encode_texts(tokenizer, texts: Sequence[str], max_len: int) -> dict[str, torch.Tensor]:
     """Right-padded ``BOS text EOS`` batches with labels (-100 on padding).
 
@@ -55,7 +69,7 @@ def encode_texts(tokenizer, texts: Sequence[str], max_len: int) -> dict[str, tor
     """
     rows = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(texts))["input_ids"]]
     width = min(max(len(r) for r in rows), max_len)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), pad_id(tokenizer), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         r = r[:width]
@@ -65,11 +79,68 @@ def encode_texts(tokenizer, texts: Sequence[str], max_len: int) -> dict[str, tor
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
-class Trainer:
-    """AdamW with the schedule of ``cfg``; state persists across :meth:`train_steps` calls."""
+def target_tokens(labels: torch.Tensor) -> int:
+    """Next-token targets of a batch: labels after the first position that are not -100.
 
-    def __init__(self, model: torch.nn.Module, tokenizer, cfg: TrainConfig):
+    >>> target_tokens(torch.tensor([[5, 6, 7, -100], [5, 6, -100, -100]]))
+    3
+    """
+    return int((labels[:, 1:] != -100).sum())
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the targets (labels shifted by one, -100 ignored), in fp32.
+
+    Dividing by :func:`target_tokens` gives the HF causal-LM loss; summing first lets micro-batches
+    add up to exactly the loss of the whole batch.
+
+    >>> logits = torch.zeros(1, 3, 4)                     # uniform over 4 tokens
+    >>> round(float(summed_token_loss(logits, torch.tensor([[1, 2, -100]]))), 4)   # one target: ln 4
+    1.3863
+    """
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def micro_batches(batch: Mapping[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """``batch`` split along its rows into pieces of ``size`` rows (0: one piece, the whole batch).
+
+    >>> [b["input_ids"].shape[0] for b in micro_batches({"input_ids": torch.zeros(5, 2)}, 2)]
+    [2, 2, 1]
+    """
+    rows = len(next(iter(batch.values())))
+    if not size or size >= rows:
+        return [dict(batch)]
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (the caller placed it, see :func:`intellect.device.prepare_model`)."""
+    return next(model.parameters()).device
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: pin(v, device).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _max_len(model: torch.nn.Module) -> int:
+    config = getattr(getattr(model, "module", model), "config", None)  # a DDP wrapper holds the model
+    return getattr(config, "max_position_embeddings", 1 << 16)
+
+
+class Trainer:
+    """AdamW with the schedule of ``cfg``; state persists across :meth:`train_steps` calls.
+
+    The model is already placed (:func:`~intellect.device.prepare_model`): the trainer computes where
+    its parameters are, under the autocast of ``compute.precision``, and accumulates gradients over
+    ``cfg.micro_batch_size``-row micro-batches so that a step is the step of the whole batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: TrainConfig, compute: ComputeConfig | None = None):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.compute = compute or ComputeConfig()
+        self.device = model_device(model)
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -79,25 +150,54 @@ class Trainer:
             fused=False,
         )
         self.step = 0
-        self.max_len = getattr(model.config, "max_position_embeddings", 1 << 16)
+        self.max_len = _max_len(model)
 
-    def train_step(self, texts: Sequence[str]) -> dict[str, float]:
+    def encode(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """A training batch on the trainer's device: texts are encoded (:func:`encode_texts`), a batch
+        dict (``input_ids``, ``labels``, optional ``position_ids`` and ``attention_mask``) is moved."""
+        if isinstance(batch, Mapping):
+            unknown = set(batch) - {"input_ids", "labels", "position_ids", "attention_mask"}
+            if unknown or "labels" not in batch or "input_ids" not in batch:
+                raise ValueError(f"a batch dict needs input_ids and labels, and nothing but position_ids and "
+                                 f"attention_mask besides (got {sorted(batch)})")
+            return to_device(batch, self.device)
+        return to_device(encode_texts(self.tokenizer, batch, self.max_len), self.device)
+
+    def backward(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Accumulate into ``.grad`` the gradients of ``batch``'s loss: the mean over every target token
+        of the whole batch, whatever the micro-batching (each micro-batch's summed loss is divided by
+        the batch's target count before its backward). Returns that loss (detached) and the count."""
         self.model.train()
+        full = self.encode(batch)
+        tokens = target_tokens(full["labels"])
+        total = torch.zeros((), device=self.device)
+        for mb in micro_batches(full, self.cfg.micro_batch_size):
+            labels = mb.pop("labels")
+            with autocast(self.device, self.compute.precision):
+                logits = self.model(**mb, use_cache=False).logits
+            loss = summed_token_loss(logits, labels) / max(tokens, 1)
+            loss.backward()
+            total += loss.detach()
+        return total, tokens
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on ``batch`` (texts or a batch dict, see :meth:`encode`); its log:
+        ``loss``, ``lr``, ``grad_norm`` (before clipping), ``tokens`` (target tokens) and ``seconds``."""
+        t0 = time.perf_counter()
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = encode_texts(self.tokenizer, texts, self.max_len)
-        loss = self.model(**batch).loss
-        loss.backward()
+        loss, tokens = self.backward(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        tokens = int(batch["attention_mask"].sum())
-        return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens}
+        loss_value, norm = loss.item(), float(grad_norm)  # both wait for the device: seconds is the step's
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                "seconds": time.perf_counter() - t0}
 
     def train_steps(
-        self, n: int, batches: Iterator[list[str]], on_step: Callable[[int, dict], None] | None = None
+        self, n: int, batches: Iterator[Batch], on_step: Callable[[int, dict], None] | None = None
     ) -> list[dict[str, float]]:
         logs = []
         for _ in range(n):
@@ -121,6 +221,21 @@ class EvalResult:
     accuracy: float
     n: int
     answers: list[str] = field(default_factory=list, repr=False)
+    tokens: int = 0  # target tokens the loss is the mean over
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean token loss in nats (inf where that overflows a float).
+
+    >>> round(perplexity(2.0), 3)
+    7.389
+    >>> perplexity(1e4)
+    inf
+    """
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def _completions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
@@ -130,7 +245,7 @@ def _completions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, 
     for start in range(0, len(ids), batch_size):
         gens = generate(
             model, ids[start:start + batch_size], max_new_tokens=max_new_tokens,
-            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+            eos_id=tokenizer.eos_token_id, pad_id=pad_id(tokenizer),
             temperature=temperature, generator=generator,
         )
         texts.extend(tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens)
@@ -142,20 +257,44 @@ def answer_budget(tasks: Sequence[Task]) -> int:
     return max(len(t.answer) for t in tasks) + 2
 
 
+@dataclass(frozen=True)
+class LossResult:
+    loss: float  # mean next-token loss over every target token, nats
+    tokens: int  # target tokens
+    sequences: int
+
+    @property
+    def perplexity(self) -> float:
+        return perplexity(self.loss)
+
+
+@torch.no_grad()
+def heldout_loss(model, batches: Iterable[Mapping[str, torch.Tensor]]) -> LossResult:
+    """Token-weighted mean loss of ``model`` over batch dicts (keys as :meth:`Trainer.encode` takes),
+    computed where the model is, in its own dtype."""
+    model.eval()
+    device = model_device(model)
+    total, count, rows = 0.0, 0, 0
+    for batch in batches:
+        b = to_device(batch, device)
+        labels = b.pop("labels")
+        total += float(summed_token_loss(model(**b, use_cache=False).logits, labels))
+        count += target_tokens(labels)
+        rows += len(labels)
+    return LossResult(loss=total / max(count, 1), tokens=count, sequences=rows)
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, tasks: Sequence[Task], batch_size: int = 256) -> EvalResult:
     """Held-out token loss on the full texts and greedy exact-match accuracy on the answers."""
-    model.eval()
-    max_len = getattr(model.config, "max_position_embeddings", 1 << 16)
-    total, count = 0.0, 0
-    for start in range(0, len(tasks), batch_size):
-        batch = encode_texts(tokenizer, [t.text for t in tasks[start:start + batch_size]], max_len)
-        n_tok = int((batch["labels"][:, 1:] != -100).sum())
-        total += float(model(**batch).loss) * n_tok
-        count += n_tok
+    max_len = _max_len(model)
+    texts = [t.text for t in tasks]
+    loss = heldout_loss(model, (encode_texts(tokenizer, texts[i:i + batch_size], max_len)
+                                for i in range(0, len(texts), batch_size)))
     answers = _completions(model, tokenizer, [t.prompt for t in tasks], answer_budget(tasks), batch_size)
     correct = sum(a.strip() == t.answer for a, t in zip(answers, tasks))
-    return EvalResult(loss=total / max(count, 1), accuracy=correct / len(tasks), n=len(tasks), answers=answers)
+    return EvalResult(loss=loss.loss, accuracy=correct / len(tasks), n=len(tasks), answers=answers,
+                      tokens=loss.tokens)
 
 
 @torch.no_grad()
@@ -163,7 +302,7 @@ def pass_counts(model, tokenizer, tasks: Sequence[Task], k: int, temperature: fl
                 seed: int = 0, batch_size: int = 512) -> list[int]:
     """How many of ``k`` samples at ``temperature`` solve each task (exact match)."""
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=model_device(model)).manual_seed(seed)  # sampling draws where the model is
     prompts = [t.prompt for t in tasks for _ in range(k)]
     answers = _completions(model, tokenizer, prompts, answer_budget(tasks), batch_size, temperature, gen)
     hits = [a.strip() == t.answer for a, t in zip(answers, (t for t in tasks for _ in range(k)))]
@@ -177,13 +316,14 @@ class TrainResult:
     tokens: int
 
 
-def train(model, tokenizer, cfg: TrainConfig, batches: Iterator[list[str]],
-          on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    """Run ``cfg.steps`` optimizer steps from ``batches`` (lists of texts)."""
+def train(model, tokenizer, cfg: TrainConfig, batches: Iterator[Batch],
+          on_step: Callable[[int, dict], None] | None = None, compute: ComputeConfig | None = None) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps of a :class:`Trainer` from ``batches`` (lists of texts or batch
+    dicts) on the placed ``model``."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    trainer = Trainer(model, tokenizer, cfg)
+    trainer = Trainer(model, tokenizer, cfg, compute)
     t0 = time.perf_counter()
     history = trainer.train_steps(cfg.steps, batches, on_step)
     return TrainResult(

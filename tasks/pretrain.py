@@ -21,8 +21,10 @@ from intellect.storage import RunStorage
 class EvalReport(BaseModel):
     step: int
     loss: float
-    accuracy: float
-    n: int
+    perplexity: float
+    accuracy: float | None  # greedy exact match (arithmetic); None for a text corpus
+    n: int  # held-out problems or packed sequences
+    tokens: int
     seconds: float
 
 
@@ -34,6 +36,10 @@ class PretrainReport(BaseModel):
     final_loss: float
     resumed: bool
     tokens_per_second: float
+    mfu: float | None
+    device: str
+    precision: str
+    metrics: str  # URI of the per-step metrics series (JSONL)
 
 
 class PassRateReport(BaseModel):
@@ -63,10 +69,12 @@ def pretrain(cfg: SmokeConfig, from_step: int) -> PretrainReport:
 
     def log(step: int, m: dict) -> None:
         if step % every == 0 or step == cfg.train.steps:
-            logger.info("step %d/%d loss %.4f lr %.2e", step, cfg.train.steps, m["loss"], m["lr"])
+            logger.info("step %d/%d loss %.4f lr %.2e %.0f tokens/s MFU %.2f%%", step, cfg.train.steps,
+                        m["loss"], m["lr"], m["tokens_per_s"], 100 * m["mfu"])
 
     out = P.pretrain(cfg, _storage(cfg), from_step, log)
-    return PretrainReport(**asdict(out), tokens_per_second=out.tokens_per_second)
+    return PretrainReport(**asdict(out), tokens_per_second=out.tokens_per_second,
+                          metrics=_storage(cfg).uri(P.METRICS_SERIES))
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, timeout_seconds=1800)

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import StorageConfig
-from intellect.launch import LocalLauncher
+from intellect.launch import Launcher, LocalLauncher
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.run import RecordReport, RLRun, RunInfo, UpdateReport, ValidationReport
 from intellect.rl.run import generate_here as _generate_here
@@ -115,13 +115,22 @@ def stop_service(cfg: RLRunConfig) -> None:
     _run(cfg).stop_service()
 
 
-@task(name="start-workers", cache_policy=NO_CACHE, timeout_seconds=60)
-def start_workers(cfg: RLRunConfig, url: str) -> dict[str, int | None]:
-    """One ``intellect worker`` process per worker name, each with its own key file, talking to the run
-    only through the service at ``url``; their PIDs. Logs go to ``logs/`` of the local run folder."""
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    launcher = LocalLauncher(local_run_dir(cfg).resolve() / "logs", WORKER_MODULE)
-    return _run(cfg).start_workers(url, launcher, env={"PYTHONPATH": path})
+# No timeout_seconds: waiting for the key ids of workers launched elsewhere has its own deadline
+# (workers.submission_timeout), and a flow run on a busy pool may take a while to be picked up.
+@task(name="start-workers", cache_policy=NO_CACHE)
+def start_workers(cfg: RLRunConfig, url: str, launcher: Launcher | None = None) -> dict[str, int | None]:
+    """One ``intellect worker`` per worker name, each with its own key, talking to the run only
+    through the service at ``url``; their PIDs (None: not a process of this machine). ``launcher``
+    None: local processes, their key files in ``keys/`` and their logs in ``logs/`` of the local run
+    folder; otherwise that launcher's (e.g. flow runs of ``rl-worker``, ``flows/rl_worker.py``)."""
+    env: dict[str, str] = {}
+    if launcher is None:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        launcher = LocalLauncher(local_run_dir(cfg).resolve() / "logs", WORKER_MODULE)
+    run = _run(cfg)
+    pids = run.start_workers(url, launcher, env=env)
+    get_run_logger().info("workers started, by key id: %s", run.worker_ids)
+    return pids
 
 
 @task(name="stop-workers", cache_policy=NO_CACHE, timeout_seconds=60)

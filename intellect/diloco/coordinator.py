@@ -1,7 +1,10 @@
 """The DiLoCo coordinator: hosts the rendezvous store, starts workers, watches them.
 
 Workers are started through an ``intellect.launch.Launcher`` (local subprocesses:
-:func:`worker_launcher`; a work-pool launcher plugs into the same protocol). The coordinator owns
+:func:`worker_launcher`, their output in the run folder's ``logs/<worker>.log``,
+:func:`worker_log_dir`; a work-pool launcher plugs into the same protocol). Workers that share
+this machine get ``LOCAL_RANK`` (their index modulo the run's workers), so each takes a GPU of its
+own (``intellect.device.resolve_device``). The coordinator owns
 nothing else: training state lives in the workers and in run storage, so a killed coordinator
 loses no progress. Its workers notice the lost store and stop; a new coordinator resumes from the
 newest outer checkpoint.
@@ -130,11 +133,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 WORKER_MODULE = "intellect.diloco.coordinator"  # ``python -m`` it with :func:`worker_args`
 CREDENTIAL_ENVS = (SECRET_ENV, PEER_KEY_ENV, ALLREDUCE_KEY_ENV)
+LOCAL_RANK_ENV = "LOCAL_RANK"  # read by intellect.device.local_rank
 
 
 def worker_args(worker: str, index: int, config_path: str, store: str) -> list[str]:
     """The command line of one worker process (:func:`main`); :func:`parse_worker_args` reads it back."""
     return ["worker", "--config", config_path, "--worker", worker, "--index", str(index), "--store", store]
+
+
+LOGS = "logs"  # run storage folder of the workers' output, <worker>.log
+
+
+def worker_log_dir(storage: RunStorage) -> Path | None:
+    """``logs/`` in the run folder when the run is stored on this machine (local workers append their
+    output there directly), else None: log to a local folder and :func:`save_logs` it at the end."""
+    return storage.local_path(LOGS)
+
+
+def save_logs(storage: RunStorage, log_dir: str | os.PathLike) -> list[str]:
+    """Copy the workers' logs in ``log_dir`` to the run's ``logs/`` (remote storage); returns what was copied."""
+    if storage.local_path(LOGS) == Path(log_dir):
+        return []
+    return storage.put_dir(log_dir, LOGS)
 
 
 def worker_launcher(log_dir: str | os.PathLike, module: str = WORKER_MODULE) -> LocalLauncher:
@@ -146,12 +166,17 @@ def worker_launcher(log_dir: str | os.PathLike, module: str = WORKER_MODULE) -> 
 
 @dataclass
 class Coordinator:
-    """Start the store and the workers of a run; :meth:`watch` until they finish."""
+    """Start the store and the workers of a run; :meth:`watch` until they finish.
+
+    ``local_ranks``: the workers share this machine (a local launcher), so each gets ``LOCAL_RANK``
+    = its index modulo ``diloco.workers``; False for workers on hosts of their own (deployments),
+    whose rank on their node is theirs to know."""
 
     run: DilocoRunConfig
     launcher: Launcher
     env: dict[str, str] = field(default_factory=dict)
     handles: dict[str, Handle] = field(default_factory=dict)
+    local_ranks: bool = True
 
     def __post_init__(self) -> None:
         cfg = self.run.diloco
@@ -177,6 +202,8 @@ class Coordinator:
         self.next_index += 1
         worker = worker or f"w{index}"
         env = {**self.env, **worker_credentials(self._secret, self.run.run_name, worker)}  # refuses "coordinator"
+        if self.local_ranks:
+            env[LOCAL_RANK_ENV] = str(index % self.run.diloco.workers)
         slot = int(self.store.add(LAUNCHED.under(), 1)) - 1
         self.store.set(LAUNCHED(slot), worker)  # founders wait for every launched worker
         handle = self.launcher.launch(worker, worker_args(worker, index, self.config_path, self.address), env)
@@ -184,7 +211,7 @@ class Coordinator:
         return handle
 
     def start(self) -> None:
-        from intellect.diloco.worker import init_run  # noqa: PLC0415 - torch loads only where it is used
+        from intellect.diloco.outer import init_run  # noqa: PLC0415 - torch loads only where it is used
 
         self.store.set(START(), json.dumps(init_run(self.run, self.storage)))  # the founders' step
         for _ in range(self.run.diloco.workers):

@@ -1,11 +1,15 @@
 """DiLoCo's outer loop state: the fp32 synced copy, pseudo-gradients, Nesterov steps.
 
-Every replica keeps ``theta_sync`` (fp32, on the CPU, off the accelerator)
-and the momentum of an SGD-Nesterov optimizer over it. After H inner steps a
-worker's pseudo-gradient is ``theta_sync - theta_local``; the all-reduced
-average is applied as the gradient of one outer step. Replicas that start
-bit-identical and apply the bit-identical average stay bit-identical
-(:meth:`OuterState.digest` checks it).
+Every replica keeps ``theta_sync`` (fp32, on the CPU, off the accelerator, whatever the inner
+loop's device and precision) and the momentum of an SGD-Nesterov optimizer over it: the all-reduce
+and the outer step run on the host, and the bit-identity of replicas rests on fp32 CPU arithmetic,
+which every device family shares. When the inner copy lives on CUDA the host copy is page-locked
+(``device.pin``), so the copies each way at every outer step are asynchronous DMA. After H inner
+steps a worker's pseudo-gradient is ``theta_sync - theta_local``; the all-reduced average is
+applied as the gradient of one outer step. Replicas that start bit-identical and apply the
+bit-identical average stay bit-identical (:meth:`OuterState.digest` checks it). An outer
+checkpoint is ``theta_sync`` as an fp32 HF folder plus the momentum
+(:func:`publish_outer_checkpoint`).
 
 Worked example (one parameter, lr 0.7, momentum 0.9, Nesterov)::
 
@@ -25,17 +29,37 @@ Worked example (one parameter, lr 0.7, momentum 0.9, Nesterov)::
 
 from __future__ import annotations
 
+import copy
 import hashlib
-from typing import Sequence
+import io
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from intellect.checkpoints import CHECKPOINTS, OUTER_STATE, publish
+from intellect.device import pin
+from intellect.model.bpe import ensure_tokenizer
+from intellect.model.checkpoint import build_model
+from intellect.storage import RunStorage
+
+if TYPE_CHECKING:
+    from intellect.diloco.config import DilocoRunConfig
+
 
 class OuterState:
-    """``theta_sync`` and the outer optimizer for the parameters of ``model``."""
+    """``theta_sync`` and the outer optimizer for the parameters of ``model``.
 
-    def __init__(self, model: torch.nn.Module, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
-        self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._model_params(model)]
+    ``device``: where the inner copy will live (default: where ``model``'s parameters are now).
+    Build it from the fp32 weights (a checkpoint) before the model is cast to a lower precision,
+    so ``theta_sync`` starts exact.
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 *, device: torch.device | None = None):
+        params = self._model_params(model)
+        self.device = device or (params[0].device if params else torch.device("cpu"))
+        self.params = [pin(p.detach().to("cpu", torch.float32, copy=True), self.device) for p in params]
+        self._staging: list[torch.Tensor] = []  # pinned fp32 buffers the CUDA copy lands in
         # momentum 0 is plain (scaled) model averaging, where Nesterov means nothing; torch rejects the pair
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
@@ -43,9 +67,23 @@ class OuterState:
     def _model_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
         return list(model.parameters())  # tied weights appear once
 
+    def _host_copy(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The model's parameters as fp32 on the CPU (pinned staging buffers for a CUDA model)."""
+        params = self._model_params(model)
+        if not any(p.is_cuda for p in params):
+            return [p.detach().to(torch.float32) for p in params]
+        if not self._staging:
+            self._staging = [pin(torch.empty_like(s), p.device) for s, p in zip(self.params, params)]
+        for buf, p in zip(self._staging, params):
+            # upcast on the device, then one asynchronous device-to-host copy into page-locked memory
+            buf.copy_(p.detach().to(torch.float32), non_blocking=True)
+        for d in {p.device for p in params if p.is_cuda}:
+            torch.cuda.synchronize(d)
+        return self._staging
+
     def pseudo_gradient(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """``theta_sync - theta_local`` per parameter, fp32 on the CPU."""
-        return [s - p.detach().to("cpu", torch.float32) for s, p in zip(self.params, self._model_params(model))]
+        """``theta_sync - theta_local`` per parameter, fp32 on the CPU (whatever the model's dtype and device)."""
+        return [s - p for s, p in zip(self.params, self._host_copy(model))]
 
     def step(self, average: Sequence[torch.Tensor]) -> None:
         """Apply one outer step with the all-reduced pseudo-gradient ``average``."""
@@ -61,9 +99,14 @@ class OuterState:
 
     @torch.no_grad()
     def load_into(self, model: torch.nn.Module) -> None:
-        """Copy ``theta_sync`` into the model (its dtype and device) for the next inner phase."""
-        for s, p in zip(self.params, self._model_params(model)):
-            p.copy_(s.to(p.device, p.dtype))
+        """Copy ``theta_sync`` into the model, cast to its dtype and device, for the next inner phase."""
+        params = self._model_params(model)
+        for s, p in zip(self.params, params):
+            # to the device in fp32 first (asynchronous from pinned memory), cast there: the host never
+            # materialises a low-precision copy, and the cast rounds exactly as a CPU cast would
+            p.copy_(s.to(p.device, non_blocking=True) if p.is_cuda else s)
+        for d in {p.device for p in params if p.is_cuda}:
+            torch.cuda.synchronize(d)  # theta_sync may change (outer step) once we return
 
     def digest(self) -> str:
         """SHA-256 over the bytes of ``theta_sync``: equal on bit-identical replicas."""
@@ -83,6 +126,21 @@ class OuterState:
     def has_momentum(self) -> bool:
         return any("momentum_buffer" in self.optimizer.state.get(p, {}) for p in self.params)
 
+    def flat(self, committed: int) -> torch.Tensor:
+        """All of the state in one fp32 buffer, for the onboarding broadcast: ``theta_sync``, the
+        momentum, then ``[committed, has_momentum]`` (``committed``: the outer steps in it)."""
+        return torch.cat([p.flatten() for p in self.params] + [b.flatten() for b in self.momentum_buffers()]
+                         + [torch.tensor([float(committed), float(self.has_momentum())])])
+
+    def load_flat(self, flat: torch.Tensor) -> int:
+        """Take a peer's :meth:`flat`; returns its ``committed``."""
+        sizes = [p.numel() for p in self.params]
+        n = sum(sizes)
+        params = [c.view_as(p) for c, p in zip(flat[:n].split(sizes), self.params)]
+        momentum = [c.view_as(p) for c, p in zip(flat[n:2 * n].split(sizes), self.params)]
+        self.set_state(params, momentum if flat[-1] > 0 else None)
+        return int(flat[-2])
+
     @torch.no_grad()
     def set_state(self, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None) -> None:
         """Overwrite ``theta_sync`` (and momentum, when given) with a peer's or a checkpoint's."""
@@ -91,3 +149,53 @@ class OuterState:
         if momentum is not None:
             for p, m in zip(self.params, momentum):
                 self.optimizer.state[p]["momentum_buffer"] = m.to(torch.float32).clone()
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def host_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` itself when its weights are fp32 on the CPU, else a fresh fp32 CPU model of the same
+    class and config (the shell a checkpoint is published from: ``OuterState.load_into`` fills it)."""
+    if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()):
+        return model
+    config = copy.deepcopy(getattr(model, "config"))
+    with torch.device("cpu"):
+        shell = type(model)(config).float()
+    if getattr(model, "generation_config", None) is not None:
+        shell.generation_config = copy.deepcopy(getattr(model, "generation_config"))
+    return shell.eval()
+
+
+def publish_outer_checkpoint(storage: RunStorage, n: int, model, tokenizer, outer: OuterState, members: list[str]) -> str:
+    """``checkpoints/step_<n>``: HF folder of ``theta_sync`` (fp32) plus the outer optimizer state;
+    ``model`` is a fp32 CPU model (:func:`host_model`) that is overwritten with ``theta_sync``."""
+    if not storage.is_stable(n, CHECKPOINTS):
+        if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()):
+            raise ValueError("publish_outer_checkpoint: checkpoints are fp32 CPU weights; pass host_model(model)")
+        outer.load_into(model)
+        buf = io.BytesIO()
+        torch.save({"momentum": outer.momentum_buffers(), "step": n, "members": members,
+                    "has_momentum": outer.has_momentum()}, buf)
+        publish(model, tokenizer, storage, n, {OUTER_STATE: buf.getvalue()})
+    return storage.uri(storage.step_path(n, CHECKPOINTS))
+
+
+def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
+    """Publish the initial model as outer checkpoint 0 unless the run has one; returns the newest.
+    A text run whose ``model.tokenizer`` folder does not exist yet trains it on the corpus first."""
+    newest = storage.latest_step(CHECKPOINTS)
+    if newest is None:
+        if run.data.kind == "text" and run.model.tokenizer:
+            ensure_tokenizer(run.model.tokenizer, run.data, run.model.tokenizer_vocab)
+        model, tok = build_model(run.model)
+        publish_outer_checkpoint(storage, 0, model, tok, OuterState(model), [])
+        newest = 0
+    return newest
+
+
+def load_outer_state(storage: RunStorage, n: int, outer: OuterState) -> None:
+    """The outer momentum of checkpoint ``n`` into ``outer`` (whose ``theta_sync`` came from its weights)."""
+    state = torch.load(io.BytesIO(storage.read_bytes(f"{storage.step_path(n, CHECKPOINTS)}/{OUTER_STATE}")))
+    if state["has_momentum"]:
+        outer.set_state(outer.params, state["momentum"])

@@ -6,8 +6,11 @@ One outer step ``t`` (:meth:`DilocoWorker.outer_step`) is four phases:
    arrived plus any joiner), and, when someone is behind (a joiner, a worker that was excluded),
    broadcasts ``theta_sync``, the outer momentum and the step counter from the most advanced
    member: onboarding blocks at the boundary, as INTELLECT-1 chose.
-2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard; the inner optimizer
-   state stays resident across outer steps.
+2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard, on the configured
+   device and precision (``run.compute``); the inner optimizer state stays resident across outer
+   steps. With a text corpus (``data.kind = "text"``) the shard is member ``i`` of the ``n``
+   members of the step (:class:`~intellect.data.text.PackedStream`, resharded whenever the
+   membership changes), so live workers read disjoint documents.
 3. :meth:`DilocoWorker.sync` all-reduces the pseudo-gradient in int8 with fp32 accumulation over
    the attempt's agreed plan and commits only when every member succeeded
    (:class:`~intellect.diloco.protocol.Quorum`); otherwise everyone discards and retries with the
@@ -26,31 +29,40 @@ attempt's members record ``BAN(w, me)``.
 
 Invariant after every commit: all members hold bit-identical ``theta_sync`` (their SHA-256 is
 written to ``DIGEST(t, w)`` for anyone to compare).
+
+Devices. Whatever the inner device and precision, ``theta_sync``, the pseudo-gradients and the outer
+momentum are fp32 on the CPU (:class:`~intellect.diloco.outer.OuterState`), so the collectives run on
+gloo (:meth:`DilocoWorker._group`), and checkpoints are fp32 CPU weights. Each committed step's
+:class:`StepReport` (compute utilization, tokens/s, MFU among its fields) goes to the rendezvous
+(``METRICS``) and as one row to the worker's series in run storage (:func:`metrics_series`).
 """
 
 from __future__ import annotations
 
-import io
+import hashlib
+import heapq
 import json
 import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from intellect.checkpoints import CHECKPOINTS, OUTER_STATE, fetch, publish
+from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
-from intellect.diloco.config import DilocoRunConfig
 from intellect.data.arithmetic import documents
+from intellect.data.text import PackedStream
+from intellect.device import dist_backend, local_rank, prepare_model, resolve_device
+from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
-from intellect.diloco.outer import OuterState
+from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.plan import choose_algorithm
 from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DIGEST, FLAGS, LAUNCHED, LEFT, METRICS, PG,
                                        PROBE, PROGRESS, Quorum, ban_record, read_count)
@@ -58,7 +70,7 @@ from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group
-from intellect.model.checkpoint import build_model
+from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
 from intellect.storage import RunStorage
 from intellect.train import Trainer
 from intellect.trust.mac import derive_key
@@ -92,6 +104,41 @@ class StepReport:
     digest: str = ""
     flagged: list[str] = field(default_factory=list)  # members a majority reported as outliers in this step
     banned: list[str] = field(default_factory=list)  # members banned at this step (exclude_after strikes)
+    outer_seconds: float = 0.0  # wall time of the step, boundary start to commit
+    compute_utilization: float = 0.0  # inner_seconds / outer_seconds
+    tokens: int = 0  # target tokens trained on in the inner phase
+    tokens_per_s: float = 0.0  # tokens / outer_seconds
+    mfu: float = 0.0  # model FLOPs of those tokens over outer_seconds, as a fraction of the device's peak
+    shard: list[int] = field(default_factory=list)  # [i, n]: the data shard read (text: member i of n)
+    data_sketch: list[str] = field(default_factory=list)  # data_sketch() of the sequences trained on
+
+
+SKETCH_SIZE = 16
+
+
+def sequence_hash(data: bytes) -> str:
+    """The 64-bit BLAKE2b hash of one training sequence's bytes, in hex."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def data_sketch(hashes: Iterable[str], k: int = SKETCH_SIZE) -> list[str]:
+    """The ``k`` smallest distinct ``hashes`` (:func:`sequence_hash` of the sequences read): a bottom-k
+    sketch, equal for workers that read the same data and disjoint between workers whose reads are
+    (up to sequences the corpus repeats). The sketch of a union is the sketch of its parts' sketches,
+    so a reader keeps it bounded as it goes.
+
+    >>> h = [sequence_hash(s) for s in (b"x", b"y", b"z", b"y")]
+    >>> data_sketch(h, 2) == data_sketch(data_sketch(h[:2], 2) + h[2:], 2), len(data_sketch(h, 2))
+    (True, 2)
+    >>> set(data_sketch(h)).isdisjoint(data_sketch([sequence_hash(b"u")]))
+    True
+    """
+    return heapq.nsmallest(k, set(hashes))
+
+
+def metrics_series(worker: str) -> str:
+    """The run storage name of ``worker``'s metrics time series (one row per committed outer step)."""
+    return f"metrics/diloco/{worker}.jsonl"
 
 
 def shard_stream(run: DilocoRunConfig, index: int):
@@ -129,27 +176,6 @@ def inner_train_config(run: DilocoRunConfig) -> TrainConfig:
     return run.train.model_copy(update={"steps": run.diloco.outer_steps * run.diloco.inner_steps})
 
 
-def publish_outer_checkpoint(storage: RunStorage, n: int, model, tokenizer, outer: OuterState, members: list[str]) -> str:
-    """``checkpoints/step_<n>``: HF folder of ``theta_sync`` plus the outer optimizer state."""
-    if not storage.is_stable(n, CHECKPOINTS):
-        outer.load_into(model)
-        buf = io.BytesIO()
-        torch.save({"momentum": outer.momentum_buffers(), "step": n, "members": members,
-                    "has_momentum": outer.has_momentum()}, buf)
-        publish(model, tokenizer, storage, n, {OUTER_STATE: buf.getvalue()})
-    return storage.uri(storage.step_path(n, CHECKPOINTS))
-
-
-def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
-    """Publish the initial model as outer checkpoint 0 unless the run has one; returns the newest."""
-    newest = storage.latest_step(CHECKPOINTS)
-    if newest is None:
-        model, tok = build_model(run.model)
-        publish_outer_checkpoint(storage, 0, model, tok, OuterState(model), [])
-        newest = 0
-    return newest
-
-
 class DilocoWorker:
     def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
                  secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None,
@@ -175,16 +201,32 @@ class DilocoWorker:
         n = self.storage.latest_step(CHECKPOINTS)
         if n is None:
             raise FileNotFoundError(f"run {self.storage.url} has no outer checkpoint; the coordinator publishes step 0")
+        # the GPU of this process's local rank (the coordinator sets LOCAL_RANK for the workers it starts)
+        self.device = resolve_device(run.compute.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # what torch allocates on without naming a device
         self.model, self.tok = fetch(self.storage, n)
-        self.outer = OuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.nesterov)
-        state = torch.load(io.BytesIO(self.storage.read_bytes(f"{self.storage.step_path(n, CHECKPOINTS)}/{OUTER_STATE}")))
-        if state["has_momentum"]:
-            self.outer.set_state(self.outer.params, state["momentum"])
+        # theta_sync from the fp32 checkpoint, before the model is cast to the inner precision
+        self.outer = OuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.nesterov,
+                                device=self.device)
+        load_outer_state(self.storage, n, self.outer)
+        prepare_model(self.model, run.compute, self.device)
+        log.info("%s: device %s (local rank %d), precision %s", worker, self.device, local_rank(), run.compute.precision)
+        self._host: torch.nn.Module | None = None  # the fp32 CPU model checkpoints are published from
         self.committed: int = n  # outer steps committed into theta_sync
         self.step: int = n  # the outer step being worked on (0-based): step t produces checkpoint t+1
-        self.trainer = Trainer(self.model, self.tok, inner_train_config(run))
+        self.trainer = Trainer(self.model, self.tok, inner_train_config(run), compute=run.compute)
         self.trainer.step = n * self.cfg.inner_steps
-        self.stream = shard_stream(run, index)
+        self.text = run.data.kind == "text"
+        # arithmetic: worker index's own seeded stream; text: opened at the first boundary, once the
+        # members (and so this worker's shard) are known
+        self.stream: PackedStream | Iterator[str] | None = None if self.text else shard_stream(run, index)
+        self.shard: tuple[int, int] = (index, run.diloco.workers)
+        # one row per outer step, written at once: steps are long, and a killed worker keeps its series
+        self.metrics_log = MetricsLog(self.storage, metrics_series(worker), run.logging, flush_every=1)
+        self.flops_per_token = flops_per_token(self.model.config, self.seq_len())
+        self.peak = peak_flops(self.device, run.compute.precision, run.compute.peak_tflops)
+        self._started = time.perf_counter()  # the current outer step's start (boundary)
         self.members: list[str] = []
         self.prev_members: list[str] = []
         self.attempt = 0
@@ -205,9 +247,36 @@ class DilocoWorker:
         return [w for w in names if w not in self.banned_here and not self.m.banned(w, names)]
 
     def _group(self, step: int, attempt: int | str, members: list[str]):
-        # a fresh store prefix per membership: a dead member's half-written keys cannot leak in
+        # a fresh store prefix per membership: a dead member's half-written keys cannot leak in.
+        # Every tensor reduced or broadcast here (pseudo-gradients, the onboarding state, probes) is
+        # fp32 on the host, whatever the inner device: the group is gloo, NCCL would need them on CUDA
         return new_group(self.m.store, PG(step, attempt), members.index(self.worker), len(members),
-                         timeout=self.cfg.collective_timeout)
+                         timeout=self.cfg.collective_timeout, backend=dist_backend(self.outer.params[0].device))
+
+    def seq_len(self) -> int:
+        """Tokens per training sequence, for the attention FLOPs: the packed length of a corpus; for the
+        short arithmetic problems the model's context, an upper bound."""
+        if self.text:
+            return self.run.data.text.seq_len
+        return int(getattr(self.model.config, "max_position_embeddings", self.run.model.max_position_embeddings))
+
+    def host(self) -> torch.nn.Module:
+        """The fp32 CPU model checkpoints are published from (:func:`host_model`, made once)."""
+        if self._host is None:
+            self._host = host_model(self.model)
+        return self._host
+
+    def reshard(self, members: list[str]) -> None:
+        """Read shard ``i`` of ``n``: this worker's place among the step's members (text corpus)."""
+        if not self.text:
+            return
+        shard = (members.index(self.worker), len(members))
+        if self.stream is None:
+            self.stream = PackedStream(self.run.data, self.tok, shard=shard[0], shards=shard[1])
+        elif isinstance(self.stream, PackedStream) and shard != self.shard:
+            log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
+            self.stream.reshard(*shard)
+        self.shard = shard
 
     def _deadline(self, seconds: float) -> float:
         return time.monotonic() + seconds
@@ -251,6 +320,7 @@ class DilocoWorker:
         if me not in members:
             raise Excluded(f"{me} arrived after the members of step {t} were decided")
         self.members, self.attempt = members, 0
+        self.reshard(members)
         behind = self._onboard(members)
         self._probe(members)
         return behind
@@ -264,10 +334,7 @@ class DilocoWorker:
             return False
         src = members.index(min(w for w in members if progress[w] == newest))
         behind = progress[self.worker] < newest
-        # one flat fp32 buffer: params, momentum, [committed, has_momentum]
-        flat = torch.cat([p.flatten() for p in self.outer.params]
-                         + [b.flatten() for b in self.outer.momentum_buffers()]
-                         + [torch.tensor([float(self.committed), float(self.outer.has_momentum())])])
+        flat = self.outer.flat(self.committed)
         try:
             self._group(self.step, "onboard", members).broadcast(flat, src).wait()
         except (CommError, dist.DistError, RuntimeError) as e:
@@ -276,12 +343,7 @@ class DilocoWorker:
             log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, e)
             return False
         if behind:
-            sizes = [p.numel() for p in self.outer.params]
-            n = sum(sizes)
-            params = [c.view_as(p) for c, p in zip(flat[:n].split(sizes), self.outer.params)]
-            momentum = [c.view_as(p) for c, p in zip(flat[n:2 * n].split(sizes), self.outer.params)]
-            self.outer.set_state(params, momentum if flat[-1] > 0 else None)
-            self.committed = int(flat[-2])
+            self.committed = self.outer.load_flat(flat)
             self.step = self.committed
             self.trainer.step = self.committed * self.cfg.inner_steps
             self.outer.load_into(self.model)
@@ -322,13 +384,37 @@ class DilocoWorker:
         """
         return allreduce_plan(self.cfg.algorithm, self.bandwidth(members), sum(p.numel() for p in self.outer.params))
 
-    def inner(self) -> tuple[float, float]:
-        """H inner steps; returns (mean loss, seconds)."""
+    def batches(self, seen: list[str]) -> Iterator:
+        """Training batches of this worker's shard; ``seen`` keeps the :func:`data_sketch` of their sequences."""
+        size, stream = self.run.train.batch_size, self.stream
+        while True:
+            if isinstance(stream, PackedStream):
+                batch = stream.next_batch(size)
+                seen.extend(sequence_hash(row.numpy().tobytes()) for row in batch["input_ids"])
+            else:
+                assert stream is not None  # arithmetic streams open with the worker
+                batch = [next(stream) for _ in range(size)]
+                seen.extend(sequence_hash(t.encode()) for t in batch)
+            if len(seen) > 64 * SKETCH_SIZE:
+                seen[:] = data_sketch(seen)
+            yield batch
+
+    def inner(self, report: StepReport) -> None:
+        """H inner steps: the report's inner_loss, inner_seconds, tokens, shard and data_sketch."""
         t0 = time.perf_counter()
-        batch = self.run.train.batch_size
-        batches = iter(lambda: [next(self.stream) for _ in range(batch)], None)
-        logs = self.trainer.train_steps(self.cfg.inner_steps, batches, lambda *_: self.m.check_store())
-        return sum(rec["loss"] for rec in logs) / len(logs), time.perf_counter() - t0
+        seen: list[str] = []
+        logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), lambda *_: self.m.check_store())
+        report.inner_seconds = time.perf_counter() - t0
+        report.inner_loss = sum(rec["loss"] for rec in logs) / len(logs)
+        report.tokens = int(sum(rec["tokens"] for rec in logs))
+        report.shard, report.data_sketch = list(self.shard), data_sketch(seen)
+
+    def timing(self, report: StepReport) -> None:
+        """The committed step's wall time and the utilization, throughput and MFU over it."""
+        wall = report.outer_seconds = time.perf_counter() - self._started
+        report.compute_utilization = report.inner_seconds / wall if wall > 0 else 0.0
+        report.tokens_per_s = report.tokens / wall if wall > 0 else 0.0
+        report.mfu = mfu(report.tokens_per_s, self.flops_per_token, self.peak)
 
     def sync(self, report: StepReport) -> None:
         """All-reduce, vote, commit or retry with the survivors (bounded attempts)."""
@@ -390,6 +476,7 @@ class DilocoWorker:
                 report.bytes_sent += stats.bytes_sent
                 report.algorithm, report.estimates = stats.algorithm, plan["estimates"]
                 report.committed, report.digest = True, self.outer.digest()
+                self.timing(report)
                 m.set(DIGEST(t, me), report.digest)
                 self._judge(q, a, members, report)
                 if me == members[0]:
@@ -426,7 +513,7 @@ class DilocoWorker:
         n = self.committed
         if self.worker != self.members[0] or n % self.cfg.checkpoint_every and n != self.cfg.outer_steps:
             return None
-        uri = publish_outer_checkpoint(self.storage, n, self.model, self.tok, self.outer, self.members)
+        uri = publish_outer_checkpoint(self.storage, n, self.host(), self.tok, self.outer, self.members)
         self.storage.retain(CHECKPOINTS, self.run.storage.keep_last)
         return uri
 
@@ -435,10 +522,11 @@ class DilocoWorker:
     def outer_step(self) -> StepReport:
         """One whole outer step; an excluded worker reverts and reports an uncommitted step."""
         report = StepReport(step=self.step, worker=self.worker)
+        self._started = time.perf_counter()
         try:
             report.onboarded = self.boundary()
             report.step = self.step
-            report.inner_loss, report.inner_seconds = self.inner()
+            self.inner(report)
             self.sync(report)
             self.checkpoint()
         except Excluded as e:
@@ -450,6 +538,7 @@ class DilocoWorker:
         else:
             self.step = self.committed
             self.m.set(METRICS(report.step, self.worker), json.dumps(asdict(report)))
+            self.metrics_log.log(report.step, asdict(report))
         return report
 
     def run_until_done(self, observe: Callable[[StepReport], None] | None = None) -> None:
@@ -469,7 +558,8 @@ class DilocoWorker:
         if clean:
             self.m.deathrattle()
         self.m.close()
+        self.metrics_log.close()
 
 
-__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "init_run", "inner_train_config",
-           "publish_outer_checkpoint", "shard_stream"]
+__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "data_sketch", "inner_train_config",
+           "metrics_series", "sequence_hash", "shard_stream"]
