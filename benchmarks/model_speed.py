@@ -51,11 +51,11 @@ def generation_tokens_per_s(prompts: int, new_tokens: int) -> tuple[float, float
     # The ignores: transformers 5 types generate's self as GenerativePreTrainedModel, a Protocol that
     # decoder-only models (no `encoder`) do not match; LlamaForCausalLM.generate is GenerationMixin's.
     with torch.no_grad():
-        model.generate(  # pyright: ignore[reportAttributeAccessIssue]  # wrong self type in transformers
+        model.generate(  # pyright: ignore[reportAttributeAccessIssue, reportCallIssue]  # wrong self type in transformers
             input_ids=padded[:4], attention_mask=mask[:4], max_new_tokens=2, do_sample=False,
         )
         t0 = time.perf_counter()
-        out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]  # wrong self type in transformers
+        out = model.generate(  # pyright: ignore[reportAttributeAccessIssue, reportCallIssue]  # wrong self type in transformers
             input_ids=padded, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             do_sample=False, pad_token_id=pad_id,
         )
