@@ -36,7 +36,8 @@ from intellect.data.arithmetic import heldout_problems  # noqa: E402
 from intellect.data.text import PackedStream, heldout_batches  # noqa: E402
 from intellect.device import dist_backend, prepare_model, resolve_device  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
-from intellect.diloco.worker import inner_train_config, shard_stream  # noqa: E402
+from intellect.diloco.data import shard_stream  # noqa: E402
+from intellect.diloco.worker import inner_train_config  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.train import Trainer, evaluate, heldout_loss  # noqa: E402
 

@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="intellect", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     helps = {
-        "smoke": "build the tiny model, pretrain it briefly, report accuracy",
+        "smoke": "build a model, pretrain it briefly (arithmetic or a text corpus), report held-out results",
         "diloco": "DiLoCo pretraining with N worker processes (int8 all-reduce, elastic membership)",
         "rl": "asynchronous GRPO: inference worker processes, validator, DuckDB ledger, trainer",
         "filter": "offline difficulty filter: pass@k of the current model, keep prompts in the window",

@@ -37,6 +37,10 @@ from intellect.config import ComputeConfig
 Precision = Literal["fp32", "bf16-mixed", "bf16"]
 
 
+# Set by torchrun, and by the DiLoCo coordinator for the workers it starts.
+LOCAL_RANK_ENV = "LOCAL_RANK"
+
+
 class DeviceError(RuntimeError):
     """A configured device this machine does not have; the message says what it has."""
 
@@ -46,7 +50,7 @@ def local_rank(environ: os._Environ[str] | dict[str, str] | None = None) -> int:
     coordinator for the workers it starts); 0 when unset."""
     env = os.environ if environ is None else environ
     try:
-        return max(0, int(env.get("LOCAL_RANK", "0")))
+        return max(0, int(env.get(LOCAL_RANK_ENV, "0")))
     except ValueError:
         return 0
 

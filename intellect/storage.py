@@ -111,7 +111,7 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _env(*names: str) -> str | None:
+def env_first(*names: str) -> str | None:
     for n in names:
         if os.environ.get(n):
             return os.environ[n]
@@ -194,11 +194,11 @@ class RunStorage:
     def _s3(endpoint_url, key, secret, region, timeout, retries):
         import s3fs  # noqa: PLC0415 - only S3 runs pay for aiobotocore
 
-        region = region or _env("AWS_REGION", "AWS_DEFAULT_REGION")
+        region = region or env_first("AWS_REGION", "AWS_DEFAULT_REGION")
         fs = s3fs.S3FileSystem(
-            endpoint_url=endpoint_url or _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-            key=key or _env("AWS_ACCESS_KEY_ID"),
-            secret=secret or _env("AWS_SECRET_ACCESS_KEY"),
+            endpoint_url=endpoint_url or env_first("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+            key=key or env_first("AWS_ACCESS_KEY_ID"),
+            secret=secret or env_first("AWS_SECRET_ACCESS_KEY"),
             client_kwargs={"region_name": region} if region else {},
             config_kwargs={
                 "connect_timeout": timeout,

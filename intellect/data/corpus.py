@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from intellect.config import StorageConfig, TextDataConfig
-from intellect.storage import _env
+from intellect.storage import env_first
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +128,10 @@ def s3_client(options: dict[str, Any] | None = None):
     timeout, retries = float(opts.get("timeout") or 30.0), int(opts.get("retries") or 3)
     return boto3.client(
         "s3",
-        endpoint_url=opts.get("endpoint_url") or _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-        aws_access_key_id=opts.get("key") or _env("AWS_ACCESS_KEY_ID"),
-        aws_secret_access_key=opts.get("secret") or _env("AWS_SECRET_ACCESS_KEY"),
-        region_name=opts.get("region") or _env("AWS_REGION", "AWS_DEFAULT_REGION"),
+        endpoint_url=opts.get("endpoint_url") or env_first("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+        aws_access_key_id=opts.get("key") or env_first("AWS_ACCESS_KEY_ID"),
+        aws_secret_access_key=opts.get("secret") or env_first("AWS_SECRET_ACCESS_KEY"),
+        region_name=opts.get("region") or env_first("AWS_REGION", "AWS_DEFAULT_REGION"),
         config=Config(connect_timeout=timeout, read_timeout=timeout,
                       retries={"total_max_attempts": retries, "mode": "standard"}),
     )

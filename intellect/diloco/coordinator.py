@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from intellect.device import LOCAL_RANK_ENV
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import StoreLost, connect_store, scope
@@ -133,7 +134,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 WORKER_MODULE = "intellect.diloco.coordinator"  # ``python -m`` it with :func:`worker_args`
 CREDENTIAL_ENVS = (SECRET_ENV, PEER_KEY_ENV, ALLREDUCE_KEY_ENV)
-LOCAL_RANK_ENV = "LOCAL_RANK"  # read by intellect.device.local_rank
 
 
 def worker_args(worker: str, index: int, config_path: str, store: str) -> list[str]:

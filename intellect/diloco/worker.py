@@ -39,25 +39,23 @@ gloo (:meth:`DilocoWorker._group`), and checkpoints are fp32 CPU weights. Each c
 
 from __future__ import annotations
 
-import hashlib
-import heapq
 import json
 import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
-from intellect.data.arithmetic import documents
 from intellect.data.text import PackedStream
 from intellect.device import dist_backend, local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
+from intellect.diloco.data import data_sketch, shard_stream, sketched_batches
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.faults import NO_FAULTS, Faults
@@ -113,40 +111,9 @@ class StepReport:
     data_sketch: list[str] = field(default_factory=list)  # data_sketch() of the sequences trained on
 
 
-SKETCH_SIZE = 16
-
-
-def sequence_hash(data: bytes) -> str:
-    """The 64-bit BLAKE2b hash of one training sequence's bytes, in hex."""
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def data_sketch(hashes: Iterable[str], k: int = SKETCH_SIZE) -> list[str]:
-    """The ``k`` smallest distinct ``hashes`` (:func:`sequence_hash` of the sequences read): a bottom-k
-    sketch, equal for workers that read the same data and disjoint between workers whose reads are
-    (up to sequences the corpus repeats). The sketch of a union is the sketch of its parts' sketches,
-    so a reader keeps it bounded as it goes.
-
-    >>> h = [sequence_hash(s) for s in (b"x", b"y", b"z", b"y")]
-    >>> data_sketch(h, 2) == data_sketch(data_sketch(h[:2], 2) + h[2:], 2), len(data_sketch(h, 2))
-    (True, 2)
-    >>> set(data_sketch(h)).isdisjoint(data_sketch([sequence_hash(b"u")]))
-    True
-    """
-    return heapq.nsmallest(k, set(hashes))
-
-
 def metrics_series(worker: str) -> str:
     """The run storage name of ``worker``'s metrics time series (one row per committed outer step)."""
     return f"metrics/diloco/{worker}.jsonl"
-
-
-def shard_stream(run: DilocoRunConfig, index: int):
-    """The pretraining documents of worker ``index``: its own seed, and its own ops when non-i.i.d."""
-    data = run.data
-    if run.diloco.data_split == "non_iid":
-        data = data.model_copy(update={"ops": [data.ops[index % len(data.ops)]]})
-    return documents(data, seed=data.seed * 1000 + index + 1)
 
 
 def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) -> dict:
@@ -386,18 +353,8 @@ class DilocoWorker:
 
     def batches(self, seen: list[str]) -> Iterator:
         """Training batches of this worker's shard; ``seen`` keeps the :func:`data_sketch` of their sequences."""
-        size, stream = self.run.train.batch_size, self.stream
-        while True:
-            if isinstance(stream, PackedStream):
-                batch = stream.next_batch(size)
-                seen.extend(sequence_hash(row.numpy().tobytes()) for row in batch["input_ids"])
-            else:
-                assert stream is not None  # arithmetic streams open with the worker
-                batch = [next(stream) for _ in range(size)]
-                seen.extend(sequence_hash(t.encode()) for t in batch)
-            if len(seen) > 64 * SKETCH_SIZE:
-                seen[:] = data_sketch(seen)
-            yield batch
+        assert self.stream is not None  # arithmetic streams open with the worker, text ones at its first boundary
+        return sketched_batches(self.stream, self.run.train.batch_size, seen)
 
     def inner(self, report: StepReport) -> None:
         """H inner steps: the report's inner_loss, inner_seconds, tokens, shard and data_sketch."""
@@ -561,5 +518,4 @@ class DilocoWorker:
         self.metrics_log.close()
 
 
-__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "data_sketch", "inner_train_config",
-           "metrics_series", "sequence_hash", "shard_stream"]
+__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "inner_train_config", "metrics_series"]

@@ -16,7 +16,6 @@ whoever needs padding brings their own). The folder loads with
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -32,7 +31,7 @@ from transformers import PreTrainedTokenizerFast
 
 from intellect.config import ConfigError, DataConfig, SmokeConfig, load_config
 from intellect.data.text import iter_documents
-from intellect.model.checkpoint import _PORTABLE_TOKENIZER_CLASS
+from intellect.model.checkpoint import make_tokenizer_portable
 from intellect.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,10 +82,7 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, folder: str | os.PathLike) -> P
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
         tok.save_pretrained(tmp)
-        cfg_file = tmp / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text())
-        cfg["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS  # loadable by transformers 4 (vLLM) too
-        cfg_file.write_text(json.dumps(cfg, indent=2))
+        make_tokenizer_portable(tmp)
         try:
             os.rename(tmp, path)  # replaces an empty folder, never a full one
         except OSError as e:

@@ -69,6 +69,15 @@ def load_checkpoint_copy(path: str | os.PathLike, dtype: torch.dtype | None = No
     return model, tok
 
 
+def make_tokenizer_portable(folder: str | os.PathLike) -> None:
+    """Name a saved tokenizer's class as transformers 4 (many vLLM releases) knows it too."""
+    cfg_file = Path(folder) / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text())
+    if tok_cfg.get("tokenizer_class") in ("TokenizersBackend", _PORTABLE_TOKENIZER_CLASS):
+        tok_cfg["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS
+        cfg_file.write_text(json.dumps(tok_cfg, indent=2))
+
+
 def save_checkpoint(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> Path:
     """Write an HF folder atomically: assemble in a sibling temp folder, then rename."""
     path = Path(path)
@@ -78,11 +87,7 @@ def save_checkpoint(model: PreTrainedModel, tokenizer, path: str | os.PathLike) 
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        cfg_file = tmp / "tokenizer_config.json"
-        tok_cfg = json.loads(cfg_file.read_text())
-        if tok_cfg.get("tokenizer_class") == "TokenizersBackend":
-            tok_cfg["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS
-            cfg_file.write_text(json.dumps(tok_cfg, indent=2))
+        make_tokenizer_portable(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

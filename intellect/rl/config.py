@@ -66,8 +66,9 @@ class WorkersConfig(StrictModel):
 
     names: list[str] = Field(
         default_factory=lambda: ["worker-a", "worker-b"], min_length=1, max_length=256,
-        description="Local workers (one process and one key file each). rl-train's workers are known by their "
-        "key ids, from keys/<name>.key of the local run folder; rl-step and rl-generate use the names as ids.",
+        description="The workers rl-train starts (one process and one key each). They are known by their key ids: "
+        "from keys/<name>.key of the local run folder (launch = local), or as their rl-worker flow runs announce "
+        "them (launch = deployments); rl-step and rl-generate use the names as ids.",
     )
     remote: list[str] = Field(
         default_factory=list, max_length=4096,

@@ -5,11 +5,11 @@ import copy
 import math
 
 import pytest
+from rl_device_helpers import PROOFS, SUB, TASKS, TINY, adam_state, parity_reward, requests, samples, trainer
 import torch
 
 from intellect.checkpoints import CHECKPOINTS, fetch, fetch_recorded, publish, record
-from intellect.config import ComputeConfig, ModelConfig
-from intellect.data.arithmetic import Problem
+from intellect.config import ComputeConfig
 from intellect.device import resolve_device
 from intellect.inference import Request, SamplingParams, TorchEngine, uniforms
 from intellect.ledger import Ledger
@@ -17,50 +17,22 @@ from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
 from intellect.rl.local_step import run_rl_step
 from intellect.rl.step import CheckpointEngines, torch_engine
-from intellect.rl.submission import SubmissionConfig, generate_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample
+from intellect.rl.submission import generate_submission
+from intellect.rl.trainer import RLTrainerConfig
 from intellect.storage import RunStorage
 from intellect.toploc.check import toploc_check
-from intellect.toploc.proofs import ToplocConfig, check_many
+from intellect.toploc.proofs import check_many
 
 pytestmark = pytest.mark.gpu
 
-TINY = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)
 FP32 = ComputeConfig(device="cuda", precision="fp32")
 MIXED = ComputeConfig(device="cuda", precision="bf16-mixed")
 BF16 = ComputeConfig(device="cuda", precision="bf16")
-SUB = SubmissionConfig(prompts_per_submission=2, group_size=4, max_tokens=24, temperature=1.0)
-TASKS = [Problem(a, "+", b).to_task() for a in range(4) for b in range(3)]
-# one bf16 near-tie flip is several percent of these short rollouts (see tests/unit/test_rl_device.py)
-PROOFS = ToplocConfig(max_resampled_fraction=0.25)
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return build_model(TINY)
-
-
-def samples(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        prompt = torch.randint(4, 20, (3 + i % 3,), generator=g).tolist()
-        output = torch.randint(4, 20, (2 + i % 4,), generator=g).tolist()
-        out.append(Sample(prompt, output, float(torch.randn(1, generator=g))))
-    return out
-
-
-def trainer(tiny, compute):
-    cfg = RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2, micro_batch_size=2)
-    return GRPOTrainer(copy.deepcopy(tiny[0]), tiny[1], cfg, compute=compute)
-
-
-def adam_state(t):
-    return [v for s in t.optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
-
-
-def requests(tok):
-    return [Request(tok(p)["input_ids"], seed=i) for i, p in enumerate(("1+2=", "33+4=", "5+66=", "7"))]
 
 
 def test_auto_takes_the_gpu_of_the_local_rank(monkeypatch):
@@ -128,10 +100,6 @@ def test_bf16_mixed_proofs_verify_on_cuda(tiny):
     cheat = toploc_check(lambda _policy: TorchEngine.for_tokenizer(other, tok, compute=MIXED), SUB.sampling(),
                          PROOFS, [tok.eos_token_id])
     assert all(r is not None and r.startswith("toploc_") for r in cheat(rows))
-
-
-def parity_reward(completion, task):  # noqa: ARG001 - the reward signature
-    return float(sum(map(ord, completion)) % 2)
 
 
 def test_rl_steps_on_cuda_in_bf16_mixed(tiny, tmp_path):

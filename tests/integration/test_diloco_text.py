@@ -18,7 +18,8 @@ from intellect.config import load_config
 from intellect.data.text import heldout_batches
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher, worker_log_dir
-from intellect.diloco.worker import SKETCH_SIZE, metrics_series
+from intellect.diloco.data import SKETCH_SIZE
+from intellect.diloco.worker import metrics_series
 from intellect.storage import RunStorage
 from intellect.train import heldout_loss
 

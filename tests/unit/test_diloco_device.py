@@ -11,12 +11,13 @@ import flows.diloco as diloco_flow
 import flows.diloco_worker as worker_flow
 import intellect.diloco.outer as outer_mod
 import intellect.diloco.worker as worker_mod
+import intellect.diloco.data as data_mod
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import ComputeConfig, ModelConfig, TrainConfig
 from intellect.device import prepare_model
 from intellect.diloco.coordinator import LOGS, save_logs, worker_log_dir
 from intellect.diloco.outer import OuterState, host_model, publish_outer_checkpoint
-from intellect.diloco.worker import data_sketch, sequence_hash
+from intellect.diloco.data import data_sketch, sequence_hash
 from intellect.model.checkpoint import build_model
 from intellect.storage import RunStorage
 from intellect.train import Trainer
@@ -26,7 +27,7 @@ CPU = torch.device("cpu")
 
 
 def test_docstring_examples():
-    for mod in (outer_mod, worker_mod, diloco_flow, worker_flow):
+    for mod in (outer_mod, worker_mod, data_mod, diloco_flow, worker_flow):
         assert doctest.testmod(mod).failed == 0, mod.__name__
 
 
@@ -116,7 +117,7 @@ def test_an_fp32_cpu_model_is_its_own_host_model():
 def test_data_sketch_tells_disjoint_reads_from_shared_ones():
     rows = [sequence_hash(torch.arange(i, i + 8).numpy().tobytes()) for i in range(100)]
     a, b = data_sketch(rows[:50]), data_sketch(rows[50:])
-    assert len(a) == len(b) == worker_mod.SKETCH_SIZE and set(a).isdisjoint(b)
+    assert len(a) == len(b) == data_mod.SKETCH_SIZE and set(a).isdisjoint(b)
     assert data_sketch(reversed(rows[:50])) == a and data_sketch(rows) == data_sketch(a + b)
 
 

@@ -3,12 +3,9 @@
 import importlib.util
 import json
 import math
-import os
 import time
-import uuid
 from pathlib import Path
 
-import boto3
 import duckdb
 import pytest
 import torch
@@ -170,31 +167,6 @@ def test_tensorboard_event_files_hold_the_numeric_metrics(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 1.0), (1, 2.0), (2, 3.0)]
     with pytest.raises(ValueError, match="tensorboard_dir"):
         MetricsLog(RunStorage("s3://bucket/run"), "m.jsonl", LoggingConfig(tensorboard=True))
-
-
-@pytest.fixture(scope="module")
-def s3_storage(tmp_path_factory):
-    """A run on a real S3 API: the integration suite's moto server on 127.0.0.1, stopped by PID."""
-    path = Path(__file__).resolve().parents[1] / "integration" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("integration_conftest", path)
-    assert spec is not None and spec.loader is not None
-    moto = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moto)
-    proc, url = moto._start_moto(tmp_path_factory.mktemp("moto") / "server.log", timeout=30)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        bucket = f"test-{uuid.uuid4().hex[:16]}"
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=bucket)
-        yield RunStorage(f"s3://{bucket}/runs/test", endpoint_url=url)
-    finally:
-        moto._stop(proc)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.slow

@@ -8,11 +8,11 @@ import copy
 import math
 
 import pytest
+from rl_device_helpers import PROOFS, SUB, TASKS, TINY, adam_state, parity_reward, requests, samples, trainer
 import torch
 
 from intellect.checkpoints import CHECKPOINTS, fetch, fetch_recorded, publish, record
-from intellect.config import ComputeConfig, ModelConfig
-from intellect.data.arithmetic import Problem
+from intellect.config import ComputeConfig
 from intellect.inference import Request, SamplingParams, TorchEngine
 from intellect.inference.torch_engine import lm_head
 from intellect.ledger import Ledger
@@ -20,24 +20,16 @@ from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
 from intellect.rl.local_step import run_rl_step
 from intellect.rl.step import CheckpointEngines, torch_engine
-from intellect.rl.submission import SubmissionConfig, generate_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample
+from intellect.rl.submission import generate_submission
+from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig
 from intellect.rl.worker import WorkerRunInfo, keygen, main as worker_main
 from intellect.storage import RunStorage
 from intellect.toploc.check import right_padded_prefill, toploc_check
-from intellect.toploc.proofs import ToplocConfig, check_many
+from intellect.toploc.proofs import check_many
 from intellect.trust.keys import SigningKey
 
-TINY = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)
 MIXED = ComputeConfig(device="cpu", precision="bf16-mixed")
 BF16 = ComputeConfig(device="cpu", precision="bf16")
-SUB = SubmissionConfig(prompts_per_submission=2, group_size=4, max_tokens=24, temperature=1.0)
-TASKS = [Problem(a, "+", b).to_task() for a in range(4) for b in range(3)]
-# bf16 compute flips an honest near-tie now and then (about one token in a thousand here, as on bf16
-# GPUs) between the worker's cached decode and the validator's prefill; in these short rollouts one flip
-# is several percent of a row, so the per-rollout allowance is widened. The pooled seeded test still
-# holds each submission to honest_flip_rate, and the proofs' own tolerances are the defaults.
-PROOFS = ToplocConfig(max_resampled_fraction=0.25)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,26 +43,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny():
     return build_model(TINY)
-
-
-def samples(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        prompt = torch.randint(4, 20, (3 + i % 3,), generator=g).tolist()
-        output = torch.randint(4, 20, (2 + i % 4,), generator=g).tolist()
-        out.append(Sample(prompt, output, float(torch.randn(1, generator=g))))
-    return out
-
-
-def trainer(tiny, compute, **kw):
-    model, tok = tiny
-    cfg = RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2, micro_batch_size=2, **kw)
-    return GRPOTrainer(copy.deepcopy(model), tok, cfg, compute=compute)
-
-
-def adam_state(t: GRPOTrainer) -> list[torch.Tensor]:
-    return [v for s in t.optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
 
 
 # ---------------------------------------------------------------------- trainer
@@ -135,10 +107,6 @@ def test_a_reference_model_is_placed_too(tiny):
 
 
 # ---------------------------------------------------------------------- engine
-
-
-def requests(tok):
-    return [Request(tok(p)["input_ids"], seed=i) for i, p in enumerate(("1+2=", "33+4=", "5+66=", "7"))]
 
 
 @pytest.mark.parametrize("compute", [MIXED, BF16], ids=["bf16-mixed", "bf16"])
@@ -223,10 +191,6 @@ def test_checkpoint_engines_prefill_in_the_configured_precision(seeded):
     engine = CheckpointEngines(storage, ledger, compute=BF16)(0).engine
     assert engine.precision == "bf16" and {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     assert CheckpointEngines(storage, ledger)(0).engine.precision == "fp32"
-
-
-def parity_reward(completion, task):  # noqa: ARG001 - the reward signature
-    return float(sum(map(ord, completion)) % 2)  # the untrained model hits it half the time: every group has signal
 
 
 def test_rl_steps_in_bf16_mixed_with_toploc(seeded):
