@@ -43,7 +43,16 @@ SHARD_BYTES = 64 << 20
 
 
 def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    """This process's peak resident memory. Linux's VmHWM, because ``ru_maxrss`` survives ``execve``:
+    a child started by a large parent would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux, bytes on macOS
 
 
 def load_cfg():
