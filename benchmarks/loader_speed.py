@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from intellect.config import SmokeConfig, load_config
 from intellect.data.corpus import stdlib_files
@@ -36,6 +35,7 @@ from intellect.data.text import PackedStream, eos_id
 from intellect.device import prepare_model, resolve_device
 from intellect.model.bpe import ensure_tokenizer
 from intellect.model.checkpoint import build_model
+from intellect.model.tokenizer import load_tokenizer
 from intellect.train import Trainer
 
 CONFIG = "configs/pretrain-text.toml"
@@ -61,7 +61,7 @@ def load_cfg():
 
 def tokenizer_for(cfg):
     ensure_tokenizer(cfg.model.tokenizer, cfg.data, cfg.model.tokenizer_vocab)
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    return load_tokenizer(cfg.model.tokenizer)
 
 
 def make_corpus(folder: Path, total_bytes: int) -> int:
