@@ -47,11 +47,8 @@ EVAL_SIZE = 512
 def _batches(run: DilocoRunConfig, tok, rank: int, world: int):
     """Rank ``rank``'s training batches: DiLoCo worker ``rank``'s stream, or shard ``rank`` of ``world`` of the corpus."""
     size = run.train.batch_size
-    if run.data.kind == "text":
-        packed = PackedStream(run.data, tok, shard=rank, shards=world)
-        return iter(lambda: packed.next_batch(size), None)
-    stream = shard_stream(run, rank)
-    return iter(lambda: [next(stream) for _ in range(size)], None)
+    stream = PackedStream(run.data, tok, shard=rank, shards=world) if run.data.kind == "text" else shard_stream(run, rank)
+    return iter(lambda: stream.next_batch(size), None)
 
 
 def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:

@@ -22,7 +22,7 @@ slow link, the solved ring order at least 2x faster than the worst order."
 * ``auto`` (the worker config's default, ``diloco.algorithm``) runs in both parts as a
   worker does it: the ranks probe each pair over gloo (``bandwidth.measure_ring``,
   ``bandwidth_probe_bytes`` each way, not timed as part of the all-reduce), and the
-  worker's ``allreduce_plan`` solves the ring and picks from the estimates; its row is held to the bound of the
+  worker's ``allreduce_plan`` (``intellect.diloco.plan``) solves the ring and picks from the estimates; its row is held to the bound of the
   bytes it sent, i.e. of the algorithm it chose. In part 1 its "unshaped s" runs the
   algorithm and order it chose on the shaped links.
 
@@ -69,7 +69,7 @@ def resolve_auto(trial: dict, group, store, key: str, numel: int) -> tuple[dict,
 
     from intellect.diloco.config import DilocoConfig
     from intellect.diloco.bandwidth import measure_ring
-    from intellect.diloco.worker import allreduce_plan
+    from intellect.diloco.plan import allreduce_plan
 
     t0 = time.perf_counter()
     pstore = dist.PrefixStore(key, store)  # pyright: ignore[reportPrivateImportUsage]  # public, from torch._C

@@ -21,7 +21,7 @@ from prefect.artifacts import create_table_artifact
 from flows.artifacts import artifact_key
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, main, parse_worker_args, worker_main
-from intellect.diloco.worker import StepReport
+from intellect.diloco.report import StepReport
 
 LISTS = ("members", "flagged", "banned")  # joined with commas in the table
 HIDDEN = ("data_sketch",)  # hashes for comparing workers' reads: in the metrics series, not the table

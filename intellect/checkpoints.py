@@ -56,8 +56,13 @@ class Sidecar(StrEnum):
     # the RL trainer's report of the step that produced this checkpoint (:class:`SavedStepReport`),
     # so a rerun that skips training can still commit
     STEP_REPORT = "rl_step.json", False
-    # the RL trainer's AdamW state and step count (about twice the weights), so a resumed run keeps its moments
+    # a trainer's AdamW state and step count (about twice the weights): the RL trainer's, and a mid-phase
+    # pretraining checkpoint's, so a resumed run keeps its moments
     OPTIMIZER = "optimizer.pt", False
+    # a mid-phase pretraining checkpoint's data position (a training stream's ``state_dict``)
+    DATA_STATE = "data_state.json", False
+    # what a mid-phase pretraining checkpoint belongs to and how far its phase got (:class:`PhaseProgress`)
+    PHASE = "pretrain_phase.json", False
     # where checkpoint 0 of an RL run came from: ``{"origin": <path or URI>}``
     ORIGIN = "origin.json", False
     # DiLoCo's outer optimizer state (Nesterov momentum), so a resumed run keeps it
@@ -71,6 +76,8 @@ OPTIMIZER = Sidecar.OPTIMIZER
 ORIGIN = Sidecar.ORIGIN
 OUTER_STATE = Sidecar.OUTER_STATE
 TRAIN_REPORT = Sidecar.TRAIN_REPORT
+DATA_STATE = Sidecar.DATA_STATE
+PHASE = Sidecar.PHASE
 
 TRAINER_ONLY = frozenset(s.value for s in Sidecar if not s.for_inference)
 

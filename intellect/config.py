@@ -311,6 +311,11 @@ class SmokeConfig(StrictModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint_every: int = Field(
+        default=0, ge=0, le=10_000_000,
+        description="Publish a resumable checkpoint (weights, AdamW state, data position) every N training "
+        "steps (0: only the phase's last); a killed run resumes from the newest one, exactly.",
+    )
     pass_at_k_samples: int = Field(
         default=8, ge=0, le=64, description="Samples per held-out prompt for the pass-rate report (0: skip)."
     )

@@ -4,32 +4,39 @@ The smoke run's steps, each a plain function over run storage so that a Prefect 
 test can call it: build and publish the initial checkpoint (training the corpus's BPE tokenizer first
 when a text run needs one), train from a checkpoint on the configured device and precision, evaluate
 a checkpoint (held-out loss and perplexity; for arithmetic also greedy accuracy), and measure pass@k
-rates on held-out prompts (arithmetic). Checkpoints are those of :mod:`intellect.checkpoints`,
-always published from the CPU in the precision's weight dtype (fp32, or bf16 for ``bf16``). Each
-training step writes one row of the JSONL series :data:`METRICS_SERIES` (:class:`~intellect.metrics.MetricsLog`).
+rates on held-out prompts (arithmetic). Checkpoints are those of :mod:`intellect.checkpoints`, in the
+precision's weight dtype (fp32, or bf16 for ``bf16``); mid-phase ones (``checkpoint_every``) also hold
+the AdamW state and the data stream's position (:mod:`intellect.data.stream`), so a killed phase
+resumes exactly. Each training step writes one row of the JSONL series :data:`METRICS_SERIES`
+(:class:`~intellect.metrics.MetricsLog`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PretrainedConfig
 
-from intellect.checkpoints import CHECKPOINTS, TRAIN_REPORT, fetch, publish
+from intellect.checkpoints import (CHECKPOINTS, DATA_STATE, OPTIMIZER, PHASE, TRAIN_REPORT, fetch, publish,
+                                   verified_copy)
 from intellect.config import SmokeConfig
-from intellect.data.arithmetic import documents, heldout_problems
-from intellect.data.text import PackedStream, heldout_batches
+from intellect.data.arithmetic import heldout_problems
+from intellect.data.stream import open_stream
+from intellect.data.text import heldout_batches
 from intellect.device import prepare_model, resolve_device
 from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
 from intellect.model.bpe import ensure_tokenizer
-from intellect.model.checkpoint import build_model
-from intellect.storage import RunStorage
-from intellect.train import Batch, evaluate, heldout_loss, pass_counts, perplexity, train
+from intellect.model.checkpoint import build_model, load_checkpoint_copy
+from intellect.storage import STABLE, RunStorage
+from intellect.train import Trainer, evaluate, heldout_loss, pass_counts, perplexity
 
 METRICS_SERIES = "metrics/pretrain.jsonl"  # one row per logged step, in run storage
 
@@ -60,17 +67,6 @@ class PretrainOutcome:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def training_batches(cfg: SmokeConfig, tokenizer) -> Iterator[Batch]:
-    """Endless training batches of ``cfg.train.batch_size`` rows: lists of arithmetic texts, or packed
-    batch dicts of the text corpus's train split."""
-    n = cfg.train.batch_size
-    if cfg.data.kind == "text":
-        stream = PackedStream(cfg.data, tokenizer)
-        return iter(lambda: stream.next_batch(n), None)
-    docs = documents(cfg.data)
-    return iter(lambda: [next(docs) for _ in range(n)], None)
 
 
 class StepMetrics:
@@ -104,6 +100,60 @@ class StepMetrics:
                 "tokens_per_s": tps, "mfu": util, "seconds": seconds}
 
 
+class PhaseProgress(BaseModel):
+    """The :data:`~intellect.checkpoints.PHASE` sidecar of a mid-phase checkpoint: which phase it belongs
+    to (its start step and a fingerprint of the settings that decide the batches and the updates) and
+    the phase's totals so far, so a resumed phase reports the whole phase."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    from_step: int = Field(ge=0, description="Checkpoint the phase started from.")
+    steps: int = Field(ge=1, description="Training steps of the whole phase.")
+    done: int = Field(ge=1, description="Training steps done when this checkpoint was written.")
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="phase_fingerprint() of the run's settings.")
+    tokens: int = Field(ge=0, description="Target tokens trained on so far.")
+    seconds: float = Field(ge=0, description="Training seconds so far.")
+    flops: float = Field(ge=0, description="Model FLOPs so far.")
+    first_loss: float = Field(description="Loss of the phase's first step.")
+
+
+def phase_fingerprint(cfg: SmokeConfig) -> str:
+    """sha256 of what must not change for a resumed phase to equal an unkilled one: the training and
+    data settings and the precision (the device may change: a CPU phase can resume on a GPU)."""
+    parts = [cfg.train.model_dump(mode="json"), cfg.data.model_dump(mode="json"), cfg.compute.precision]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _mid_phase(storage: RunStorage, from_step: int, steps: int, fingerprint: str) -> tuple[int, PhaseProgress] | None:
+    """The newest complete checkpoint strictly inside the phase and its progress, if there is one. A
+    checkpoint there that this phase did not write is an error: publishing over it is impossible."""
+    for s in reversed(storage.complete_steps(CHECKPOINTS)):
+        if not from_step < s < from_step + steps:
+            continue
+        where = storage.uri(storage.step_path(s, CHECKPOINTS))
+        rel = f"{storage.step_path(s, CHECKPOINTS)}/{PHASE}"
+        if not storage.exists(rel):
+            raise ValueError(f"checkpoint {where} lies inside the phase {from_step}..{from_step + steps} but is no "
+                             "mid-phase checkpoint of it: delete it or use another run_name")
+        progress = PhaseProgress.model_validate_json(storage.read_bytes(rel))
+        if (progress.from_step, progress.steps, progress.done) != (from_step, steps, s - from_step):
+            raise ValueError(f"checkpoint {where} belongs to another phase (from step {progress.from_step}, "
+                             f"{progress.steps} steps): delete it or use another run_name")
+        if progress.fingerprint != fingerprint:
+            raise ValueError(f"checkpoint {where} was written with other train, data or precision settings: "
+                             "resume with those, or delete it or use another run_name")
+        return s, progress
+    return None
+
+
+def _drop(storage: RunStorage, steps: list[int]) -> None:
+    """Delete complete checkpoints: ``STABLE`` first, so no reader takes a half-deleted one."""
+    for s in steps:
+        rel = storage.step_path(s, CHECKPOINTS)
+        storage.delete(f"{rel}/{STABLE}")
+        storage.delete(rel, recursive=True)
+
+
 def pretrain(
     cfg: SmokeConfig,
     storage: RunStorage,
@@ -117,41 +167,71 @@ def pretrain(
     :data:`METRICS_SERIES` every ``logging.every`` steps (and at the last step) under the run's
     global step. Idempotent: when the target checkpoint is already complete (a retried task, a rerun
     of the same run) it is reused and its saved report returned.
+
+    With ``cfg.checkpoint_every`` every that many steps a mid-phase checkpoint is published (weights,
+    AdamW state with the step count and the generator, the data stream's position, the phase's
+    totals; only the newest is kept, and none once the phase is done). A phase killed at any point
+    resumes from the newest one: the same next batches and, in fp32 on the CPU, the same weights.
     """
-    step = from_step + cfg.train.steps
+    steps, step = cfg.train.steps, from_step + cfg.train.steps
     if storage.is_stable(step, CHECKPOINTS):
         saved = json.loads(storage.read_text(f"{storage.step_path(step, CHECKPOINTS)}/{TRAIN_REPORT}"))
         return PretrainOutcome(**{**saved, "resumed": True})
+    fingerprint = phase_fingerprint(cfg)
+    resume = _mid_phase(storage, from_step, steps, fingerprint)
     device = resolve_device(cfg.compute.device)
-    model, tok = fetch(storage, from_step)
-    if cfg.data.kind == "text" and cfg.data.text.seq_len > model.config.max_position_embeddings:
-        raise ValueError(f"data.text.seq_len ({cfg.data.text.seq_len}) exceeds the model's "
-                         f"max_position_embeddings ({model.config.max_position_embeddings})")
-    prepare_model(model, cfg.compute, device)
+    with verified_copy(storage, resume[0] if resume else from_step) as folder:
+        model, tok = load_checkpoint_copy(folder)
+        if cfg.data.kind == "text" and cfg.data.text.seq_len > model.config.max_position_embeddings:
+            raise ValueError(f"data.text.seq_len ({cfg.data.text.seq_len}) exceeds the model's "
+                             f"max_position_embeddings ({model.config.max_position_embeddings})")
+        prepare_model(model, cfg.compute, device)
+        trainer = Trainer(model, tok, cfg.train, cfg.compute)
+        stream = open_stream(cfg.data, tok)
+        if resume:
+            trainer.load_state_bytes((folder / OPTIMIZER).read_bytes())
+            stream.load_state_dict(json.loads((folder / DATA_STATE).read_text()))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # before the CPU's peak is measured with that many
+    if not resume:
+        torch.manual_seed(cfg.train.seed)
     metrics = StepMetrics(model.config, cfg, peak_flops(device, cfg.compute.precision, cfg.compute.peak_tflops))
+    done = resume[1] if resume else None
+    tokens, seconds = (done.tokens, done.seconds) if done else (0, 0.0)
+    first_loss, metrics.flops = (done.first_loss, done.flops) if done else (math.nan, 0.0)
+    mids = [resume[0]] if resume else []
+    last_loss = math.nan
     with MetricsLog(storage, METRICS_SERIES, cfg.logging) as series:
-        def record(n: int, log: dict) -> None:
+        while trainer.step < steps:
+            log = trainer.train_step(stream.next_batch(cfg.train.batch_size))
+            n = trainer.step
             row = metrics.row(log)
-            series.log(from_step + n, row, force=n == cfg.train.steps)
+            tokens, seconds = tokens + int(log["tokens"]), seconds + float(log["seconds"])
+            last_loss, first_loss = log["loss"], log["loss"] if n == 1 else first_loss
+            series.log(from_step + n, row, force=n == steps or (cfg.checkpoint_every > 0 and n % cfg.checkpoint_every == 0))
             if on_step:
                 on_step(n, row)
-
-        result = train(model, tok, cfg.train, training_batches(cfg, tok), record, cfg.compute)
+            if cfg.checkpoint_every and n % cfg.checkpoint_every == 0 and n < steps:
+                series.flush()  # the series up to the checkpoint survives a kill right after it
+                progress = PhaseProgress(from_step=from_step, steps=steps, done=n, fingerprint=fingerprint,
+                                         tokens=tokens, seconds=seconds, flops=metrics.flops, first_loss=first_loss)
+                publish(model, tok, storage, from_step + n, {OPTIMIZER: trainer.state_bytes(),
+                                                             DATA_STATE: stream.state_dict(), PHASE: progress})
+                _drop(storage, mids)
+                mids = [from_step + n]
     outcome = PretrainOutcome(
         step=step,
-        seconds=result.seconds,
-        tokens=result.tokens,
-        first_loss=result.history[0]["loss"],
-        final_loss=result.history[-1]["loss"],
-        mfu=mfu(result.tokens / result.seconds, metrics.flops / max(result.tokens, 1), metrics.peak)
-        if result.seconds > 0 else 0.0,
+        seconds=seconds,
+        tokens=tokens,
+        first_loss=first_loss,
+        final_loss=last_loss,
+        mfu=mfu(tokens / seconds, metrics.flops / max(tokens, 1), metrics.peak) if seconds > 0 else 0.0,
         device=str(device),
         precision=cfg.compute.precision,
     )
     prepare_model(model, cfg.compute, torch.device("cpu"), train=False)  # published in the weight dtype
     publish(model.eval(), tok, storage, step, {TRAIN_REPORT: asdict(outcome)})
+    _drop(storage, mids)
     return outcome
 
 

@@ -11,6 +11,7 @@ decoding.
 
 from __future__ import annotations
 
+import io
 import math
 import time
 from dataclasses import dataclass, field
@@ -208,11 +209,25 @@ class Trainer:
         return logs
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+        """AdamW's state, the step count (the schedule's position) and torch's CPU generator."""
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])
+
+    def state_bytes(self) -> bytes:
+        """:meth:`state_dict` as a ``torch.save`` file (tensors on the CPU), for a checkpoint sidecar."""
+        buf = io.BytesIO()
+        torch.save(self.state_dict(), buf)
+        return buf.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        """Load what :meth:`state_bytes` wrote (tensors only: ``weights_only``, never arbitrary pickles);
+        AdamW moves each state tensor to its parameter's device and dtype."""
+        self.load_state_dict(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"))
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from intellect.storage import RunStorage
 from intellect.trust.mac import new_secret
 
 if TYPE_CHECKING:
-    from intellect.diloco.worker import StepReport
+    from intellect.diloco.report import StepReport
 
 EXIT_DONE, EXIT_STORE_LOST, EXIT_FAILED, EXIT_BANNED = 0, 3, 4, 5
 log = logging.getLogger("intellect.diloco")

@@ -10,8 +10,7 @@ import hashlib
 import heapq
 from typing import Iterable, Iterator
 
-from intellect.data.arithmetic import documents
-from intellect.data.text import PackedStream
+from intellect.data.stream import DocumentStream, TrainingStream
 from intellect.diloco.config import DilocoRunConfig
 
 SKETCH_SIZE = 16
@@ -37,25 +36,23 @@ def data_sketch(hashes: Iterable[str], k: int = SKETCH_SIZE) -> list[str]:
     return heapq.nsmallest(k, set(hashes))
 
 
-def shard_stream(run: DilocoRunConfig, index: int):
-    """The pretraining documents of worker ``index``: its own seed, and its own ops when non-i.i.d."""
+def shard_stream(run: DilocoRunConfig, index: int) -> DocumentStream:
+    """The arithmetic documents of worker ``index``: its own seed, and its own ops when non-i.i.d."""
     data = run.data
     if run.diloco.data_split == "non_iid":
         data = data.model_copy(update={"ops": [data.ops[index % len(data.ops)]]})
-    return documents(data, seed=data.seed * 1000 + index + 1)
+    return DocumentStream(data, seed=data.seed * 1000 + index + 1)
 
 
-def sketched_batches(stream: PackedStream | Iterator[str], size: int, seen: list[str]) -> Iterator:
+def sketched_batches(stream: TrainingStream, size: int, seen: list[str]) -> Iterator:
     """Batches of ``size`` from ``stream`` (packed text, or arithmetic documents), each sequence's
     :func:`sequence_hash` added to ``seen``, which is folded into its :func:`data_sketch` as it grows."""
     while True:
-        if isinstance(stream, PackedStream):
-            batch = stream.next_batch(size)
+        batch = stream.next_batch(size)
+        if isinstance(batch, dict):
             seen.extend(sequence_hash(row.numpy().tobytes()) for row in batch["input_ids"])
         else:
-            texts = [next(stream) for _ in range(size)]
-            seen.extend(sequence_hash(t.encode()) for t in texts)
-            batch = texts
+            seen.extend(sequence_hash(t.encode()) for t in batch)
         if len(seen) > 64 * SKETCH_SIZE:
             seen[:] = data_sketch(seen)
         yield batch

@@ -45,9 +45,11 @@ import re
 from typing import Sequence
 
 from intellect.diloco.quantize import wire_nbytes
+from intellect.diloco.ring_order import ring_order
 
 __all__ = [
     "ALGORITHMS",
+    "allreduce_plan",
     "AUTO_CANDIDATES",
     "choose_algorithm",
     "chunk_bounds",
@@ -251,3 +253,24 @@ def choose_algorithm(bw: Sequence[Sequence[float]], order: Sequence[int], nbytes
     est = {a: estimate_seconds(bw, a, order, nbytes) for a in candidates}
     return min(candidates, key=est.__getitem__), est
 
+
+def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) -> dict:
+    """Ring order, algorithm and (``"auto"``) each candidate's estimated seconds for one
+    all-reduce of ``nbytes`` int8 values per rank, given the probed bytes/s ``bw`` (row:
+    sender; None when unmeasured: the ring stays unordered and auto runs ``"direct"``,
+    fastest on even links, as no slow pair is known).
+
+    >>> bw = [[0, 9e6, 9e6, 9e6], [9e6, 0, 1e5, 9e6], [9e6, 1e5, 0, 9e6], [9e6, 9e6, 9e6, 0]]
+    >>> allreduce_plan("auto", bw, 4e6)   # direct would push 2 MB over the 0.1 MB/s pair 1<->2
+    {'order': [0, 1, 3, 2], 'algorithm': 'ring-owner', 'estimates': {'direct': 20.0, 'ring-owner': 1.0}}
+    >>> allreduce_plan("auto", None, 4e6)["algorithm"], allreduce_plan("ring", bw, 4e6)["algorithm"]
+    ('direct', 'ring')
+    """
+    if bw is None:
+        return {"order": None, "algorithm": "direct" if algorithm == "auto" else algorithm, "estimates": {}}
+    order = ring_order(bw)
+    if algorithm != "auto":
+        return {"order": order, "algorithm": algorithm, "estimates": {}}
+    chosen, est = choose_algorithm(bw, order, nbytes=nbytes)
+    # significant digits, not decimals: on fast links the estimates are microseconds
+    return {"order": order, "algorithm": chosen, "estimates": {a: float(f"{v:.4g}") for a, v in est.items()}}

@@ -41,10 +41,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable, Iterator
 
 import torch
@@ -52,21 +51,23 @@ import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
+from intellect.data.stream import DocumentStream
 from intellect.data.text import PackedStream
 from intellect.device import dist_backend, local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
+from intellect.diloco import worker_state
 from intellect.diloco.data import data_sketch, shard_stream, sketched_batches
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
-from intellect.diloco.plan import choose_algorithm
+from intellect.diloco.plan import allreduce_plan
+from intellect.diloco.report import StepReport, metrics_series
 from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DIGEST, FLAGS, LAUNCHED, LEFT, METRICS, PG,
                                        PROBE, PROGRESS, Quorum, ban_record, read_count)
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.robust import Strikes, majority_flagged, reported
-from intellect.diloco.ring_order import ring_order
 from intellect.diloco.transport import CommError, new_group
 from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
 from intellect.storage import RunStorage
@@ -82,60 +83,6 @@ class Excluded(RuntimeError):
 
 class Banned(RuntimeError):
     """This worker was banned from the run for its outlying contributions; it stops."""
-
-
-@dataclass
-class StepReport:
-    step: int
-    worker: str
-    members: list[str] = field(default_factory=list)
-    contributors: int = 0
-    attempts: int = 0
-    inner_loss: float = math.nan
-    inner_seconds: float = 0.0
-    allreduce_seconds: float = 0.0
-    bytes_sent: int = 0
-    algorithm: str = ""  # the all-reduce that committed (diloco.algorithm "auto" resolves per membership)
-    estimates: dict[str, float] = field(default_factory=dict)  # auto: each candidate's link-bandwidth bound, s
-    onboarded: bool = False
-    committed: bool = False
-    digest: str = ""
-    flagged: list[str] = field(default_factory=list)  # members a majority reported as outliers in this step
-    banned: list[str] = field(default_factory=list)  # members banned at this step (exclude_after strikes)
-    outer_seconds: float = 0.0  # wall time of the step, boundary start to commit
-    compute_utilization: float = 0.0  # inner_seconds / outer_seconds
-    tokens: int = 0  # target tokens trained on in the inner phase
-    tokens_per_s: float = 0.0  # tokens / outer_seconds
-    mfu: float = 0.0  # model FLOPs of those tokens over outer_seconds, as a fraction of the device's peak
-    shard: list[int] = field(default_factory=list)  # [i, n]: the data shard read (text: member i of n)
-    data_sketch: list[str] = field(default_factory=list)  # data_sketch() of the sequences trained on
-
-
-def metrics_series(worker: str) -> str:
-    """The run storage name of ``worker``'s metrics time series (one row per committed outer step)."""
-    return f"metrics/diloco/{worker}.jsonl"
-
-
-def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) -> dict:
-    """Ring order, algorithm and (``"auto"``) each candidate's estimated seconds for one
-    all-reduce of ``nbytes`` int8 values per rank, given the probed bytes/s ``bw`` (row:
-    sender; None when unmeasured: the ring stays unordered and auto runs ``"direct"``,
-    fastest on even links, as no slow pair is known).
-
-    >>> bw = [[0, 9e6, 9e6, 9e6], [9e6, 0, 1e5, 9e6], [9e6, 1e5, 0, 9e6], [9e6, 9e6, 9e6, 0]]
-    >>> allreduce_plan("auto", bw, 4e6)   # direct would push 2 MB over the 0.1 MB/s pair 1<->2
-    {'order': [0, 1, 3, 2], 'algorithm': 'ring-owner', 'estimates': {'direct': 20.0, 'ring-owner': 1.0}}
-    >>> allreduce_plan("auto", None, 4e6)["algorithm"], allreduce_plan("ring", bw, 4e6)["algorithm"]
-    ('direct', 'ring')
-    """
-    if bw is None:
-        return {"order": None, "algorithm": "direct" if algorithm == "auto" else algorithm, "estimates": {}}
-    order = ring_order(bw)
-    if algorithm != "auto":
-        return {"order": order, "algorithm": algorithm, "estimates": {}}
-    chosen, est = choose_algorithm(bw, order, nbytes=nbytes)
-    # significant digits, not decimals: on fast links the estimates are microseconds
-    return {"order": order, "algorithm": chosen, "estimates": {a: float(f"{v:.4g}") for a, v in est.items()}}
 
 
 def inner_train_config(run: DilocoRunConfig) -> TrainConfig:
@@ -184,10 +131,24 @@ class DilocoWorker:
         self.step: int = n  # the outer step being worked on (0-based): step t produces checkpoint t+1
         self.trainer = Trainer(self.model, self.tok, inner_train_config(run), compute=run.compute)
         self.trainer.step = n * self.cfg.inner_steps
+        # this worker's inner AdamW state and data position at checkpoint n, when it saved them
+        saved = worker_state.load(self.storage, worker, n) if n else None
+        if saved is not None:
+            self.trainer.load_state_bytes(saved.trainer)
+            self.trainer.step = n * self.cfg.inner_steps  # the run's schedule, if the state is older
+            log.info("%s: resuming with its inner state and data position of checkpoint %d", worker, saved.step)
+        elif n:
+            log.warning("%s: no saved state for checkpoint %d: a fresh inner AdamW, its shard read from the start",
+                        worker, n)
+        self._data_state = saved.data if saved else None
         self.text = run.data.kind == "text"
         # arithmetic: worker index's own seeded stream; text: opened at the first boundary, once the
         # members (and so this worker's shard) are known
-        self.stream: PackedStream | Iterator[str] | None = None if self.text else shard_stream(run, index)
+        self.stream: PackedStream | DocumentStream | None = None
+        if not self.text:
+            self.stream = shard_stream(run, index)
+            if self._data_state:
+                self.stream.load_state_dict(self._data_state)
         self.shard: tuple[int, int] = (index, run.diloco.workers)
         # one row per outer step, written at once: steps are long, and a killed worker keeps its series
         self.metrics_log = MetricsLog(self.storage, metrics_series(worker), run.logging, flush_every=1)
@@ -240,6 +201,8 @@ class DilocoWorker:
         shard = (members.index(self.worker), len(members))
         if self.stream is None:
             self.stream = PackedStream(self.run.data, self.tok, shard=shard[0], shards=shard[1])
+            if self._data_state:
+                self.stream.load_state_dict(self._data_state)  # the saved position, read in the shard of now
         elif isinstance(self.stream, PackedStream) and shard != self.shard:
             log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
             self.stream.reshard(*shard)
@@ -466,9 +429,21 @@ class DilocoWorker:
             raise Excluded(f"{self.worker} was left out of step {q.step} attempt {a + 1}")
         return members, a + 1
 
+    def checkpoint_step(self, n: int) -> bool:
+        """Whether committing outer step ``n - 1`` publishes checkpoint ``n``."""
+        return n % self.cfg.checkpoint_every == 0 or n == self.cfg.outer_steps
+
+    def save_state(self) -> None:
+        """Save this worker's inner state and data position for the checkpoint this step commits into
+        (before the all-reduce: see :mod:`~intellect.diloco.worker_state`)."""
+        n = self.step + 1
+        if self.checkpoint_step(n) and self.stream is not None:
+            state = worker_state.WorkerState(n, self.trainer.state_bytes(), self.stream.state_dict())
+            worker_state.save(self.storage, self.worker, state, self.run.storage.keep_last)
+
     def checkpoint(self) -> str | None:
         n = self.committed
-        if self.worker != self.members[0] or n % self.cfg.checkpoint_every and n != self.cfg.outer_steps:
+        if self.worker != self.members[0] or not self.checkpoint_step(n):
             return None
         uri = publish_outer_checkpoint(self.storage, n, self.host(), self.tok, self.outer, self.members)
         self.storage.retain(CHECKPOINTS, self.run.storage.keep_last)
@@ -484,6 +459,7 @@ class DilocoWorker:
             report.onboarded = self.boundary()
             report.step = self.step
             self.inner(report)
+            self.save_state()
             self.sync(report)
             self.checkpoint()
         except Excluded as e:
@@ -518,4 +494,4 @@ class DilocoWorker:
         self.metrics_log.close()
 
 
-__all__ = ["Banned", "DilocoWorker", "StepReport", "StoreLost", "allreduce_plan", "inner_train_config", "metrics_series"]
+__all__ = ["Banned", "DilocoWorker", "StoreLost", "inner_train_config"]

@@ -14,7 +14,7 @@ from intellect.device import prepare_model
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher, worker_log_dir
 from intellect.diloco.outer import OuterState, host_model
-from intellect.diloco.worker import metrics_series
+from intellect.diloco.report import metrics_series
 from intellect.model.checkpoint import build_model
 from intellect.storage import RunStorage
 from intellect.train import Trainer

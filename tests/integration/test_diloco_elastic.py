@@ -15,9 +15,12 @@ import sys
 import time
 
 import pytest
+import torch
 from diloco_faults import FaultPlan, faulty_launcher, stall_marker
 
+from intellect.checkpoints import fetch
 from intellect.config import load_config
+from intellect.diloco import worker_state
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher
 from intellect.storage import RunStorage
@@ -185,7 +188,17 @@ print("codes", codes, flush=True)
 
 
 def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
+    """The whole run (coordinator and workers) killed and resumed ends with the weights of a run that
+    was never killed, each worker resuming from its own saved inner AdamW state and data position."""
     cfg = run_cfg(tmp_path, **{"diloco.outer_steps": 6, "diloco.inner_steps": 10})
+    ref_cfg = cfg.model_copy(update={"run_name": "unkilled"})
+    ref = Coordinator(ref_cfg, worker_launcher(tmp_path / "logs-ref"))
+    try:
+        ref.start()
+        assert ref.watch(timeout=180) == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
+    finally:
+        ref.close()
+    ref_storage = RunStorage.from_config(ref_cfg.storage, ref_cfg.run_name)
     cfg_file = tmp_path / "run.json"
     cfg_file.write_text(cfg.model_dump_json())
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
@@ -220,6 +233,13 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
         assert_identical_replicas(c, range(resumed_from, 6))
     finally:
         c.close()
+    # every worker resumed from the position and the inner step an unkilled worker had there
+    for w in ("w0", "w1"):
+        saved, unkilled = (worker_state.load(s, w, resumed_from) for s in (storage, ref_storage))
+        assert saved is not None and unkilled is not None and saved.data == unkilled.data
+        assert saved.data["read"] == resumed_from * 10 * 8  # outer steps x inner steps x batch
+    want, got = (fetch(s, 6)[0].state_dict() for s in (ref_storage, storage))
+    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
 
 
 def _worker_pids() -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -19,7 +20,7 @@ from intellect.data.text import heldout_batches
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher, worker_log_dir
 from intellect.diloco.data import SKETCH_SIZE
-from intellect.diloco.worker import metrics_series
+from intellect.diloco.report import metrics_series
 from intellect.storage import RunStorage
 from intellect.train import heldout_loss
 
@@ -102,3 +103,50 @@ def test_two_workers_read_disjoint_shards_and_the_heldout_loss_falls(tmp_path):
     held = heldout_batches(cfg.data, tok, batch_size=8)
     before, after = heldout_loss(first, held).loss, heldout_loss(last, held).loss
     assert after < before - 0.3, (before, after)
+
+
+def test_a_killed_worker_rejoins_with_its_saved_position_and_reads_only_its_shard(tmp_path):
+    write_corpus(tmp_path / "corpus", docs=120)
+    outer = 14
+    cfg = run_cfg(tmp_path).model_copy(deep=True)
+    # steps long enough that the restarted worker (seconds of imports) is back before the run ends
+    cfg.diloco.outer_steps, cfg.diloco.inner_steps = outer, 100
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    logs = worker_log_dir(storage)
+    assert logs is not None
+    c = Coordinator(cfg, worker_launcher(logs))
+    try:
+        c.start()
+        deadline = time.monotonic() + 120
+        while (c.progress() or 0) < 2:
+            assert time.monotonic() < deadline, "no progress to step 2"
+            time.sleep(0.05)
+        c.handles["w1"].kill()  # SIGKILL
+        while c.handles["w1"].poll() is None:
+            time.sleep(0.05)
+        c.start_worker("w1")  # the same worker again: its keys, its saved state
+        codes = c.watch(timeout=240)
+        assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.log")))
+    finally:
+        c.close()
+    text = (logs / "w1.log").read_text()
+    assert "resuming with its inner state and data position of checkpoint" in text, text[-3000:]
+
+    rows = {w: {r["step"]: r for r in map(json.loads, storage.read_text(metrics_series(w)).splitlines())}
+            for w in ("w0", "w1")}
+    assert set(rows["w0"]) == set(range(outer))
+    rejoined = [t for t in rows["w1"] if t >= 2]
+    assert rejoined and max(rejoined) == outer - 1, rows["w1"].keys()
+    for t in range(outer):
+        members = rows["w0"][t]["members"]
+        live = [rows[w][t] for w in members if t in rows[w]]
+        # every live member read the shard its place among the step's members gives it (the members agreed
+        # at the boundary: a step whose all-reduce lost a member commits with fewer), and no two the same data
+        shards = [tuple(r["shard"]) for r in live]
+        assert len(set(shards)) == len(shards) and len({n for _, n in shards}) == 1, live
+        if len(members) == shards[0][1]:
+            assert all(s == (members.index(r["worker"]), len(members)) for s, r in zip(shards, live)), live
+        sketches = [set(r["data_sketch"]) for r in live]
+        assert all(a.isdisjoint(b) for i, a in enumerate(sketches) for b in sketches[i + 1:]), (t, sketches)
+    assert any(rows["w0"][t]["members"] == ["w0", "w1"] and t in rows["w1"] for t in rejoined)

@@ -1,0 +1,82 @@
+"""A DiLoCo worker's own resumable state, saved beside each outer checkpoint.
+
+The outer checkpoint ``checkpoints/step_<n>`` holds what all members share (``theta_sync`` and the outer
+momentum). What each worker holds alone lives under ``worker_state/<worker>/step_<n>`` in run storage:
+its inner AdamW state with the inner step count (:meth:`~intellect.train.Trainer.state_bytes`) and its
+training stream's position (:mod:`intellect.data.stream`), under the file names of the checkpoint
+sidecars that hold the same things for single-machine pretraining.
+
+A worker writes its state for checkpoint ``n`` after the inner phase of outer step ``n - 1`` and before
+its all-reduce: the step commits only once every member has voted, so when checkpoint ``n`` is
+complete every member's state for it is too, and a whole run killed at any point resumes every
+worker exactly (same next batches, same weights). A worker killed alone rejoins with its newest
+state (the others may have published checkpoints since): that AdamW state and data position, read
+in the shard the step's membership gives it. One without any (a newcomer, a lost disk) starts a
+fresh AdamW at the start of its shard, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from intellect.checkpoints import DATA_STATE, OPTIMIZER
+from intellect.storage import STABLE, RunStorage
+
+_WORKER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+MAX_STATE_JSON = 1 << 20  # bytes of a saved stream position at most (it is a few cursors)
+
+
+def state_kind(worker: str) -> str:
+    """The run storage kind of ``worker``'s saved states: ``worker_state/<worker>``.
+
+    >>> state_kind("w0")
+    'worker_state/w0'
+    """
+    if not _WORKER.match(worker) or worker in (".", ".."):
+        raise ValueError(f"not a worker name: {worker!r}")
+    return f"worker_state/{worker}"
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    step: int  # the outer checkpoint it belongs to
+    trainer: bytes  # Trainer.state_bytes()
+    data: dict[str, Any]  # the training stream's state_dict()
+
+
+def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> None:
+    """Write ``state`` (a stale one at that step, from an attempt that never reached its checkpoint, is
+    replaced) and keep the newest ``keep`` states."""
+    kind = state_kind(worker)
+    rel = storage.step_path(state.step, kind)
+    if storage.exists(rel):
+        if storage.is_stable(state.step, kind):
+            storage.delete(f"{rel}/{STABLE}")
+        storage.delete(rel, recursive=True)
+    storage.write_step(state.step, kind, {OPTIMIZER.value: state.trainer,
+                                          DATA_STATE.value: json.dumps(state.data).encode()})
+    storage.retain(kind, keep)
+
+
+def load(storage: RunStorage, worker: str, step: int) -> WorkerState | None:
+    """``worker``'s newest complete state for checkpoint ``step`` or an earlier one (a worker killed in an
+    inner phase rejoins at a checkpoint the others published without it); None when it has none."""
+    kind = state_kind(worker)
+    steps = [s for s in storage.complete_steps(kind) if s <= step]
+    if not steps:
+        return None
+    step = steps[-1]
+    rel = storage.step_path(step, kind)
+    raw = storage.read_bytes(f"{rel}/{DATA_STATE.value}")
+    if len(raw) > MAX_STATE_JSON:
+        raise ValueError(f"{storage.uri(rel)}: the saved data position is {len(raw)} bytes (at most {MAX_STATE_JSON})")
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError(f"{storage.uri(rel)}: the saved data position is not a JSON object")
+    return WorkerState(step=step, trainer=storage.read_bytes(f"{rel}/{OPTIMIZER.value}"), data=data)
+
+
+__all__ = ["WorkerState", "load", "save", "state_kind"]
