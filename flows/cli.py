@@ -112,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"intellect: no cluster state in {args.cluster} (run `python -m infra.cluster up`)", file=sys.stderr)
             return 2
     prefect_defaults()
+    from intellect.preflight import DATA_ERRORS, check_data  # noqa: PLC0415 - loads transformers
+
     try:
         cfg = load_config(RUNS[args.command], args.config, args.overrides)
+        if isinstance(cfg, (SmokeConfig, DilocoRunConfig)):
+            check_data(cfg.data, cfg.model)  # a corpus or tokenizer that cannot work, named before any process starts
         quiet_task_runs()
         module, name = FLOWS[args.command]
         getattr(importlib.import_module(module), name)(cfg)
-    except ConfigError as e:
+    except (ConfigError, *DATA_ERRORS) as e:
         print(f"intellect: {e}", file=sys.stderr)
         return 2
     return 0

@@ -51,6 +51,14 @@ STORAGE_OPTION_KEYS = ("endpoint_url", "key", "secret", "region", "timeout", "re
 STAT_KEYS = ("documents", "empty", "oversize_lines", "bad_json", "bad_rows", "bad_files", "row_groups")
 
 
+class CorpusError(ValueError):
+    """A text corpus that cannot be read as configured; the message is one line naming the field or file."""
+
+
+class CorpusNotFound(CorpusError, FileNotFoundError):
+    """A ``data.text.files`` entry that names nothing readable."""
+
+
 class FileRef(NamedTuple):
     """One corpus file: ``name`` (machine-independent key) and ``location`` (path or s3:// URL)."""
 
@@ -140,7 +148,7 @@ def s3_client(options: dict[str, Any] | None = None):
 def _split_s3(url: str) -> tuple[str, str]:
     bucket, _, key = url.removeprefix("s3://").partition("/")
     if not bucket:
-        raise ValueError(f"data.text.files entry {url!r} has no bucket")
+        raise CorpusError(f"data.text.files entry {url!r} has no bucket")
     return bucket, key
 
 
@@ -239,7 +247,7 @@ def _local_entry(entry: str, suffixes: list[str]) -> list[FileRef]:
         for match in sorted(glob.glob(entry, recursive=True)):
             out.extend(_local_entry(match, suffixes) if os.path.isdir(match) else [FileRef(match, match)])
         return out
-    raise FileNotFoundError(f"data.text.files entry {entry!r}: no such file or directory")
+    raise CorpusNotFound(f"data.text.files entry {entry!r}: no such file or directory")
 
 
 class Corpus:
@@ -259,8 +267,8 @@ class Corpus:
             else:
                 refs = _local_entry(entry, text.suffixes)
             if not refs:
-                raise FileNotFoundError(f"data.text.files entry {entry!r} holds no file with suffix "
-                                        f"{', '.join(text.suffixes)}")
+                raise CorpusNotFound(f"data.text.files entry {entry!r} holds no file with suffix "
+                                     f"{', '.join(text.suffixes)} (data.text.suffixes)")
             for ref in refs:
                 seen.setdefault(ref.name, ref)
         self.files = list(seen.values())
@@ -341,9 +349,18 @@ class CorpusReader:
                         yield doc
                 file_pos, row, offset = file_pos + 1, 0, 0
             if whole and not found:
-                raise ValueError(f"a whole pass over the {len(order)} files of data.text.files found no document "
-                                 "for this shard and split")
+                raise CorpusError(self._nothing_found(len(order), stats))
             epoch, file_pos = epoch + 1, 0
+
+    def _nothing_found(self, files: int, stats: dict[str, int]) -> str:
+        column = self.corpus.text.column
+        why = [f"{stats[k]} {what}" for k, what in (
+            ("bad_rows", f"rows without a string {column!r} field (data.text.column)"),
+            ("bad_json", "lines that are not JSON"), ("bad_files", "unreadable files"),
+            ("oversize_lines", "lines over data.text.max_document_bytes"), ("empty", "empty documents")) if stats[k]]
+        first = self.corpus.files[0].name if self.corpus.files else "-"
+        return (f"data.text.files: a whole pass over its {files} files (first {first}) found no document for this "
+                f"shard and split ({', '.join(why) or 'no rows'})")
 
     def _file(self, ref: FileRef, at: Cursor, want: Want, stats: dict[str, int]) -> Iterator[Doc]:
         if ref.name.endswith(".parquet"):
@@ -426,6 +443,6 @@ def corpus_stats(text: TextDataConfig, storage_opts: dict[str, Any] | None = Non
     return {"files": len(corpus.files), "bytes": sum(os.path.getsize(p) for p in local) + sum(corpus._sizes.values())}
 
 
-__all__ = ["STDLIB", "STAT_KEYS", "STORAGE_OPTION_KEYS", "Corpus", "CorpusReader", "Cursor", "FileRef",
-           "corpus_stats", "cut_text", "cut_utf8", "new_stats", "s3_client", "stdlib_files",
+__all__ = ["STDLIB", "STAT_KEYS", "STORAGE_OPTION_KEYS", "Corpus", "CorpusError", "CorpusNotFound", "CorpusReader",
+           "Cursor", "FileRef", "corpus_stats", "cut_text", "cut_utf8", "new_stats", "s3_client", "stdlib_files",
            "storage_options"]
