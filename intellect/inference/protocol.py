@@ -50,6 +50,8 @@ class Scored:
     hidden_states: torch.Tensor  # bf16 [n_out, hidden]
     logprobs: torch.Tensor  # fp32 [n_out] of the claimed output tokens
     resampled: torch.Tensor  # int64 [n_out]: the token sampling.sample picks from these logits and the seed
+    # float32 [n_out]: how far below that choice each claimed token scores (sampling.choice_margin)
+    margin: torch.Tensor | None = None
     # with a LowProb asked for (sampling.low_prob_draws under sampling.sampling_probs), computed where the
     # logits are: each claimed token below min_token_prob, and the chance an honest draw there is
     low: torch.Tensor | None = None  # bool [n_out]

@@ -110,13 +110,41 @@ def sample(
     hot = temperature > 0
     tokens = logits.argmax(-1)
     if bool(hot.any()):
-        z = logits / torch.where(hot, temperature, 1.0)[:, None]
-        if bool((top_p < 1).any()):  # the sort is the costly part; rule 2 skips it at top_p == 1 anyway
-            z = top_p_mask(z, top_p)
-        assert u is not None, "u is needed when a row samples (temperature > 0)"
-        gumbel = -torch.log(-torch.log(u.to(logits.device)))
-        tokens = torch.where(hot, (z + gumbel).argmax(-1), tokens)
+        tokens = torch.where(hot, _perturbed(logits, temperature, top_p, u).argmax(-1), tokens)
     return tokens
+
+
+def _perturbed(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+               u: torch.Tensor | None) -> torch.Tensor:
+    """Gumbel-max scores ``z + g`` [B, V] of float32 ``logits`` (greedy rows: temperature 1, their ``u`` unused)."""
+    hot = temperature > 0
+    z = logits / torch.where(hot, temperature, 1.0)[:, None]
+    if bool((top_p < 1).any()):  # the sort is the costly part; rule 2 skips it at top_p == 1 anyway
+        z = top_p_mask(z, top_p)
+    assert u is not None, "u is needed when a row samples (temperature > 0)"
+    return z + -torch.log(-torch.log(u.to(logits.device)))
+
+
+def choice_margin(logits: torch.Tensor, claimed: torch.Tensor, chosen: torch.Tensor, temperature: torch.Tensor,
+                  top_p: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """How far below the seeded choice ``chosen`` [B] the ``claimed`` token [B] scores, float32 [B]: in the
+    Gumbel-max scores ``z + g`` of :func:`sample` for a sampled row, in raw logits for a greedy one; 0
+    where they agree, inf for a token the nucleus excludes. A flip from floating-point nondeterminism
+    (bf16) needs a near-tie, a margin within the logits' noise; a token the seed could not have chosen
+    lies further away.
+
+    >>> logits = torch.tensor([[2.0, 1.9, -3.0], [2.0, 1.9, -3.0]])
+    >>> m = choice_margin(logits, torch.tensor([1, 2]), torch.tensor([0, 0]), torch.zeros(2), torch.ones(2), None)
+    >>> [round(x, 4) for x in m.tolist()]
+    [0.1, 5.0]
+    """
+    logits = logits.float()
+    temperature = temperature.to(logits.device, torch.float32)
+    scores = logits
+    if bool((temperature > 0).any()):
+        scores = torch.where((temperature > 0)[:, None], _perturbed(logits, temperature, top_p, u), logits)
+    margin = scores.gather(-1, chosen[:, None]) - scores.gather(-1, claimed[:, None].to(logits.device))
+    return torch.where(chosen.to(logits.device) == claimed.to(logits.device), 0.0, margin[:, 0].nan_to_num(torch.inf))
 
 
 def sample_token(logits_row: torch.Tensor, temperature: float, top_p: float, uniform_row: torch.Tensor) -> int:
@@ -195,8 +223,8 @@ def score_tokens(logits: torch.Tensor, claimed: torch.Tensor, temperature: torch
                  max_elements: int = 1 << 24) -> dict[str, torch.Tensor]:
     """Per-token results of scoring ``claimed`` [n >= 1] under ``logits`` [n, V] (rows: one scored token
     each, with its temperature, top-p, request seed and generated position), all ``[n]`` on the CPU:
-    ``resampled`` (what :func:`sample` picks with the seed's noise), ``logprobs``
-    (:func:`chosen_logprobs`) and, with ``low_prob``, ``low`` and ``chance`` (:func:`low_prob_draws`
+    ``resampled`` (what :func:`sample` picks with the seed's noise), ``margin`` (:func:`choice_margin`),
+    ``logprobs`` (:func:`chosen_logprobs`) and, with ``low_prob``, ``low`` and ``chance`` (:func:`low_prob_draws`
     under :func:`sampling_probs`). Nothing of vocabulary size leaves the logits' device.
 
     Rows are scored ``max_elements // V`` at a time: the float64 ``[rows, V]`` intermediates
@@ -216,7 +244,9 @@ def score_tokens(logits: torch.Tensor, claimed: torch.Tensor, temperature: torch
         rows = slice(a, a + step)
         flat, t, p = logits[rows].float(), temperature[rows], top_p[rows]
         u = uniforms(seeds[rows], positions[rows], vocab) if hot else None
-        got = {"resampled": sample(flat, t, p, u), "logprobs": chosen_logprobs(flat, claimed[rows], t)}
+        chosen = sample(flat, t, p, u)
+        got = {"resampled": chosen, "logprobs": chosen_logprobs(flat, claimed[rows], t),
+               "margin": choice_margin(flat, claimed[rows], chosen, t, p, u)}
         if low_prob is not None:
             got["low"], got["chance"] = low_prob_draws(sampling_probs(flat, t, p), claimed[rows],
                                                        low_prob.min_token_prob, low_prob.floor)

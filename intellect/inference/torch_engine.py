@@ -247,7 +247,7 @@ class TorchEngine:
         assert isinstance(head, torch.Tensor)  # [vocab, hidden]: the head is a linear layer
         return Scored(
             hidden_states=torch.empty(0, head.shape[1], dtype=torch.bfloat16),
-            logprobs=torch.empty(0), resampled=torch.empty(0, dtype=torch.int64),
+            logprobs=torch.empty(0), resampled=torch.empty(0, dtype=torch.int64), margin=torch.empty(0),
             low=None if low_prob is None else torch.empty(0, dtype=torch.bool),
             chance=None if low_prob is None else torch.empty(0, dtype=torch.float64),
         )
@@ -289,7 +289,7 @@ def scored_rows(hidden: torch.Tensor, logits: torch.Tensor, outputs: Sequence[Se
     return [
         Scored(
             hidden_states=hidden[a:b].clone(), logprobs=got["logprobs"][a:b].clone(),
-            resampled=got["resampled"][a:b].clone(),
+            resampled=got["resampled"][a:b].clone(), margin=got["margin"][a:b].clone(),
             low=got["low"][a:b].clone() if "low" in got else None,
             chance=got["chance"][a:b].clone() if "chance" in got else None,
         )

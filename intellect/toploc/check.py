@@ -26,9 +26,11 @@ reaches the CPU (:func:`~intellect.inference.sampling.score_tokens`).
 **Sampling** (``toploc_sampling``; which layer failed is logged, see :func:`sampling_detail`):
 
 * *seeded re-check* (``cfg.seeded_check``): the engines sample with seeded Gumbel-max, so the
-  validator recomputes each token's choice from its own logits and the request seed; more than
-  ``max_resampled_fraction`` of a rollout's tokens differing fails (an edited token, or the hybrid
-  attack: a small model samples, the claimed one builds the proofs). The count is also pooled over
+  validator recomputes each token's choice from its own logits and the request seed. A differing
+  token that scores more than ``flip_margin`` below the seeded choice fails the rollout (an edited
+  token, or the hybrid attack: a small model samples, the claimed one builds the proofs): rounding
+  noise flips only near-ties. Near-tie flips fail it beyond ``max_resampled_fraction`` of its tokens
+  when honest flips cannot plausibly make the count, so one flip in a short bf16 rollout passes. The count is also pooled over
   the submission's rows that passed the computation check, and they all fail when honest near-tie
   flips at ``honest_flip_rate`` cannot plausibly make it (the Chernoff bound of
   :func:`low_prob_surprise` below ``10 ** -max_low_prob_surprise``): a checkpoint a few RL updates
@@ -136,19 +138,22 @@ class Draws:
 
 
 def sampling_detail(layer: str, scope: str, draws: Draws | None = None, resampled: int = 0, tokens: int = 0,
-                    expected: float | None = None) -> str:
+                    expected: float | None = None, far: int = 0) -> str:
     """What a ``toploc_sampling`` verdict was about, for the log (the ledger keeps only the reason);
-    ``expected``: the differing tokens honest near-tie flips account for (the pooled seeded test).
+    ``expected``: the differing tokens honest near-tie flips account for (the pooled seeded test);
+    ``far``: how many differ by more than ``flip_margin`` (no near-tie).
 
     >>> sampling_detail("distribution", "submission", Draws(tokens=40, low=12, expected=0.5))
     'distribution (submission): 12 of 40 tokens below min_token_prob where 0.50 were expected, surprise 11.6'
-    >>> sampling_detail("seeded", "rollout", resampled=3, tokens=20)
-    'seeded re-check (rollout): 3 of 20 tokens differ from the seed and logits choice'
+    >>> sampling_detail("seeded", "rollout", resampled=3, tokens=20, far=1)
+    'seeded re-check (rollout): 3 of 20 tokens differ from the seed and logits choice, 1 beyond flip_margin'
     >>> sampling_detail("seeded", "submission", resampled=9, tokens=500, expected=0.005)
     'seeded re-check (submission): 9 of 500 tokens differ from the seed and logits choice where 0.005 were expected, surprise 25.4'
     """
     if layer == "seeded":
         text = f"seeded re-check ({scope}): {resampled} of {tokens} tokens differ from the seed and logits choice"
+        if far:
+            text += f", {far} beyond flip_margin"
         if expected is not None:
             text += (f" where {expected:.2g} were expected, surprise "
                      f"{float(low_prob_surprise(float(resampled), expected)):.1f}")
@@ -256,6 +261,8 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
                 return torch.bincount(row_of, weights=values.double(), minlength=len(idx)).tolist()
 
             differ = [int(d) for d in per_row(resampled != claimed)]
+            margin = torch.cat(_asked([s.margin for s in scored], "margin"))
+            far = [int(d) for d in per_row((resampled != claimed) & (margin > cfg.flip_margin))]
             lows = [int(x) for x in per_row(torch.cat(_asked([s.low for s in scored], "low")))] if low_prob else []
             expected = per_row(torch.cat(_asked([s.chance for s in scored], "chance"))) if low_prob else []
             ends_at = [e - 1 for e in torch.tensor(n).cumsum(0).tolist()]
@@ -267,8 +274,10 @@ def toploc_check(engine_for: EngineFor, sampling: SamplingParams, cfg: ToplocCon
                     reasons[i] = f"toploc_{bad}"
                     continue
                 flips[i] = differ[j], n[j]
-                if cfg.seeded_check and differ[j] > cfg.max_resampled_fraction * n[j]:
-                    reasons[i] = _sampling(i, sampling_detail("seeded", "rollout", resampled=differ[j], tokens=n[j]))
+                if cfg.seeded_check and (far[j] or (differ[j] > cfg.max_resampled_fraction * n[j] and float(
+                        low_prob_surprise(float(differ[j]), cfg.honest_flip_rate * n[j])) > cfg.max_low_prob_surprise)):
+                    reasons[i] = _sampling(i, sampling_detail("seeded", "rollout", resampled=differ[j], tokens=n[j],
+                                                              far=far[j]))
                 last = ends_at[j]
                 ends[i] = _termination(outputs[j], sampling, cfg, eos, n[j] > 0 and same_last[last],
                                        n[j] and probs[last])

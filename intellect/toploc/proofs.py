@@ -79,7 +79,17 @@ class ToplocConfig(StrictModel):
         default=0.01, ge=0, le=1,
         description="Sampling check: largest share of a rollout's tokens that may differ from the token the "
         "validator's logits and the request seed select (near-ties flip under bf16 nondeterminism: 0.1-0.3% "
-        "in INTELLECT-2; on CPU in fp32 none do).",
+        "in INTELLECT-2; on CPU in fp32 none do). A rollout fails beyond it only when honest near-tie flips at "
+        "honest_flip_rate cannot plausibly make its count (as pooled, per rollout), so one flip in a short "
+        "rollout passes.",
+    )
+    flip_margin: float = Field(
+        default=0.5, ge=0, le=100,
+        description="Sampling check: a differing token counts as a near-tie flip only when it scores within "
+        "this of the seeded choice (Gumbel-max score z + g, logit units over temperature; raw logits when "
+        "greedy); a single token further away fails the rollout, since no rounding noise moves a choice that "
+        "far. Must exceed the logit noise between the workers' and the validator's hardware (bf16 logits are "
+        "off by well under 0.1 on typical models).",
     )
     honest_flip_rate: float = Field(
         default=0.005, gt=0, le=0.1,

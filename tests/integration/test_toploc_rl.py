@@ -115,7 +115,8 @@ def test_sampling_and_termination_cheats_are_caught(models):
                                                   "toploc_sampling"]
     assert all(r is None for n, r in enumerate(reasons) if n not in (a, b, c, d))
     lenient = toploc_check(lambda p: engine(models["model"], tok), CFG.sampling(),
-                           PROOFS.model_copy(update={"max_resampled_fraction": 0.1}), [tok.eos_token_id])
+                           PROOFS.model_copy(update={"max_resampled_fraction": 0.1, "flip_margin": 100.0}),
+                           [tok.eos_token_id])
     assert lenient([rows[d]]) == ["toploc_eos_unlikely"]  # past the sampling allowance, the EOS rule holds
 
 
