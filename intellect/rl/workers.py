@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 
 from pydantic import BaseModel
 
+from intellect.device import LOCAL_RANK_ENV
 from intellect.launch import Handle, Launcher, stop
 from intellect.rl.setup import local_run_dir
 from intellect.trust.keys import SigningKey, VerifyKey
@@ -216,19 +217,24 @@ def deployment_parameters(cfg: RLRunConfig, name: str, args: Sequence[str]) -> d
 def start_workers(cfg: RLRunConfig, url: str, trainer_key: str, launcher: Launcher,
                   env: Mapping[str, str] | None = None) -> tuple[dict[str, Handle], dict[str, str]]:
     """One worker per name of ``cfg.workers.names`` through ``launcher`` (``env`` added to each one's
-    environment); their handles and key ids. A local worker's key is made here; a :class:`RemoteKeys`
-    launcher's workers make their own, and their ids are awaited (all of them within
-    ``workers.submission_timeout`` s). A failed launch or a worker without a key id stops the ones
-    started."""
+    environment); their handles and key ids. A local worker's key is made here, and worker ``i`` gets
+    ``LOCAL_RANK`` ``i + 1``, so that on a machine with several GPUs the local workers spread over them
+    and off the trainer's and validator's (rank 0; ``compute.device`` auto or cuda takes the GPU of the
+    local rank modulo the visible count). A :class:`RemoteKeys` launcher's workers run on their own
+    hosts: they make their own keys, whose ids are awaited (all of them within
+    ``workers.submission_timeout`` s), and pick their own GPUs. A failed launch or a worker without a
+    key id stops the ones started."""
     remote = launcher if isinstance(launcher, RemoteKeys) else None
     handles: dict[str, Handle] = {}
     ids: dict[str, str] = {}
     try:
-        for name in cfg.workers.names:
+        for i, name in enumerate(cfg.workers.names):
             path = worker_key_file(cfg, name).resolve()
+            extra = dict(env or {})
             if remote is None:
                 ids[name] = ensure_key(path).public.id
-            handles[name] = launcher.launch(name, worker_argv(cfg, name, url, trainer_key, path), dict(env or {}))
+                extra.setdefault(LOCAL_RANK_ENV, str(i + 1))
+            handles[name] = launcher.launch(name, worker_argv(cfg, name, url, trainer_key, path), extra)
         if remote is not None:
             deadline = time.monotonic() + cfg.workers.submission_timeout
             for name, h in handles.items():

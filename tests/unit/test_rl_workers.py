@@ -169,12 +169,13 @@ if name != "silent":
 
 class AnnouncingLauncher:
     def __init__(self, tmp_path):
-        self.tmp, self.seen_args, self.started = tmp_path, {}, []
+        self.tmp, self.seen_args, self.seen_env, self.started = tmp_path, {}, {}, []
         (tmp_path / "announcer.py").write_text(ANNOUNCER)
         self.local = LocalLauncher(tmp_path / "logs", "announcer")
 
     def launch(self, name, args, env):
         self.seen_args[name] = list(args)
+        self.seen_env[name] = dict(env)
         path = os.pathsep.join([str(self.tmp), *sys.path])
         h = self.local.launch(name, [name, str(self.tmp / "home"), str(self.tmp / f"{name}.json")],
                               {**env, "PYTHONPATH": path})
@@ -198,6 +199,7 @@ def test_workers_that_keep_their_keys_elsewhere_are_known_by_the_ids_they_announ
         assert ids == want and len(set(ids.values())) == 2
         assert not worker_key_file(cfg, "alice").exists()  # no key made in the run folder for them
         assert parse_worker_argv(launcher.seen_args["bob"])["--run-url"] == "http://127.0.0.1:9"
+        assert not any("LOCAL_RANK" in e for e in launcher.seen_env.values())  # their hosts pick their GPUs
     finally:
         codes = stop_workers(handles, grace=0.0, term_grace=2.0)
     assert codes == {"alice": -signal.SIGTERM, "bob": -signal.SIGTERM}
@@ -229,3 +231,21 @@ def test_doctests_of_the_deployment_side():
 
     for mod in (flows.launch, flows.rl_worker):
         assert doctest.testmod(mod).failed == 0, mod.__name__
+
+
+def test_local_workers_get_their_own_local_rank_and_remote_ones_none(tmp_path):
+    envs: dict[str, dict] = {}
+    (tmp_path / "time_sleeper.py").write_text("import time\ntime.sleep(600)\n")
+
+    class Recording:
+        def launch(self, name, args, env):
+            envs[name] = dict(env)
+            return LocalLauncher(tmp_path / "logs", "time_sleeper").launch(name, [], {"PYTHONPATH": str(tmp_path)})
+
+    cfg = RLRunConfig.model_validate({"run_name": "rl", "storage": {"url": f"file://{tmp_path}/runs"},
+                                      "workers": {"names": ["alice", "bob", "carol"]}})
+    handles, _ = workers_module.start_workers(cfg, "http://127.0.0.1:9", "00" * 32, Recording(), env={"X": "1"})
+    stop_workers(handles, grace=0.0, term_grace=2.0)
+    # rank 0 is the trainer's and the validator's; the workers spread over the GPUs after it
+    assert {n: (e["LOCAL_RANK"], e["X"]) for n, e in envs.items()} == {"alice": ("1", "1"), "bob": ("2", "1"),
+                                                                       "carol": ("3", "1")}
