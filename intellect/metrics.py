@@ -151,17 +151,30 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2
 _BENCH_SIZE = {"cuda": 8192}
 
 
-def peak_flops(device: torch.device, precision: Precision, configured_tflops: float = 0.0) -> float:
+def peak_flops(device: torch.device, precision: Precision, configured_tflops: float = 0.0, *,
+               remeasure: bool = False) -> float:
     """Peak FLOP/s of one ``device`` at ``precision``: ``configured_tflops`` when > 0
     (``compute.peak_tflops``), else the table's figure for a known GPU, else (the CPU, an unknown
-    GPU) a matmul benchmark in the precision's compute dtype, measured once per process."""
+    GPU) a matmul benchmark in the precision's compute dtype, measured once per process. With
+    ``remeasure`` the benchmark runs again and the best of all its runs counts: a peak measured
+    while other processes held the cores is too low (an MFU over 100%), and a run re-measures at
+    its end for the figure it reports."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
         known = gpu_peak_flops(torch.cuda.get_device_name(device), precision)
         if known is not None:
             return known
-    return measure_matmul_flops(device, compute_dtype(precision), _BENCH_SIZE.get(device.type, 2048))
+    args = (device, compute_dtype(precision), _BENCH_SIZE.get(device.type, 2048))
+    first = measure_matmul_flops(*args)
+    if not remeasure:
+        return first
+    again = measure_matmul_flops.__wrapped__(*args)
+    _MEASURED[args] = best = max(first, again, _MEASURED.get(args, 0.0))
+    return best
+
+
+_MEASURED: dict[tuple, float] = {}  # the best re-measured peak per benchmark, this process
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak: float) -> float:

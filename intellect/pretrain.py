@@ -219,13 +219,14 @@ def pretrain(
                                                              DATA_STATE: stream.state_dict(), PHASE: progress})
                 _drop(storage, mids)
                 mids = [from_step + n]
+    peak = peak_flops(device, cfg.compute.precision, cfg.compute.peak_tflops, remeasure=True)
     outcome = PretrainOutcome(
         step=step,
         seconds=seconds,
         tokens=tokens,
         first_loss=first_loss,
         final_loss=last_loss,
-        mfu=mfu(tokens / seconds, metrics.flops / max(tokens, 1), metrics.peak) if seconds > 0 else 0.0,
+        mfu=mfu(tokens / seconds, metrics.flops / max(tokens, 1), peak) if seconds > 0 else 0.0,
         device=str(device),
         precision=cfg.compute.precision,
     )

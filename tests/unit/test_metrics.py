@@ -79,6 +79,11 @@ def test_cpu_peak_is_a_matmul_benchmark_measured_once():
     assert peak == measure_matmul_flops(cpu, torch.bfloat16, 2048) and peak_flops(cpu, "bf16") is peak
     with pytest.raises(ValueError):
         measure_matmul_flops(cpu, torch.float32, 0, 1.0)
+    # a re-measurement can only raise the peak (one taken while the cores were busy is too low), and
+    # leaves the cached first measurement as it was
+    again = peak_flops(cpu, "bf16-mixed", remeasure=True)
+    assert again >= peak and peak_flops(cpu, "bf16-mixed") is peak
+    assert peak_flops(cpu, "fp32", configured_tflops=2.5, remeasure=True) == 2.5e12
 
 
 def test_mfu():
