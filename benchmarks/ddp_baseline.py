@@ -51,6 +51,16 @@ def _batches(run: DilocoRunConfig, tok, rank: int, world: int):
     return iter(lambda: stream.next_batch(size), None)
 
 
+def heldout_point(model, tok, held: list | None, tasks: list | None) -> tuple[float, float]:
+    """(held-out loss, greedy accuracy) of ``model``: on the text corpus's held-out batches ``held``
+    (accuracy NaN: text has no answers), else on the arithmetic ``tasks``. Both arms evaluate with it."""
+    if held is not None:
+        return heldout_loss(model, held).loss, math.nan
+    assert tasks is not None
+    r = evaluate(model, tok, tasks)
+    return r.loss, r.accuracy
+
+
 def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
     run = DilocoRunConfig.model_validate_json(run_json)
     device = resolve_device(run.compute.device, rank=rank)
@@ -87,14 +97,9 @@ def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
         loss, acc = [], []
         for s in snaps:
             model.load_state_dict(s)
-            if held is not None:
-                loss.append(heldout_loss(model, held).loss)
-                acc.append(math.nan)
-            else:
-                assert tasks is not None
-                r = evaluate(model, tok, tasks)
-                loss.append(r.loss)
-                acc.append(r.accuracy)
+            point = heldout_point(model, tok, held, tasks)
+            loss.append(point[0])
+            acc.append(point[1])
         torch.save({"step": [t * H for t in range(T + 1)], "tokens": tokens, "loss": loss, "accuracy": acc,
                     "seconds": seconds, "eval_seconds": time.perf_counter() - t1}, out)
     dist.destroy_process_group()

@@ -55,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddp_baseline import EVAL_SIZE, run_ddp  # noqa: E402
+from ddp_baseline import EVAL_SIZE, heldout_point, run_ddp  # noqa: E402
 
 from intellect.config import load_config  # noqa: E402
 from intellect.data.text import PackedStream, heldout_batches  # noqa: E402
@@ -68,7 +68,6 @@ from intellect.diloco.coordinator import Coordinator, worker_launcher  # noqa: E
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.checkpoints import fetch  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
-from intellect.train import evaluate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOLERANCE = 0.03
@@ -97,16 +96,11 @@ def run_diloco(run: DilocoRunConfig, log_dir: Path, timeout: float) -> dict:
     loss, acc = [], []
     for n in range(run.diloco.outer_steps + 1):
         model, tok = fetch(storage, n)
-        if text:
-            if held is None:  # read the held-out split once, not once per checkpoint
-                held = heldout_batches(run.data, tok)
-            loss.append(heldout_loss(model, held).loss)
-            acc.append(math.nan)
-        else:
-            assert tasks is not None
-            r = evaluate(model, tok, tasks)
-            loss.append(r.loss)
-            acc.append(r.accuracy)
+        if text and held is None:  # read the held-out split once, not once per checkpoint
+            held = heldout_batches(run.data, tok)
+        point = heldout_point(model, tok, held, tasks)
+        loss.append(point[0])
+        acc.append(point[1])
     per_step = [sum(m["bytes_sent"] for m in ms) / len(ms) for ms in metrics]
     return {"loss": loss, "accuracy": acc, "seconds": seconds,
             "bytes_per_worker_per_outer_step": sum(per_step) / len(per_step),

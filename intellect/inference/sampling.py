@@ -105,46 +105,40 @@ def sample(
 
     ``u`` may be None when every row is greedy.
     """
+    return scores(logits, temperature, top_p, u).argmax(-1)
+
+
+def scores(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor | None
+           ) -> torch.Tensor:
+    """What :func:`sample` takes the argmax of, float32 [B, V]: the Gumbel-max scores ``z + g`` of a
+    sampled row (``z``: the logits over the temperature, outside the nucleus -inf), the raw logits of a
+    greedy one (whose ``u`` is unused)."""
     logits = logits.float()
     temperature = temperature.to(logits.device, torch.float32)
     hot = temperature > 0
-    tokens = logits.argmax(-1)
-    if bool(hot.any()):
-        tokens = torch.where(hot, _perturbed(logits, temperature, top_p, u).argmax(-1), tokens)
-    return tokens
-
-
-def _perturbed(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-               u: torch.Tensor | None) -> torch.Tensor:
-    """Gumbel-max scores ``z + g`` [B, V] of float32 ``logits`` (greedy rows: temperature 1, their ``u`` unused)."""
-    hot = temperature > 0
+    if not bool(hot.any()):
+        return logits
     z = logits / torch.where(hot, temperature, 1.0)[:, None]
     if bool((top_p < 1).any()):  # the sort is the costly part; rule 2 skips it at top_p == 1 anyway
         z = top_p_mask(z, top_p)
     assert u is not None, "u is needed when a row samples (temperature > 0)"
-    return z + -torch.log(-torch.log(u.to(logits.device)))
+    return torch.where(hot[:, None], z + -torch.log(-torch.log(u.to(logits.device))), logits)
 
 
-def choice_margin(logits: torch.Tensor, claimed: torch.Tensor, chosen: torch.Tensor, temperature: torch.Tensor,
-                  top_p: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    """How far below the seeded choice ``chosen`` [B] the ``claimed`` token [B] scores, float32 [B]: in the
-    Gumbel-max scores ``z + g`` of :func:`sample` for a sampled row, in raw logits for a greedy one; 0
-    where they agree, inf for a token the nucleus excludes. A flip from floating-point nondeterminism
-    (bf16) needs a near-tie, a margin within the logits' noise; a token the seed could not have chosen
-    lies further away.
+def choice_margin(scored: torch.Tensor, claimed: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """How far below the seeded choice ``chosen`` [B] the ``claimed`` token [B] scores in ``scored``
+    (:func:`scores`), float32 [B]: 0 where they agree, inf for a token the nucleus excludes. A flip from
+    floating-point nondeterminism (bf16) needs a near-tie, a margin within the logits' noise; a token
+    the seed could not have chosen lies further away.
 
     >>> logits = torch.tensor([[2.0, 1.9, -3.0], [2.0, 1.9, -3.0]])
-    >>> m = choice_margin(logits, torch.tensor([1, 2]), torch.tensor([0, 0]), torch.zeros(2), torch.ones(2), None)
+    >>> m = choice_margin(scores(logits, torch.zeros(2), torch.ones(2), None), torch.tensor([1, 2]), torch.tensor([0, 0]))
     >>> [round(x, 4) for x in m.tolist()]
     [0.1, 5.0]
     """
-    logits = logits.float()
-    temperature = temperature.to(logits.device, torch.float32)
-    scores = logits
-    if bool((temperature > 0).any()):
-        scores = torch.where((temperature > 0)[:, None], _perturbed(logits, temperature, top_p, u), logits)
-    margin = scores.gather(-1, chosen[:, None]) - scores.gather(-1, claimed[:, None].to(logits.device))
-    return torch.where(chosen.to(logits.device) == claimed.to(logits.device), 0.0, margin[:, 0].nan_to_num(torch.inf))
+    claimed, chosen = claimed.to(scored.device), chosen.to(scored.device)
+    margin = scored.gather(-1, chosen[:, None]) - scored.gather(-1, claimed[:, None])
+    return torch.where(chosen == claimed, 0.0, margin[:, 0].nan_to_num(torch.inf))
 
 
 def sample_token(logits_row: torch.Tensor, temperature: float, top_p: float, uniform_row: torch.Tensor) -> int:
@@ -244,9 +238,10 @@ def score_tokens(logits: torch.Tensor, claimed: torch.Tensor, temperature: torch
         rows = slice(a, a + step)
         flat, t, p = logits[rows].float(), temperature[rows], top_p[rows]
         u = uniforms(seeds[rows], positions[rows], vocab) if hot else None
-        chosen = sample(flat, t, p, u)
+        scored = scores(flat, t, p, u)  # once: the seeded choice and the margin both read it
+        chosen = scored.argmax(-1)
         got = {"resampled": chosen, "logprobs": chosen_logprobs(flat, claimed[rows], t),
-               "margin": choice_margin(flat, claimed[rows], chosen, t, p, u)}
+               "margin": choice_margin(scored, claimed[rows], chosen)}
         if low_prob is not None:
             got["low"], got["chance"] = low_prob_draws(sampling_probs(flat, t, p), claimed[rows],
                                                        low_prob.min_token_prob, low_prob.floor)
