@@ -27,6 +27,16 @@ for key in [k for k in os.environ if k.startswith("INTELLECT_")]:
     del os.environ[key]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny models gain nothing from more, and on a busy 2-core box
+    they spin-wait for minutes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server for tests that run flows (started once, on first use)."""

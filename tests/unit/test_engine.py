@@ -23,13 +23,7 @@ from intellect.model.checkpoint import build_model
 PROMPTS = ("1+1=", "23*45=", "9-", "77+8=", "5", "600*7=")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the tiny model gains nothing from more threads, and on a busy 2-core box they spin-wait for minutes
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
