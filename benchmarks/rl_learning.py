@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps-per-rollout", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=64)
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048, help="Tokens per forward/backward (packed).")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=4, help="Prompts per submission (per worker).")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -117,7 +117,7 @@ def main() -> None:
         submission=SubmissionConfig(prompts_per_submission=args.prompts, group_size=args.group_size,
                                     temperature=args.temperature, max_tokens=args.max_tokens),
         trainer=RLTrainerConfig(lr=args.lr, warmup_steps=args.warmup, steps_per_rollout=args.steps_per_rollout,
-                                micro_batch_size=args.micro_batch, temperature=max(args.temperature, 1e-3),
+                                micro_batch_tokens=args.micro_batch_tokens, temperature=max(args.temperature, 1e-3),
                                 loss=GRPOLossConfig(**loss_kw)),
     )
     tasks = task_pool(args.pool, seed=1234)

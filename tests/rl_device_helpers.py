@@ -34,7 +34,7 @@ def samples(n=6, seed=0):
 
 def trainer(tiny, compute, **kw):
     model, tok = tiny
-    cfg = RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2, micro_batch_size=2, **kw)
+    cfg = RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2, micro_batch_tokens=16, **kw)
     return GRPOTrainer(copy.deepcopy(model), tok, cfg, compute=compute)
 
 

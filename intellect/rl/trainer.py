@@ -10,14 +10,20 @@ the later ones. ``loss.old_logprobs = "behaviour"``
 takes the inference engine's log-probs instead (each :class:`Sample` must carry them), which
 also importance-corrects the async lag.
 
-A sequence is ``prompt + output``, right-padded; logits at position ``t`` predict token
-``t + 1``, so a prompt of ``P`` tokens has its ``O`` output tokens predicted at positions
-``P - 1 .. P + O - 2``, and only those positions are in the loss mask. Logits are divided by
-the sampling temperature. A mini-batch is cut into micro-batches of ``micro_batch_size``
-samples (length-sorted, to pad less) whose gradients are accumulated so that their sum equals
-the gradient of the whole mini-batch in every normalization: ``token`` divides every
-micro-batch by the mini-batch's completion-token count, ``constant`` and ``sequence`` weigh a
-micro-batch of ``b`` rows by ``b / B``.
+A sequence is ``prompt + output``; logits at position ``t`` predict token ``t + 1``, so a prompt
+of ``P`` tokens has its ``O`` output tokens predicted at positions ``P - 1 .. P + O - 2``, and only
+those positions are in the loss. Logits are divided by the sampling temperature. A mini-batch is
+packed (:mod:`intellect.rl.packing`) into rows of at most ``micro_batch_tokens`` tokens, several
+samples to a row with attention kept within each sample (a longer sample has a row to itself);
+one row is one micro-batch, one forward and backward. Its log-probs come from the last hidden
+states through the LM head a chunk of tokens at a time (:mod:`intellect.rl.logprobs`), so no
+``[tokens x vocab]`` float32 logits of a whole row are ever held. The row's per-token log-probs are
+laid out ``[samples, T]`` for :func:`~intellect.rl.loss.grpo_loss`, and the micro-batch gradients
+are accumulated so that their sum equals the gradient of the whole mini-batch of ``B`` samples in
+every normalization: ``token`` divides every micro-batch by the mini-batch's completion-token
+count; ``constant`` (a micro-batch of ``b`` samples divided by ``b x max_len``) and ``sequence``
+(the mean of its ``b`` per-sample means) weigh it by ``b / B``. Each sample's terms depend only on
+its own tokens, so how samples are grouped into rows changes no sum.
 
 Given a :class:`~intellect.config.ComputeConfig`, the trainer places its model (and the reference
 model) on ``compute.device`` in the precision's weight dtype (:func:`~intellect.device.prepare_model`)
@@ -32,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
@@ -41,7 +48,9 @@ from pydantic import Field
 from intellect import checkpoints
 from intellect.config import ComputeConfig, StrictModel, TrainConfig
 from intellect.device import Precision, autocast, pin, prepare_model, resolve_device
-from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
+from intellect.rl.logprobs import DEFAULT_CHUNK_TOKENS, packing_isolates, row_logprobs, split_causal_lm
+from intellect.rl.loss import GRPOLossConfig, grpo_loss
+from intellect.rl.packing import PackedRow, output_mask, pack, unpack
 from intellect.train import lr_at
 
 if TYPE_CHECKING:
@@ -70,7 +79,16 @@ class RLTrainerConfig(StrictModel):
         description="Optimizer steps per RL step; the step's samples are split into this many mini-batches "
         "(INTELLECT-2: 8). A step with fewer samples takes one optimizer step per sample.",
     )
-    micro_batch_size: int = Field(default=32, ge=1, le=65536, description="Samples per forward/backward pass.")
+    micro_batch_tokens: int = Field(
+        default=8192, ge=1, le=1 << 22,
+        description="Tokens (prompt + output) per forward/backward pass: samples are packed into rows of "
+        "at most this many; a longer sample gets a row to itself.",
+    )
+    logit_chunk_tokens: int = Field(
+        default=DEFAULT_CHUNK_TOKENS, ge=1, le=1 << 20,
+        description="Output tokens whose logits are alive at once when computing log-probs (memory: a few "
+        "times this x vocab float32 values, forward and backward).",
+    )
     temperature: float = Field(default=1.0, gt=0, le=100, description="Sampling temperature; logits are divided by it.")
     max_completion_tokens: int | None = Field(
         default=None, ge=1, le=1 << 22,
@@ -171,17 +189,19 @@ class StepStats(MiniStepStats):
 
 @dataclass
 class _Micro:
-    ids: torch.Tensor  # [b, L] prompt + output, right-padded
-    targets: torch.Tensor  # [b, L - 1] ids shifted left: what each position predicts
-    mask: torch.Tensor  # [b, L - 1] True where the target is an output token
-    advantages: torch.Tensor  # [b]
-    behaviour: torch.Tensor | None  # [b, L - 1], set on the mask
+    row: PackedRow  # on the trainer's device
+    advantages: torch.Tensor  # [b]: one per sample of the row
+    behaviour: torch.Tensor | None  # [N]: per output token, row order (as every log-prob below)
     old: torch.Tensor | None = None
     ref: torch.Tensor | None = None
 
     @property
-    def rows(self) -> int:
-        return self.ids.shape[0]
+    def samples(self) -> int:
+        return len(self.row.members)
+
+    @property
+    def tokens(self) -> int:
+        return self.row.tokens
 
 
 def _split(items: Sequence, n: int) -> list[Sequence]:
@@ -242,9 +262,16 @@ class GRPOTrainer:
             self.device = next(model.parameters()).device
         else:
             self.device, self.precision = resolve_device(compute.device), compute.precision
-            prepare_model(model, compute, self.device, train=True)
+            # the log-probs run the base model, not the causal LM's forward: the base is what is compiled
+            prepare_model(model, compute.model_copy(update={"compile": False}), self.device, train=True)
             if ref_model is not None:
                 prepare_model(ref_model, compute, self.device, train=False).eval()
+        self.packs = all(packing_isolates(m, context=self._autocast) for m in (model, ref_model) if m is not None)
+        if not self.packs:
+            warnings.warn(f"{type(model).__name__} does not keep packed samples apart with this transformers: "
+                          "one sample per forward pass", stacklevel=2)
+        if compute is not None and compute.compile:
+            split_causal_lm(model)[0].compile()
         # after placement: AdamW's state takes each parameter's device and dtype (fp32 master weights
         # under bf16-mixed)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -257,45 +284,35 @@ class GRPOTrainer:
             steps=cfg.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio
         )
         self.step = 0  # optimizer steps taken
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     # ------------------------------------------------------------------ batches
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return pin(t, self.device).to(self.device, non_blocking=True)
 
-    def _collate(self, samples: Sequence[Sample]) -> _Micro:
-        seqs = [list(s.prompt_tokens) + list(s.output_tokens) for s in samples]
-        width = max(len(q) for q in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+    def _micro(self, samples: Sequence[Sample], row: PackedRow) -> _Micro:
+        members = [samples[i] for i in row.members]
         behaviour = None
-        if all(s.behaviour_logprobs is not None for s in samples):
-            behaviour = torch.zeros((len(seqs), width - 1), dtype=torch.float64)
-        for i, (s, q) in enumerate(zip(samples, seqs)):
-            ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
-            out = slice(len(s.prompt_tokens) - 1, len(q) - 1)
-            mask[i, out] = True
-            if behaviour is not None:
-                behaviour[i, out] = torch.tensor(s.behaviour_logprobs, dtype=torch.float64)
-        ids = self._to_device(ids)
+        if all(s.behaviour_logprobs is not None for s in members):
+            behaviour = torch.tensor([lp for s in members for lp in s.behaviour_logprobs or ()], dtype=torch.float64)
         return _Micro(
-            ids=ids, targets=ids[:, 1:], mask=self._to_device(mask),
-            advantages=self._to_device(torch.tensor([s.advantage for s in samples], dtype=torch.float64)),
+            row=row.to(self.device),
+            advantages=self._to_device(torch.tensor([s.advantage for s in members], dtype=torch.float64)),
             behaviour=None if behaviour is None else self._to_device(behaviour),
         )
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[_Micro]:
-        order = sorted(samples, key=lambda s: len(s.prompt_tokens) + len(s.output_tokens))
-        size = self.cfg.micro_batch_size
-        return [self._collate(order[i : i + size]) for i in range(0, len(order), size)]
+        rows = pack(samples, self.cfg.micro_batch_tokens, one_per_row=not self.packs)
+        return [self._micro(samples, row) for row in rows]
 
     def _logprobs(self, model: torch.nn.Module, mb: _Micro, entropy_grad: bool = False):
-        # Right padding needs no attention mask: causal attention never lets a real token see the pads.
-        with autocast(self.device, self.precision):
-            logits = model(input_ids=mb.ids).logits[:, :-1]
-        # outside autocast: the log-softmax and everything after it run in float32 (bf16 logits upcast)
-        return token_logprobs(logits, mb.targets, self.cfg.temperature, entropy_grad=entropy_grad)
+        """Log-prob and entropy of every output token of the row, ``[N]`` in row order."""
+        return row_logprobs(model, mb.row, self.cfg.temperature, entropy_grad=entropy_grad,
+                            chunk_tokens=self.cfg.logit_chunk_tokens,
+                            context=self._autocast)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.precision)
 
     @torch.no_grad()
     def _prepare(self, minis: list[list[_Micro]]) -> None:
@@ -316,20 +333,19 @@ class GRPOTrainer:
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Each sample's output-token log-probs under the current weights (1-d, float)."""
-        out = []
-        for s in samples:
-            mb = self._collate([s])
-            out.append(self._logprobs(self.model, mb)[0][mb.mask])
-        return out
+        out: dict[int, torch.Tensor] = {}
+        for mb in self._micro_batches(samples):
+            out.update(zip(mb.row.members, self._logprobs(self.model, mb)[0].split(mb.row.output_lengths)))
+        return [out[i] for i in range(len(samples))]
 
     # ------------------------------------------------------------------ steps
 
     def _accumulate(self, mini: list[_Micro]) -> dict[str, Any]:
         """Backward over one mini-batch; ``.grad`` ends up holding its full-batch gradient."""
         cfg = self.cfg.loss
-        rows = sum(mb.rows for mb in mini)
-        tokens = int(sum(int(mb.mask.sum()) for mb in mini))
-        max_len = self.cfg.max_completion_tokens or max(int(mb.mask.sum(-1).max()) for mb in mini)
+        samples = sum(mb.samples for mb in mini)
+        tokens = sum(mb.tokens for mb in mini)
+        max_len = self.cfg.max_completion_tokens or max(max(mb.row.output_lengths) for mb in mini)
         max_len = max(max_len, 1)
         acc: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "kl": 0.0, "entropy": 0.0}
         lo, hi = math.inf, -math.inf
@@ -338,13 +354,13 @@ class GRPOTrainer:
             dt = logp.dtype
             old = logp.detach() if mb.old is None else mb.old.to(dt)
             loss, st = grpo_loss(
-                logp, old, mb.advantages.to(dt), mb.mask, cfg,
-                ref_logp=None if mb.ref is None else mb.ref.to(dt), entropy=entropy, max_len=max_len,
-                token_count=tokens,
+                unpack(logp, mb.row), unpack(old, mb.row), mb.advantages.to(dt), output_mask(mb.row), cfg,
+                ref_logp=None if mb.ref is None else unpack(mb.ref.to(dt), mb.row),
+                entropy=unpack(entropy, mb.row), max_len=max_len, token_count=tokens,
             )
-            scale = 1.0 if cfg.normalization == "token" else mb.rows / rows
+            scale = 1.0 if cfg.normalization == "token" else mb.samples / samples
             (loss * scale).backward()
-            n = int(mb.mask.sum())
+            n = mb.tokens
             acc["loss"] += loss.item() * scale
             for key in ("clip_fraction", "ratio_mean", "kl", "entropy"):
                 if key in st:
@@ -354,7 +370,7 @@ class GRPOTrainer:
         for key in ("clip_fraction", "ratio_mean", "kl", "entropy"):
             acc[key] = acc[key] / tokens if tokens else (0.0 if key == "clip_fraction" else math.nan)
         acc.update(ratio_min=lo if tokens else math.nan, ratio_max=hi if tokens else math.nan,
-                   tokens=tokens, samples=rows)
+                   tokens=tokens, samples=samples)
         if self.ref_model is None:
             acc["kl"] = None
         return acc

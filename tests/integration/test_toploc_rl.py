@@ -227,7 +227,7 @@ def rl_checkpoints(models):
     of burn-in so that AdamW's moments are a running optimizer's, not a first step's sign update."""
     tok = models["tok"]
     trainer = GRPOTrainer(copy.deepcopy(models["model"]), tok,
-                          RLTrainerConfig(lr=1e-4, warmup_steps=0, steps_per_rollout=1, micro_batch_size=128))
+                          RLTrainerConfig(lr=1e-4, warmup_steps=0, steps_per_rollout=1, micro_batch_tokens=4096))
     out = []
     for step in range(7):
         rows = generate_submission(engine(trainer.model.eval(), tok), tok, RL_TASKS, "trainer", step, 0, step, RL_TINY,

@@ -32,12 +32,7 @@ MIXED = ComputeConfig(device="cpu", precision="bf16-mixed")
 BF16 = ComputeConfig(device="cpu", precision="bf16")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from more, and the box is shared
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +198,8 @@ def test_rl_steps_in_bf16_mixed_with_toploc(seeded):
     forwards: list[tuple[bool, torch.dtype, bool]] = []
 
     def seen(module, _args, _out):
-        if hasattr(module, "lm_head"):  # the causal LM itself, not its layers
+        if hasattr(module, "embed_tokens"):  # the base model, which every forward runs (the trainer's log-probs
+            # run it without the causal LM's forward around it), not its layers
             forwards.append((torch.is_autocast_enabled("cpu"), next(module.parameters()).dtype, module.training))
 
     hook = torch.nn.modules.module.register_module_forward_hook(seen)

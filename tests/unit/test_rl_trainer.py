@@ -9,6 +9,7 @@ from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.checkpoints import fetch
+from intellect.rl.logprobs import split_causal_lm
 from intellect.rl.loss import GRPOLossConfig
 from intellect.rl.rollouts import Rollout, RolloutLimits, write_submission
 from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample, StepStats, load_accepted
@@ -66,17 +67,18 @@ def manual_logprobs(model, s: Sample, temperature: float) -> torch.Tensor:
 
 
 def test_alignment_matches_a_manual_computation(tiny):
-    t = trainer(tiny, temperature=0.7, micro_batch_size=3)
+    t = trainer(tiny, temperature=0.7, micro_batch_tokens=24)
     samples = make_samples(5)
     got = t.logprobs(samples)
     for s, lp in zip(samples, got):
         assert lp.shape == (len(s.output_tokens),)
         torch.testing.assert_close(lp, manual_logprobs(t.model, s, 0.7), rtol=0, atol=1e-5)
-    # and the batched, padded path the loss uses agrees with it
-    mb = t._micro_batches(samples)[0]
-    batched = t._logprobs(t.model, mb)[0][mb.mask]
-    order = sorted(samples, key=lambda s: len(s.prompt_tokens) + len(s.output_tokens))[:3]
-    torch.testing.assert_close(batched, torch.cat([manual_logprobs(t.model, s, 0.7) for s in order]), atol=1e-5, rtol=0)
+    # and the packed path the loss uses agrees with it, on a row of several samples
+    mb = max(t._micro_batches(samples), key=lambda mb: mb.samples)
+    assert mb.samples > 1
+    packed = t._logprobs(t.model, mb)[0]
+    expected = torch.cat([manual_logprobs(t.model, samples[i], 0.7) for i in mb.row.members])
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("normalization", ["constant", "token", "sequence"])
@@ -86,8 +88,8 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny, normalization
     loss = GRPOLossConfig(normalization=normalization, old_logprobs=old, entropy_coef=0.01)
     samples = make_samples(7, seed=1, behaviour=True)
     grads, stats = [], []
-    for mbs in (2, 64):
-        t = trainer(tiny, torch.float64, micro_batch_size=mbs, loss=loss)
+    for budget in (12, 4096):  # rows of a few samples; the whole mini-batch in one row
+        t = trainer(tiny, torch.float64, micro_batch_tokens=budget, loss=loss)
         stats.append(accumulate_gradients(t, samples))
         grads.append(torch.cat([p.grad.flatten() for p in t.model.parameters()]))
     assert grads[0].abs().max() > 0
@@ -100,7 +102,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny, normalization
 
 
 def test_first_mini_step_has_ratio_one_and_later_ones_drift(tiny):
-    t = trainer(tiny, lr=1e-2, steps_per_rollout=4, micro_batch_size=3)
+    t = trainer(tiny, lr=1e-2, steps_per_rollout=4, micro_batch_tokens=20)
     stats = t.train_step(make_samples(16, seed=2))
     assert isinstance(stats, StepStats) and len(stats.mini_steps) == 4 and t.step == 4
     first = stats.mini_steps[0]
@@ -112,11 +114,11 @@ def test_first_mini_step_has_ratio_one_and_later_ones_drift(tiny):
 
 def test_old_logprobs_cost_one_forward_per_later_micro_batch(tiny):
     """The first mini-batch's old log-probs are its own (detached); only later ones get a no-grad pass."""
-    t = trainer(tiny, steps_per_rollout=4, micro_batch_size=2)
+    t = trainer(tiny, steps_per_rollout=4, micro_batch_tokens=1)  # every sample a row of its own
     calls = []
-    t.model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-    t.train_step(make_samples(16, seed=3))  # 4 mini-batches of 4 samples, 2 micro-batches each
-    assert calls.count(True) == 8 and calls.count(False) == 6
+    split_causal_lm(t.model)[0].register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    t.train_step(make_samples(16, seed=3))  # 4 mini-batches of 4 samples, 4 micro-batches each
+    assert calls.count(True) == 16 and calls.count(False) == 12
 
 
 def test_behaviour_logprobs_are_the_ratio_denominator(tiny):
@@ -145,7 +147,7 @@ def test_positive_advantages_become_more_likely_and_negative_less(tiny):
 
 
 def test_zero_advantages_give_no_policy_gradient(tiny):
-    t = trainer(tiny, torch.float64, micro_batch_size=2)
+    t = trainer(tiny, torch.float64, micro_batch_tokens=16)
     samples = [Sample(s.prompt_tokens, s.output_tokens, 0.0) for s in make_samples(5, seed=4)]
     accumulate_gradients(t, samples)
     assert max(p.grad.abs().max().item() for p in t.model.parameters() if p.grad is not None) < 1e-12
@@ -220,7 +222,9 @@ def test_load_accepted(tmp_path):
 
 def test_config_is_strict():
     with pytest.raises(pydantic.ValidationError):
-        RLTrainerConfig(micro_batch_size=0)
+        RLTrainerConfig(micro_batch_tokens=0)
+    with pytest.raises(pydantic.ValidationError):
+        RLTrainerConfig(micro_batch_size=32)  # renamed: a stale config fails loudly
     with pytest.raises(pydantic.ValidationError):
         RLTrainerConfig(lr_typo=1e-3)
     with pytest.raises(ValueError, match="prompt token"):
