@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from intellect.diloco import protocol as P  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
-from intellect.diloco.rendezvous import RendezvousStore  # noqa: E402
+from intellect.diloco.rendezvous_client import RendezvousStore  # noqa: E402
 
 SECRET = bytes(range(32))
 SERVE = {

@@ -56,7 +56,7 @@ def demo(config: DemoConfig | None = None) -> DemoReport:
     t0 = time.perf_counter()
 
     def acc(run: str, step: int | None) -> EvalPoint:
-        return evaluate_run(rl.storage, run, step, rl.tasks, rl.eval.size)
+        return evaluate_run(rl.storage, run, step, rl.tasks, rl.eval.size, rl.submission)
 
     t = time.perf_counter()
     # the newest checkpoint before pretraining (step 0 on a fresh run; retention prunes it later)

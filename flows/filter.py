@@ -57,7 +57,8 @@ def score_chunk(cfg: FilterRunConfig, index: int) -> int:
     tasks = task_pool(cfg.tasks, storage)[index * cfg.filter.chunk_size:(index + 1) * cfg.filter.chunk_size]
     if not storage.exists(rel):
         model, tok, _, _ = _model(cfg)
-        counts = F.solve_counts(torch_engine(model, tok, compute=cfg.compute), tok, tasks, cfg.filter)
+        counts = F.solve_counts(torch_engine(model, tok, compute=cfg.compute), tok, tasks, cfg.filter,
+                                cfg.tasks.reward_fn())
         storage.write_bytes(rel, F.to_parquet(F.scores_table(tasks, counts, cfg.filter)))
     return len(tasks)
 

@@ -179,6 +179,12 @@ class DataConfig(StrictModel):
         description="Share of pretraining documents whose answer carries a sign error (Problem.slip): a "
         "corpus of mixed quality. Held-out answers and RL rewards are always exact.",
     )
+    chat: bool = Field(
+        default=False,
+        description="Arithmetic documents as one-turn chats (the problem as the user's turn, the answer as the "
+        "assistant's) in the tokenizer's chat template, and evaluated so; needs model.tokenizer, where a chat "
+        "BPE tokenizer is trained on the documents first if the folder does not exist.",
+    )
 
     @model_validator(mode="after")
     def _digits_ordered(self) -> "DataConfig":
@@ -186,6 +192,8 @@ class DataConfig(StrictModel):
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
         if self.kind == "text" and not self.text.files:
             raise ValueError("data.kind = 'text' needs data.text.files")
+        if self.chat and self.kind != "arithmetic":
+            raise ValueError("data.chat renders arithmetic documents: set data.kind = 'arithmetic'")
         return self
 
 
@@ -323,6 +331,12 @@ class SmokeConfig(StrictModel):
         default=128, ge=1, le=100000, description="Held-out prompts in the pass-rate report.",
     )
     temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature of the pass-rate report.")
+
+    @model_validator(mode="after")
+    def _chat_has_tokenizer(self) -> "SmokeConfig":
+        if self.data.chat and not self.model.tokenizer:
+            raise ValueError("data.chat needs model.tokenizer (a folder; a chat BPE tokenizer is trained there)")
+        return self
 
 
 # --------------------------------------------------------------------- loading

@@ -39,6 +39,9 @@ class DemoConfig(StrictModel):
             wanted = f"{self.filter.run_name}/tasks.jsonl"
             if self.rl.tasks.file != wanted:
                 raise ValueError(f"rl.tasks.file must be the filter's output ({wanted!r})")
+            if self.filter.tasks.file is None and self.rl.tasks.heldout_source != "arithmetic":
+                raise ValueError("rl.tasks.heldout must be 'arithmetic': the filter scores generated problems, "
+                                 "and the generator's held-out ones are what none of them is")
         if len({r.run_name for r in runs}) != len(runs):
             raise ValueError("the phases need distinct run_name values")
         return self

@@ -35,6 +35,7 @@ from intellect.device import prepare_model, resolve_device
 from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
 from intellect.model.bpe import ensure_tokenizer
 from intellect.model.checkpoint import build_model, load_checkpoint_copy
+from intellect.prompts import chat_tasks
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer, evaluate, heldout_loss, pass_counts, perplexity
 
@@ -42,10 +43,10 @@ METRICS_SERIES = "metrics/pretrain.jsonl"  # one row per logged step, in run sto
 
 
 def init_checkpoint(cfg: SmokeConfig, storage: RunStorage) -> int:
-    """Build the configured model and publish it as step 0 (kept if already there). A text run whose
-    ``model.tokenizer`` folder does not exist yet trains it on the corpus first."""
+    """Build the configured model and publish it as step 0 (kept if already there). A text or chat run
+    whose ``model.tokenizer`` folder does not exist yet trains it on its documents first."""
     if not storage.is_stable(0, CHECKPOINTS):
-        if cfg.data.kind == "text" and cfg.model.tokenizer and not Path(cfg.model.tokenizer).is_dir():
+        if (cfg.data.kind == "text" or cfg.data.chat) and cfg.model.tokenizer and not Path(cfg.model.tokenizer).is_dir():
             ensure_tokenizer(cfg.model.tokenizer, cfg.data, cfg.model.tokenizer_vocab)
         model, tok = build_model(cfg.model)
         publish(model, tok, storage, 0)
@@ -242,6 +243,12 @@ def _placed(cfg: SmokeConfig, storage: RunStorage, step: int):
     return prepare_model(model, cfg.compute, resolve_device(cfg.compute.device), train=False), tok
 
 
+def _heldout(cfg: SmokeConfig, tok, n: int) -> list:
+    """The first ``n`` held-out problems, as one-turn chats with ``data.chat``."""
+    problems = heldout_problems(cfg.data, n)
+    return chat_tasks(tok, problems) if cfg.data.chat else problems
+
+
 def heldout_eval(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
     """Held-out loss and perplexity of checkpoint ``step`` (``tokens`` target tokens over ``n``
     sequences or problems); for arithmetic also greedy exact-match ``accuracy`` (None for text)."""
@@ -251,7 +258,7 @@ def heldout_eval(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
         res = heldout_loss(model, heldout_batches(cfg.data, tok))
         return {"step": step, "loss": res.loss, "perplexity": res.perplexity, "accuracy": None,
                 "n": res.sequences, "tokens": res.tokens, "seconds": time.perf_counter() - t0}
-    ev = evaluate(model, tok, heldout_problems(cfg.data, cfg.train.eval_size))
+    ev = evaluate(model, tok, _heldout(cfg, tok, cfg.train.eval_size))
     return {"step": step, "loss": ev.loss, "perplexity": perplexity(ev.loss), "accuracy": ev.accuracy,
             "n": ev.n, "tokens": ev.tokens, "seconds": time.perf_counter() - t0}
 
@@ -276,7 +283,7 @@ def pass_rate_report(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
         raise ValueError(f"pass rates need the arithmetic task (data.kind = {cfg.data.kind!r})")
     k = cfg.pass_at_k_samples
     model, tok = _placed(cfg, storage, step)
-    tasks = heldout_problems(cfg.data, cfg.pass_at_k_prompts)
+    tasks = _heldout(cfg, tok, cfg.pass_at_k_prompts)
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         counts = pass_counts(model, tok, tasks, k=k, temperature=cfg.temperature, seed=cfg.data.seed)

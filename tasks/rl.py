@@ -27,10 +27,11 @@ from intellect.launch import Launcher, LocalLauncher
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.run import RecordReport, RLRun, RunInfo, UpdateReport, ValidationReport
 from intellect.rl.run import generate_here as _generate_here
-from intellect.rl.setup import heldout_tasks, local_run_dir, run_storage, task_pool
+from intellect.rl.evaluation import HeldOut
+from intellect.rl.setup import local_run_dir, run_storage, task_pool
+from intellect.rl.submission import SubmissionConfig
 from intellect.rl.workers import WORKER_MODULE, WorkerResult, worker_key_file
 from intellect.storage import RunStorage
-from intellect.train import evaluate
 
 __all__ = ["RecordReport", "RunInfo", "UpdateReport", "ValidationReport", "WorkerResult", "worker_key_file"]
 
@@ -162,7 +163,10 @@ def generate_here(cfg: RLRunConfig, step: int, worker: str) -> WorkerResult:
     flow run): no ledger, no trainer, only run storage."""
     t0 = time.perf_counter()
     storage = run_storage(cfg)
-    done, _ = _generate_here(cfg, storage, task_pool(cfg.tasks, storage), step, worker)
+    # a lenient pool skips the prompts the run's tokenizer cannot render, as the trainer's pool does
+    tok = fetch(storage, 0)[1] if cfg.tasks.lenient and cfg.tasks.file else None
+    done, _ = _generate_here(cfg, storage, task_pool(cfg.tasks, storage, tokenizer=tok, prompt=cfg.submission.prompt),
+                             step, worker)
     return WorkerResult(worker=worker, files=done.files, policy_step=done.policy_step,
                         seconds=time.perf_counter() - t0)
 
@@ -238,13 +242,13 @@ class EvalPoint(BaseModel):
 
 
 @task(name="evaluate-run", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
-def evaluate_run(storage: StorageConfig, run_name: str, step: int | None, tasks: TaskPoolConfig, size: int
-                 ) -> EvalPoint:
-    """Held-out greedy exact-match accuracy of checkpoint ``step`` (None: the newest) of any run in
-    ``storage``, on the held-out problems of ``tasks`` (the ones RL evaluates on)."""
+def evaluate_run(storage: StorageConfig, run_name: str, step: int | None, tasks: TaskPoolConfig, size: int,
+                 submission: SubmissionConfig) -> EvalPoint:
+    """Held-out greedy accuracy of checkpoint ``step`` (None: the newest) of any run in ``storage``, on
+    the held-out tasks of ``tasks`` with ``submission``'s prompts and budget (as RL evaluates)."""
     st = RunStorage.from_config(storage, run_name)
     step = st.latest_step(CHECKPOINTS) if step is None else step
     if step is None:
         raise FileNotFoundError(f"run {run_name} has no complete checkpoint")
     model, tok = fetch(st, step)
-    return EvalPoint(run=run_name, step=step, accuracy=evaluate(model, tok, heldout_tasks(tasks, size)).accuracy)
+    return EvalPoint(run=run_name, step=step, accuracy=HeldOut(tasks, size, st).accuracy(model, tok, submission))

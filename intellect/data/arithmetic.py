@@ -280,11 +280,21 @@ def documents(cfg: DataConfig, seed: int | None = None) -> Iterator[str]:
     >>> next(documents(DataConfig(seed=1))) == next(train_stream(DataConfig(seed=1))).text
     True
     """
+    return (prompt + answer for prompt, answer in document_pairs(cfg, seed))
+
+
+def document_pairs(cfg: DataConfig, seed: int | None = None) -> Iterator[tuple[str, str]]:
+    """:func:`documents` as ``(prompt, answer as written)`` pairs, for a template to lay out.
+
+    >>> next(document_pairs(DataConfig(seed=1))) == (next(train_stream(DataConfig(seed=1))).prompt,
+    ...                                              next(train_stream(DataConfig(seed=1))).answer)
+    True
+    """
     seed = cfg.seed if seed is None else seed
     stream, rate = train_stream(cfg, seed), cfg.slip_rate
     rng = random.Random(f"slips-{seed}")
     for p in stream:
-        yield p.prompt + p.slip if rate and rng.random() < rate else p.text
+        yield p.prompt, p.slip if rate and rng.random() < rate else p.answer
 
 
 def batch_texts(stream: Iterator[Problem], n: int) -> list[str]:

@@ -9,7 +9,8 @@ below are ignored.
 math      ``prompt``: non-empty string; ``answer``: string or number (kept as
           a string, ``3.0`` becomes ``"3"``); ``id``: optional string or int
 code      ``prompt``: non-empty string; ``tests``: non-empty list of
-          non-empty strings, or one string; ``id``: optional
+          non-empty strings that parse as Python, or one string; ``id``:
+          optional
 ========  ==================================================================
 
 A missing ``id`` defaults to ``"{file stem}-{row}"``; ids must be unique.
@@ -26,11 +27,13 @@ error either way.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Literal, NamedTuple, TypeVar, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -40,9 +43,15 @@ __all__ = [
     "LoadResult",
     "MathTask",
     "RowError",
+    "Task",
     "TaskFileError",
+    "TaskKind",
     "load_code_tasks",
     "load_math_tasks",
+    "load_tasks",
+    "split_heldout",
+    "task_of_row",
+    "task_row",
     "write_tasks_jsonl",
 ]
 
@@ -79,6 +88,9 @@ class RowError(NamedTuple):
 
 
 T = TypeVar("T", MathTask, CodeTask)
+Task = Union[MathTask, CodeTask]
+TaskKind = Literal["math", "code"]
+AnyTask = TypeVar("AnyTask", bound=Task)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ class LoadResult(Generic[T]):
     path: str
     tasks: list[T]
     errors: list[RowError] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # the row number of each task
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -185,6 +198,14 @@ def _tests(row: dict[str, Any]) -> tuple[str, ...]:
         or not all(isinstance(t, str) and t.strip() for t in value)
     ):
         raise _BadRow("field 'tests' must be a non-empty list of strings")
+    for i, test in enumerate(value, start=1):
+        try:
+            ast.parse(test)
+        except SyntaxError as e:
+            where = f" (line {e.lineno})" if e.lineno else ""
+            raise _BadRow(f"test {i} is not Python: {e.msg}{where}") from None
+        except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
+            raise _BadRow(f"test {i} is not Python: {_one_line(e)}") from None
     return tuple(value)
 
 
@@ -225,6 +246,7 @@ def _load(
     rows = _iter_jsonl(p) if suffix == ".jsonl" else _iter_parquet(p, required)
 
     tasks: list[T] = []
+    numbers: list[int] = []
     errors: list[RowError] = []
     first_row: dict[str, int] = {}
     seen_rows = 0
@@ -245,13 +267,14 @@ def _load(
             continue
         first_row[task.id] = number
         tasks.append(task)
+        numbers.append(number)
 
     if seen_rows == 0:
         raise TaskFileError(f"{path}: no rows (the file is empty)")
     if not tasks:
         row, reason = errors[0]
         raise TaskFileError(f"{path}: no valid rows ({len(errors)} bad; first: row {row}: {reason})")
-    return LoadResult(path=str(path), tasks=tasks, errors=errors)
+    return LoadResult(path=str(path), tasks=tasks, errors=errors, rows=numbers)
 
 
 def _json_type(value: Any) -> str:
@@ -292,21 +315,72 @@ def load_code_tasks(path: str | Path, lenient: bool = False) -> LoadResult[CodeT
     return _load(path, lenient, ("prompt", "tests"), _code_task)
 
 
-def write_tasks_jsonl(tasks: Iterable[MathTask | CodeTask], path: str | Path) -> Path:
+def is_heldout_task(task: MathTask | CodeTask, percent: int) -> bool:
+    """Whether ``task`` is in the ``percent`` held-out split of its file. The split hashes the prompt
+    (not the id or the row), so it survives reordering and renaming, duplicates of a prompt fall on
+    the same side, and a split at a larger percent contains the one at a smaller percent.
+
+    >>> [is_heldout_task(MathTask("a", "What is 3+5?", "8"), pct) for pct in (10, 40, 50)]  # hashes to 43
+    [False, False, True]
+    """
+    digest = hashlib.sha256(b"intellect/heldout-task/v1\0" + task.prompt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < percent
+
+
+def split_heldout(tasks: Iterable[AnyTask], percent: int) -> tuple[list[AnyTask], list[AnyTask]]:
+    """``(train, heldout)``: the tasks outside and inside the ``percent`` split, each in file order."""
+    train: list[AnyTask] = []
+    heldout: list[AnyTask] = []
+    for t in tasks:
+        (heldout if is_heldout_task(t, percent) else train).append(t)
+    return train, heldout
+
+
+def load_tasks(path: str | Path, kind: TaskKind, lenient: bool = False) -> LoadResult:
+    """:func:`load_math_tasks` or :func:`load_code_tasks`, as ``kind`` says."""
+    return load_code_tasks(path, lenient) if kind == "code" else load_math_tasks(path, lenient)
+
+
+def task_row(task: Task) -> dict[str, Any]:
+    """``task`` as the JSON object of a task file row; the one form tasks travel in (task files, the
+    service's assignments, the filter's scores).
+
+    >>> task_row(CodeTask("c1", "Write f.", ("assert f() == 1",)))
+    {'id': 'c1', 'prompt': 'Write f.', 'tests': ['assert f() == 1']}
+    """
+    if isinstance(task, MathTask):
+        return {"id": task.id, "prompt": task.prompt, "answer": task.answer}
+    if isinstance(task, CodeTask):
+        return {"id": task.id, "prompt": task.prompt, "tests": list(task.tests)}
+    raise TypeError(f"expected MathTask or CodeTask, got {type(task).__name__}")
+
+
+def task_of_row(row: Any, kind: TaskKind) -> Task:
+    """The ``kind`` task of a :func:`task_row` object, checked as a file's rows are (an ``id`` is
+    required); ``ValueError`` naming what is wrong.
+
+    >>> task_of_row({"id": "a", "prompt": "2+2=", "answer": 4}, "math")
+    MathTask(id='a', prompt='2+2=', answer='4')
+    >>> task_of_row({"id": "a", "prompt": "2+2="}, "math")
+    Traceback (most recent call last):
+    ...
+    ValueError: missing field 'answer'
+    """
+    try:
+        if not isinstance(row, dict):
+            raise _BadRow(f"expected a JSON object, got {_json_type(row)}")
+        _require(row, "id")
+        return _code_task(row, "") if kind == "code" else _math_task(row, "")
+    except _BadRow as e:
+        raise ValueError(str(e)) from None
+
+
+def write_tasks_jsonl(tasks: Iterable[Task], path: str | Path) -> Path:
     """Write tasks as JSONL that :func:`load_math_tasks` / :func:`load_code_tasks` read back.
 
     Returns the path written; parent folders are created.
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for t in tasks:
-        if isinstance(t, MathTask):
-            row: dict[str, Any] = {"id": t.id, "prompt": t.prompt, "answer": t.answer}
-        elif isinstance(t, CodeTask):
-            row = {"id": t.id, "prompt": t.prompt, "tests": list(t.tests)}
-        else:
-            raise TypeError(f"expected MathTask or CodeTask, got {type(t).__name__}")
-        lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-    p.write_text("".join(lines), encoding="utf-8")
+    p.write_text("".join(json.dumps(task_row(t), ensure_ascii=False) + "\n" for t in tasks), encoding="utf-8")
     return p

@@ -14,11 +14,12 @@ next batches (equal token ids) as a run that was never stopped.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from intellect.config import DataConfig
-from intellect.data.arithmetic import documents
+from intellect.data.arithmetic import document_pairs
 from intellect.data.text import PackedStream
+from intellect.prompts import chat_document
 
 STATE_VERSION = 1
 MAX_REPLAY = 1 << 31  # documents a loaded DocumentStream state may replay: a bound, not a typical count
@@ -45,16 +46,19 @@ class DocumentStream:
     (True, 7)
     """
 
-    def __init__(self, data: DataConfig, seed: int | None = None) -> None:
+    def __init__(self, data: DataConfig, seed: int | None = None,
+                 layout: Callable[[str, str], str] | None = None) -> None:
+        """``layout(prompt, answer)`` writes a document (e.g. as a chat); None: prompt then answer."""
         self.data, self.seed = data, data.seed if seed is None else seed
-        self._docs: Iterator[str] = documents(data, seed=self.seed)
+        self.layout = layout or (lambda prompt, answer: prompt + answer)
+        self._docs: Iterator[tuple[str, str]] = document_pairs(data, seed=self.seed)
         self.read = 0
 
     def next_batch(self, n: int) -> list[str]:
         if n < 1:
             raise ValueError(f"need n >= 1 documents (got {n})")
         self.read += n
-        return [next(self._docs) for _ in range(n)]
+        return [self.layout(*next(self._docs)) for _ in range(n)]
 
     def _fingerprint(self) -> str:
         """What a count means: the task's settings and the seed of this stream."""
@@ -72,7 +76,7 @@ class DocumentStream:
         read = state.get("read")
         if isinstance(read, bool) or not isinstance(read, int) or not 0 <= read <= MAX_REPLAY:
             raise ValueError(f"invalid document count {read!r}")
-        self._docs, self.read = documents(self.data, seed=self.seed), 0
+        self._docs, self.read = document_pairs(self.data, seed=self.seed), 0
         for _ in range(read):
             next(self._docs)
         self.read = read
@@ -81,9 +85,12 @@ class DocumentStream:
 def open_stream(data: DataConfig, tokenizer, *, shard: int = 0, shards: int = 1,
                 seed: int | None = None) -> DocumentStream | PackedStream:
     """The training stream of ``data``: shard ``shard`` of ``shards`` of a text corpus, or the arithmetic
-    documents of ``seed`` (``data.seed`` when None; arithmetic streams are told apart by seed, not sharded)."""
+    documents of ``seed`` (``data.seed`` when None; arithmetic streams are told apart by seed, not sharded),
+    as one-turn chats in ``tokenizer``'s template with ``data.chat``."""
     if data.kind == "text":
         return PackedStream(data, tokenizer, shard=shard, shards=shards)
+    if data.chat:
+        return DocumentStream(data, seed, lambda prompt, answer: chat_document(tokenizer, prompt, answer)[1])
     return DocumentStream(data, seed)
 
 

@@ -21,7 +21,8 @@ from typing import Callable, Iterable
 from intellect.diloco.protocol import (ARRIVE, BAN, BANNED, COMMITTED, DEAD, FAMILIES, HB, LEFT, MAX_SCAN, MEMBERS,
                                        OUTCOME, PROGRESS, READY, START, VOTE, Writer, ban_votes, read_ban, read_count,
                                        read_json, read_names)
-from intellect.diloco.rendezvous import COORDINATOR, RendezvousStore, unb64, peer_key
+from intellect.diloco.rendezvous import COORDINATOR, unb64, peer_key
+from intellect.diloco.rendezvous_client import RendezvousStore
 
 
 class StoreLost(RuntimeError):

@@ -4,7 +4,8 @@ Why not TCPStore: it answers anyone who reaches its port, so an outsider could e
 (``progress``), drop live workers (``dead/``), squat the first-wins decisions or join
 (``launched/``); MAC'ing the values instead still lets it delete, garble and squat keys,
 gloo's own included. Here no request without the run's credential is served at all. The keys
-and who may write them are :mod:`intellect.diloco.protocol`'s. :class:`RendezvousStore` is a
+and who may write them are :mod:`intellect.diloco.protocol`'s. This module holds the wire format and
+the server; the client, :class:`~intellect.diloco.rendezvous_client.RendezvousStore`, is a
 ``torch.distributed.Store``, so gloo's groups are built on it as on a TCPStore (``transport.new_group``).
 
 Protocol. ``POST /v1/<op>`` with a JSON body; ops are TCPStore's (``set``, ``get``, which waits
@@ -42,16 +43,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import datetime
-import http.client
 import json
 import logging
 import resource
-import secrets
 import threading
 import time
 
-import torch.distributed as dist
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -100,7 +97,16 @@ def check_request(key: bytes, got: bytes, op: str, body: bytes, time_ms: int, no
     return check(key, got, _REQUEST, op, body, time_ms, nonce, peer)
 
 
-def _b64(v: bytes) -> str:
+def answer_tag(key: bytes, nonce: str, answer: bytes) -> bytes:
+    return tag(key, _ANSWER, nonce, answer)
+
+
+def check_answer(key: bytes, got: bytes, nonce: str, answer: bytes) -> bool:
+    return check(key, got, _ANSWER, nonce, answer)
+
+
+def b64(v: bytes) -> str:
+    """A value as a request body carries it: base64."""
     return base64.b64encode(v).decode()
 
 
@@ -109,14 +115,6 @@ def unb64(s) -> bytes:
     if not isinstance(s, str):
         raise ValueError("a value is a base64 string")
     return base64.b64decode(s, validate=True)
-
-
-def _to_bytes(v) -> bytes:
-    if isinstance(v, bytes):
-        return v
-    if isinstance(v, str):
-        return v.encode()
-    return bytes(v)  # gloo hands values over as lists of ints
 
 
 # ---------------------------------------------------------------------- server
@@ -165,7 +163,7 @@ class _Table:
         if op == "get":
             if key not in self.data and not await self._until([key], timeout):
                 return {"missing": True}
-            return {"value": _b64(self.data[key])}
+            return {"value": b64(self.data[key])}
         if op == "add":
             amount = req["amount"]
             if type(amount) is not int or abs(amount) > 1 << 62:
@@ -184,8 +182,8 @@ class _Table:
                 self._room(key)
                 self.data[key] = desired
                 await self._wrote()
-                return {"value": _b64(desired)}
-            return {"value": _b64(expected if current is None else current)}
+                return {"value": b64(desired)}
+            return {"value": b64(expected if current is None else current)}
         if op == "check":
             return {"value": all(k in self.data for k in keys)}
         if op == "check_many":
@@ -368,7 +366,7 @@ class RendezvousServer:
             self.served += 1
             out = json.dumps(answer, separators=(",", ":")).encode()
             return Response(out, 200, media_type="application/json",
-                            headers={MAC_HEADER: tag(key, _ANSWER, nonce, out).hex()})
+                            headers={MAC_HEADER: answer_tag(key, nonce, out).hex()})
 
         return Starlette(routes=[Route("/v1/{op}", handle, methods=["POST"])])
 
@@ -376,126 +374,3 @@ class RendezvousServer:
         self._server.should_exit = True
         self._thread.join(timeout)
         self.sock.close()
-
-
-# ---------------------------------------------------------------------- client
-
-
-class StoreError(dist.DistStoreError):
-    """The rendezvous refused a request, did not answer in time, or answered without its MAC.
-    A ``DistStoreError``, as TCPStore's, so callers that catch ``dist.DistError`` (a gloo group
-    whose peers never came) see the same type."""
-
-
-class RendezvousStore(dist.Store):  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
-    """A ``torch.distributed.Store`` client of :class:`RendezvousServer` (see the module docstring).
-
-    Each thread gets its own kept-alive connection; every request and every answer is MAC'd
-    under ``key``, the peer's own (:func:`peer_key`; derived from ``secret`` when not given).
-    ``timeout`` bounds ``get`` and ``wait`` (as TCPStore's does) and every round trip.
-    """
-
-    def __init__(self, host: str, port: int, secret: bytes | None, run: str, peer: str = "",
-                 timeout: float | datetime.timedelta = 30.0, key: bytes | None = None):
-        super().__init__()
-        self.host, self.port, self.peer = host, int(port), peer[:64]
-        if key is None:
-            if secret is None:
-                raise ValueError("a rendezvous client needs its peer key or the run secret")
-            key = peer_key(secret, run, self.peer)
-        self.key = key
-        self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-        self._local = threading.local()
-
-    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None or fresh:
-            if conn is not None:
-                conn.close()
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self._timeout + 5)
-            self._local.conn = conn
-        return conn
-
-    def call(self, op: str, **fields) -> dict:
-        """One authenticated round trip; :class:`StoreError` when refused or unreachable."""
-        body = json.dumps(fields, separators=(",", ":")).encode()
-        for attempt in (0, 1):
-            time_ms, nonce = int(time.time() * 1000), secrets.token_hex(16)
-            mac = request_tag(self.key, op, body, time_ms, nonce, self.peer).hex()
-            headers = {"content-type": "application/json", TIME_HEADER: str(time_ms), NONCE_HEADER: nonce,
-                       PEER_HEADER: self.peer, MAC_HEADER: mac}
-            conn = self._conn(fresh=attempt > 0)
-            try:
-                conn.request("POST", f"/v1/{op}", body, headers)
-                resp = conn.getresponse()
-                out = resp.read(MAX_BODY + 1)
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-                if attempt == 0:  # a kept-alive connection the server closed: once more on a new one
-                    continue
-                raise StoreError(f"rendezvous {self.host}:{self.port}: {e}") from e
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                self._local.conn = None
-                raise StoreError(f"rendezvous {self.host}:{self.port}: {e}") from e
-            except BaseException:
-                # e.g. SystemExit from a SIGTERM handler mid-request: the connection holds half an
-                # exchange, and the deathrattle that follows must not be sent on it
-                conn.close()
-                self._local.conn = None
-                raise
-            break
-        if resp.status != 200:
-            raise StoreError(f"rendezvous {self.host}:{self.port} refused {op}: {out[:300].decode(errors='replace')}")
-        mac = resp.getheader(MAC_HEADER) or ""
-        try:
-            good = len(out) <= MAX_BODY and check(self.key, bytes.fromhex(mac), _ANSWER, nonce, out)
-        except ValueError:
-            good = False
-        if not good:
-            raise StoreError(f"rendezvous {self.host}:{self.port}: an answer to {op} without the run's MAC")
-        return json.loads(out)
-
-    # ---- the torch.distributed.Store interface (what gloo and PrefixStore call)
-
-    def set(self, key: str, value) -> None:
-        self.call("set", key=key, value=_b64(_to_bytes(value)))
-
-    def get(self, key: str) -> bytes:
-        out = self.call("get", key=key, timeout=self._timeout)
-        if out.get("missing"):
-            raise StoreError(f"rendezvous: timed out after {self._timeout} s waiting for key {key!r}")
-        return unb64(out["value"])
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self.call("add", key=key, amount=int(amount))["value"])
-
-    def compare_set(self, key: str, expected, desired) -> bytes:
-        return unb64(self.call("compare_set", key=key, expected=_b64(_to_bytes(expected)),
-                                desired=_b64(_to_bytes(desired)))["value"])
-
-    def check(self, keys) -> bool:
-        return bool(self.call("check", keys=list(keys))["value"])
-
-    def check_many(self, keys) -> list[bool]:
-        """Whether each of ``keys`` exists, in one round trip."""
-        return [bool(v) for v in self.call("check_many", keys=list(keys))["value"]] if keys else []
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self.call("delete", key=key)["value"])
-
-    def num_keys(self) -> int:
-        return int(self.call("num_keys")["value"])
-
-    def wait(self, keys, timeout: datetime.timedelta | None = None) -> None:
-        seconds = self._timeout if timeout is None else timeout.total_seconds()
-        if not self.call("wait", keys=list(keys), timeout=seconds)["value"]:
-            raise StoreError(f"rendezvous: timed out after {seconds} s waiting for keys {list(keys)[:8]}")
-
-    def set_timeout(self, timeout: datetime.timedelta) -> None:
-        self._timeout = timeout.total_seconds()
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None

@@ -16,6 +16,7 @@ whoever needs padding brings their own). The folder loads with
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import shutil
@@ -28,8 +29,10 @@ from typing import Iterable, Iterator, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from intellect.config import ConfigError, DataConfig, SmokeConfig, load_config
+from intellect.data.arithmetic import document_pairs
 from intellect.data.text import iter_documents
 from intellect.model.checkpoint import make_tokenizer_portable
 from intellect.model.tokenizer import load_tokenizer
@@ -39,38 +42,71 @@ log = logging.getLogger(__name__)
 BOS_TOKEN, EOS_TOKEN = "<|begin_of_text|>", "<|endoftext|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, then the specials
+# ChatML turns (as Qwen2.5's instruct models): a chat tokenizer ends each turn, and so each completion,
+# with TURN_END, which is its EOS; the template writes BOS itself, since rendered chats are tokenized
+# without special tokens.
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+CHAT_TOKENS = (TURN_START, TURN_END)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}" + TURN_START + "{{ m['role'] }}\n{{ m['content'] }}" + TURN_END
+    + "\n{% endfor %}{% if add_generation_prompt %}" + TURN_START + "assistant\n{% endif %}"
+)
 # GPT-4's split (as in Llama 3): contractions, letters with one leading non-letter, 1-3 digits,
 # punctuation runs, newlines, other whitespace.
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,DIGITS}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Characters of corpus text a tokenizer is trained on at most. BPE merges follow the most frequent pairs,
 # which a few million characters of one corpus already rank stably, while training time grows with the
 # text: on the standard library's source, 8M characters (about a third of it) give held-out text within
 # 2% of the compression of training on all of it, in a fifth of the time.
 TRAIN_CHARS = 8_000_000
+ARITHMETIC_DOCUMENTS = 20_000
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer of (at most) ``vocab_size`` tokens learned from ``texts``."""
-    if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} specials), "
+def train_bpe(texts: Iterable[str], vocab_size: int, chat: bool = False, digits: int = 3) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of (at most) ``vocab_size`` tokens learned from ``texts``, numbers cut
+    into groups of at most ``digits`` digits before merging (3 as Llama 3; 1 as Qwen2.5, which keeps
+    arithmetic digit by digit). With ``chat``, it also has the ChatML turn tokens,
+    :data:`CHAT_TEMPLATE`, ``TURN_END`` as its EOS and ``EOS_TOKEN`` as its pad."""
+    if not 1 <= digits <= 3:
+        raise ValueError(f"digits must be 1, 2 or 3, got {digits}")
+    specials = SPECIAL_TOKENS + (CHAT_TOKENS if chat else ())
+    if vocab_size < 256 + len(specials):
+        raise ValueError(f"vocab_size must be >= {256 + len(specials)} (256 bytes + {len(specials)} specials), "
                          f"got {vocab_size}")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN.replace("DIGITS", str(digits))), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     core.train_from_iterator(texts, trainer=trainer)
     bos = core.token_to_id(BOS_TOKEN)
     core.post_processor = processors.TemplateProcessing(single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B",
                                                         special_tokens=[(BOS_TOKEN, bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-                                   model_max_length=1 << 30)
+    if not chat:
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                                       model_max_length=1 << 30)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS_TOKEN, eos_token=TURN_END,
+                                  pad_token=EOS_TOKEN, model_max_length=1 << 30)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def chat_texts(pairs: Iterable[tuple[str, str]]) -> Iterator[str]:
+    """Each ``(prompt, answer)`` as the one-turn chat :data:`CHAT_TEMPLATE` writes (what a chat
+    tokenizer's corpus holds, rendered before the tokenizer exists).
+
+    >>> next(chat_texts([("1+2=", "3")]))
+    '<|begin_of_text|><|im_start|>user\\n1+2=<|im_end|>\\n<|im_start|>assistant\\n3<|im_end|>\\n'
+    """
+    for prompt, answer in pairs:
+        chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        yield render_jinja_template([chat], chat_template=CHAT_TEMPLATE, bos_token=BOS_TOKEN)[0][0]
 
 
 def save_tokenizer(tok: PreTrainedTokenizerFast, folder: str | os.PathLike) -> Path:
@@ -95,11 +131,17 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, folder: str | os.PathLike) -> P
 
 def corpus_texts(data: DataConfig, max_documents: int | None = None, max_chars: int = TRAIN_CHARS,
                  counts: dict[str, int] | None = None) -> Iterator[str]:
-    """Train-split documents in a fixed order until ``max_chars`` characters (the last one cut there);
-    ``counts`` gets ``documents`` and ``chars``."""
+    """Train-split documents in a fixed order until ``max_chars`` characters (the last one cut there):
+    the text corpus's, or the first ``max_documents`` (default :data:`ARITHMETIC_DOCUMENTS`) arithmetic
+    documents; ``counts`` gets ``documents`` and ``chars``."""
     counts = {} if counts is None else counts
     counts.update(documents=0, chars=0)
-    for text in iter_documents(data, split="train", max_documents=max_documents):
+    if data.kind == "text":
+        texts = iter_documents(data, split="train", max_documents=max_documents)
+    else:  # the arithmetic stream is endless: a sample of it ranks its few merges stably
+        pairs = itertools.islice(document_pairs(data), max_documents or ARITHMETIC_DOCUMENTS)
+        texts = chat_texts(pairs) if data.chat else (prompt + answer for prompt, answer in pairs)
+    for text in texts:
         text = text[: max_chars - counts["chars"]]
         counts["documents"] += 1
         counts["chars"] += len(text)
@@ -115,13 +157,15 @@ def _is_tokenizer_folder(path: Path) -> bool:
 def ensure_tokenizer(path: str | os.PathLike, data: DataConfig, vocab_size: int,
                      max_documents: int | None = None) -> PreTrainedTokenizerFast:
     """The tokenizer saved at ``path``; if there is none yet, one trained on the train split of ``data``'s
-    corpus (at most ``max_documents`` documents and :data:`TRAIN_CHARS` characters), saved there first.
+    corpus or arithmetic documents (at most ``max_documents`` documents and :data:`TRAIN_CHARS`
+    characters), a chat tokenizer with ``data.chat``, saved there first.
     Processes racing to create it each train one; the first to rename wins and all load that one."""
     folder = Path(path)
     if not _is_tokenizer_folder(folder):
         counts: dict[str, int] = {}
         start = time.perf_counter()
-        tok = train_bpe(corpus_texts(data, max_documents, counts=counts), vocab_size)
+        tok = train_bpe(corpus_texts(data, max_documents, counts=counts), vocab_size, chat=data.chat,
+                        digits=1 if data.kind == "arithmetic" else 3)
         log.info("trained a BPE tokenizer of %d tokens on %d documents (%d characters) in %.1fs",
                  len(tok), counts["documents"], counts["chars"], time.perf_counter() - start)
         try:
@@ -195,5 +239,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "intellect tokenizer",
     return 0
 
 
-__all__ = ["BOS_TOKEN", "EOS_TOKEN", "MIN_VOCAB", "SPECIAL_TOKENS", "TRAIN_CHARS", "corpus_texts",
+__all__ = ["BOS_TOKEN", "CHAT_TEMPLATE", "CHAT_TOKENS", "EOS_TOKEN", "MIN_VOCAB", "TURN_END", "TURN_START", "SPECIAL_TOKENS", "TRAIN_CHARS", "corpus_texts",
            "ensure_tokenizer", "main", "save_tokenizer", "train_bpe"]

@@ -15,10 +15,13 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from intellect.config import ComputeConfig, DataConfig, DispatchConfig, StorageConfig, StrictModel
+from intellect.inference.config import EngineConfig
 from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
+from intellect.prompts import PromptConfig
 from intellect.rl.rollout_schema import RolloutLimits
 from intellect.rl.service import ServiceConfig
-from intellect.rl.submission import SubmissionConfig
+from intellect.rl.rewards.code import CodeRewardConfig
+from intellect.rl.submission import RewardFn, SubmissionConfig, task_reward_fn
 from intellect.rl.trainer import RLTrainerConfig
 from intellect.shardcast.config import ShardcastConfig
 from intellect.toploc.proofs import ToplocConfig
@@ -50,14 +53,71 @@ class InitConfig(StrictModel):
 class TaskPoolConfig(StrictModel):
     """The prompts RL trains on: a file (e.g. the output of ``intellect filter``) or generated arithmetic."""
 
+    kind: Literal["math", "code"] = Field(
+        default="math",
+        description="math: rows (prompt, answer), scored by the final or boxed answer; code: rows (prompt, tests), "
+        "scored by running the completion's last Python block against the tests in the sandbox (`code`).",
+    )
     file: str | None = Field(
         default=None,
-        description="A .jsonl/.parquet math task file (prompt, answer, id), a path or a path relative to the "
-        "run storage root (e.g. 'filter/tasks.jsonl' of a filter run); None: generate arithmetic.",
+        description="A .jsonl/.parquet task file of `kind` (see intellect/data/loaders.py), a path or a path relative "
+        "to the run storage root (e.g. 'filter/tasks.jsonl' of a filter run); None: generate arithmetic (math only).",
+    )
+    code: CodeRewardConfig = Field(
+        default_factory=CodeRewardConfig,
+        description="The code reward (kind = code): its sandbox, the sandboxes a file's rows share and its budgets.",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="The arithmetic generator (held-out excluded).")
     size: int = Field(default=20000, ge=1, le=10_000_000, description="Distinct generated problems in the pool.")
     seed: int = Field(default=1234, ge=0, description="Seed of the generated pool (not of the held-out split).")
+    heldout: Literal["split", "file", "arithmetic"] | None = Field(
+        default=None,
+        description="What held-out evaluation scores: split, the heldout_percent split of `file` by prompt hash "
+        "(kept out of training); file, the tasks of heldout_file (their prompts kept out of training); "
+        "arithmetic, the generator's held-out problems (for a file `intellect filter` made from the generator). "
+        "None: file with heldout_file set, split with only `file` set, arithmetic otherwise.",
+    )
+    heldout_file: str | None = Field(
+        default=None, description="The held-out task file (as `file`: a path, or relative to the storage root).",
+    )
+    heldout_percent: int = Field(
+        default=10, ge=1, le=50, description="Share of `file`'s prompts in the held-out split (heldout = split).",
+    )
+    lenient: bool = Field(
+        default=False,
+        description="Skip bad rows of the task files (and prompts the template cannot render), reporting them, "
+        "instead of failing at the first with a one-line error naming the row.",
+    )
+
+    @property
+    def heldout_source(self) -> Literal["split", "file", "arithmetic"]:
+        """``heldout``, its default resolved.
+
+        >>> TaskPoolConfig(file="tasks.jsonl").heldout_source, TaskPoolConfig().heldout_source
+        ('split', 'arithmetic')
+        """
+        if self.heldout is not None:
+            return self.heldout
+        return "file" if self.heldout_file else "split" if self.file else "arithmetic"
+
+    def reward_fn(self) -> RewardFn:
+        """The reward workers claim and the validator recomputes for these tasks."""
+        return task_reward_fn(self.kind, self.code)
+
+    @model_validator(mode="after")
+    def _heldout_given(self) -> "TaskPoolConfig":
+        if self.kind == "code" and not self.file:
+            raise ValueError("kind = 'code' needs a task file (only arithmetic is generated)")
+        source = self.heldout_source
+        if self.kind == "code" and source == "arithmetic":
+            raise ValueError("kind = 'code' is evaluated on its file: heldout must be 'split' or 'file'")
+        if source == "file" and not self.heldout_file:
+            raise ValueError("heldout = 'file' needs heldout_file")
+        if self.heldout_file and source != "file":
+            raise ValueError(f"heldout_file is set but heldout = {source!r}")
+        if source == "split" and not self.file:
+            raise ValueError("heldout = 'split' splits `file`: set file")
+        return self
 
 
 class WorkersConfig(StrictModel):
@@ -77,6 +137,10 @@ class WorkersConfig(StrictModel):
         "arrive before their step is validated.",
     )
     threads: int = Field(default=1, ge=1, le=256, description="torch threads of each worker process.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="How each worker's torch engine batches generation (continuous by default; rows, KV budget).",
+    )
     launch: Literal["local", "deployments"] = Field(
         default="local",
         description="Where rl-train starts its workers: local subprocesses, or flow runs of the rl-worker "
@@ -114,7 +178,7 @@ class WorkersConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Held-out greedy exact-match accuracy of published checkpoints."""
+    """Held-out greedy accuracy of published checkpoints (intellect/rl/evaluation.py)."""
 
     every: int = Field(default=10, ge=0, le=1_000_000, description="Evaluate every N steps (0: only first and last).")
     size: int = Field(default=512, ge=1, le=100_000, description="Held-out problems per evaluation.")
@@ -212,6 +276,9 @@ class FilterConfig(StrictModel):
     max_tokens: int = Field(default=16, ge=1, le=1 << 20, description="Most completion tokens.")
     chunk_size: int = Field(default=256, ge=1, le=1 << 20, description="Prompts per Prefect task.")
     seed: int = Field(default=0, ge=0, description="Base of the per-sample seeds.")
+    prompt: PromptConfig = Field(
+        default_factory=PromptConfig, description="How task prompts are rendered (as the RL run's submission.prompt).",
+    )
 
     @model_validator(mode="after")
     def _window(self) -> "FilterConfig":

@@ -16,16 +16,19 @@ from typing import TYPE_CHECKING, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from intellect.data.loaders import task_row
 from intellect.inference.protocol import Request
 from intellect.inference.sampling import MAX_SEED, SamplingParams
-from intellect.rl.submission import RewardFn, completion_text, math_task_reward, prompt_tokens
+from intellect.rl.submission import (CodeTaskReward, RewardFn, completion_text, math_task_reward, prompt_tokens,
+                                     task_rewards)
 
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import Task
     from intellect.inference.protocol import InferenceEngine
     from intellect.rl.config import FilterConfig
 
-SCHEMA = pa.schema([("prompt_id", pa.string()), ("prompt", pa.string()), ("answer", pa.string()),
+# ``task``: the task as its task file row (loaders.task_row), as JSON
+SCHEMA = pa.schema([("prompt_id", pa.string()), ("prompt", pa.string()), ("task", pa.string()),
                     ("k", pa.int32()), ("solved", pa.int32()), ("kept", pa.bool_())])
 
 
@@ -39,19 +42,25 @@ def filter_seed(seed: int, prompt_id: str, j: int) -> int:
     return int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & MAX_SEED
 
 
-def solve_counts(engine: InferenceEngine, tokenizer, tasks: Sequence[MathTask], cfg: FilterConfig,
+def solve_counts(engine: InferenceEngine, tokenizer, tasks: Sequence[Task], cfg: FilterConfig,
                  reward_fn: RewardFn = math_task_reward) -> list[int]:
     """How many of ``cfg.k`` samples of each task earn reward 1 (one batched ``generate`` call)."""
-    reqs = [Request(prompt_tokens(tokenizer, t), filter_seed(cfg.seed, t.id, j)) for t in tasks for j in range(cfg.k)]
+    reqs = [Request(prompt_tokens(tokenizer, t, cfg.prompt), filter_seed(cfg.seed, t.id, j)) for t in tasks for j in range(cfg.k)]
     outs = engine.generate(reqs, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens))
-    hits = [reward_fn(completion_text(tokenizer, o.tokens), t) >= 1.0
-            for o, t in zip(outs, (t for t in tasks for _ in range(cfg.k)))]
+    texts, each = [completion_text(tokenizer, o.tokens) for o in outs], [t for t in tasks for _ in range(cfg.k)]
+    # the operator's own model needs no per-file budget; code rows share the sandbox pool
+    if isinstance(reward_fn, CodeTaskReward):
+        rewards = task_rewards(reward_fn, texts, each)
+    else:
+        rewards = [reward_fn(c, t) for c, t in zip(texts, each)]
+    hits = [r >= 1.0 for r in rewards]
     return [sum(hits[i * cfg.k:(i + 1) * cfg.k]) for i in range(len(tasks))]
 
 
-def scores_table(tasks: Sequence[MathTask], counts: Sequence[int], cfg: FilterConfig) -> pa.Table:
+def scores_table(tasks: Sequence[Task], counts: Sequence[int], cfg: FilterConfig) -> pa.Table:
     return pa.table({
-        "prompt_id": [t.id for t in tasks], "prompt": [t.prompt for t in tasks], "answer": [t.answer for t in tasks],
+        "prompt_id": [t.id for t in tasks], "prompt": [t.prompt for t in tasks],
+        "task": [json.dumps(task_row(t), ensure_ascii=False) for t in tasks],
         "k": pa.array([cfg.k] * len(tasks), pa.int32()), "solved": pa.array(list(counts), pa.int32()),
         "kept": [cfg.keeps(n) for n in counts],
     }, schema=SCHEMA)
@@ -71,10 +80,8 @@ def from_parquet(data: bytes) -> pa.Table:
 
 
 def kept_tasks_jsonl(table: pa.Table) -> str:
-    """The kept prompts as a task file (``load_math_tasks`` reads it back)."""
-    rows = table.filter(table["kept"]).select(["prompt_id", "prompt", "answer"]).to_pylist()
-    return "".join(json.dumps({"id": r["prompt_id"], "prompt": r["prompt"], "answer": r["answer"]}) + "\n"
-                   for r in rows)
+    """The kept prompts as a task file of their kind (``load_tasks`` reads it back)."""
+    return "".join(f"{row}\n" for row in table.filter(table["kept"])["task"].to_pylist())
 
 
 def histogram(counts: Sequence[int], k: int) -> list[int]:

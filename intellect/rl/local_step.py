@@ -14,11 +14,11 @@ from intellect.checkpoints import CHECKPOINTS, recorded_steps
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import list_submissions
 from intellect.rl.run import RLRun
-from intellect.rl.submission import RewardFn, math_task_reward
+from intellect.rl.submission import RewardFn
 from intellect.trust.mac import new_secret
 
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import Task
     from intellect.ledger import Ledger
     from intellect.rl.config import RLRunConfig
     from intellect.rl.step import EngineFactory
@@ -53,7 +53,7 @@ def step_counts(ledger: Ledger, step: int) -> tuple[int, int]:
 
 def run_rl_step(
     cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int, workers: Sequence[str],
-    tasks: Sequence[MathTask], *, engine_factory: EngineFactory | None = None, reward_fn: RewardFn = math_task_reward,
+    tasks: Sequence[Task], *, engine_factory: EngineFactory | None = None, reward_fn: RewardFn | None = None,
     extra_checks: Sequence[RowCheck] = (), trainer: GRPOTrainer | None = None,
 ) -> StepReport:
     """Run (or resume) RL step ``step`` in this process, every role played here (each of ``workers``,

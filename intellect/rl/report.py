@@ -46,7 +46,7 @@ def plot_curve(steps: Sequence[dict], evals: Sequence[dict], title: str) -> byte
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     ax[0].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "o-")
-    ax[0].set(xlabel="checkpoint (RL step)", ylabel="held-out greedy exact match", title="held-out accuracy")
+    ax[0].set(xlabel="checkpoint (RL step)", ylabel="held-out greedy accuracy (solved share)", title="held-out accuracy")
     pts = [(r["step"], r["mean_reward"]) for r in steps if r.get("mean_reward") is not None]
     ax[1].plot([p[0] for p in pts], [p[1] for p in pts], ".-", lw=0.8)
     ax[1].set(xlabel="RL step", ylabel="mean reward of accepted samples", title="reward")

@@ -33,29 +33,29 @@ from intellect.checkpoints import (
 from intellect.launch import Handle, Launcher
 from intellect.ledger import Ledger
 from intellect.rl import step as S
-from intellect.rl.admission import uploads_settled_at
 from intellect.rl.lag import policy_for
+from intellect.rl.registry import uploads_settled_at
+from intellect.rl.evaluation import HeldOut
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
 from intellect.rl.rollouts import RolloutLimits, list_submissions, parse_submission_path
 from intellect.rl.service import SubmissionService
 from intellect.rl.setup import (
-    heldout_tasks, ledger_path, local_run_dir, run_storage, seed_checkpoint, task_pool, trainer_dir, trainer_key,
+    ledger_path, local_run_dir, run_storage, seed_checkpoint, task_pool, trainer_dir, trainer_key,
     trainer_secret,
 )
 from intellect.rl.step import DoneMarker, EngineFactory, read_done_marker
-from intellect.rl.submission import RewardFn, math_task_reward
+from intellect.rl.submission import RewardFn
 from intellect.rl.verdicts import read_verdicts, write_verdicts
 from intellect.rl.weights import publish_to_origin
 from intellect.rl.worker import WorkerRunInfo
 from intellect.rl.workers import WorkerResult, await_done, start_workers, stop_workers
 from intellect.shardcast.local import LocalCDN, start_local
 from intellect.storage import RunStorage
-from intellect.train import evaluate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import Task
     from intellect.rl.config import RLRunConfig
     from intellect.rl.trainer import GRPOTrainer
     from intellect.rl.validator import RowCheck
@@ -99,11 +99,11 @@ class UpdateReport(BaseModel):
     checkpoint: str
 
 
-def generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: Sequence[MathTask], step: int, worker: str,
+def generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: Sequence[Task], step: int, worker: str,
                   ledger: Ledger | None = None, *, engine_factory: EngineFactory | None = None,
-                  reward_fn: RewardFn = math_task_reward) -> tuple[DoneMarker, list[str]]:
+                  reward_fn: RewardFn | None = None) -> tuple[DoneMarker, list[str]]:
     """Generate ``worker``'s submissions of ``step`` in this process (skipped when its done marker
-    exists); its done marker and the files this call wrote. With ``ledger`` (the trainer's process)
+    exists); its done marker and the files this call wrote. ``reward_fn`` replaces the tasks' reward. With ``ledger`` (the trainer's process)
     only recorded checkpoints are used, verified; without (an operator's generation machine, which
     holds run storage but not the ledger) storage is believed."""
     if (done := read_done_marker(storage, step, worker)) is not None:
@@ -115,7 +115,8 @@ def generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: Sequence[MathTas
     model, tok = fetch(storage, policy) if ledger is None else fetch_recorded(storage, ledger, policy)
     engine = (engine_factory or S.worker_engines(cfg))(model, tok)
     files, written = S.worker_step(cfg, storage, step, worker, tasks, engine, tok, policy,
-                                   limits=cfg.limits or RolloutLimits(vocab_size=len(tok)), reward_fn=reward_fn)
+                                   limits=cfg.limits or RolloutLimits(vocab_size=len(tok)),
+                                   reward_fn=reward_fn or cfg.tasks.reward_fn())
     return DoneMarker(files=files, policy_step=policy), written
 
 
@@ -132,20 +133,21 @@ class RLRun:
     """One RL run as the trainer's process holds it (see the module docstring)."""
 
     def __init__(self, cfg: RLRunConfig, *, storage: RunStorage | None = None, ledger: Ledger | None = None,
-                 tasks: Sequence[MathTask] | None = None, reward_fn: RewardFn = math_task_reward,
+                 tasks: Sequence[Task] | None = None, reward_fn: RewardFn | None = None,
                  extra_checks: Sequence[RowCheck] = (), engine_factory: EngineFactory | None = None,
                  secret: bytes | None = None):
         """The run of ``cfg``; ``storage``, ``ledger`` and ``tasks`` default to the run's own (a given
         ledger stays open on close: its owner closes it). ``reward_fn``, ``extra_checks`` and
-        ``engine_factory`` replace the math reward, add validator checks and replace the workers'
+        ``engine_factory`` replace the tasks' reward (``cfg.tasks.reward_fn()``), add validator checks and replace the workers'
         engines (tests and benchmarks); ``secret`` replaces the run's secret file for verdicts that
         never leave this process."""
         self.cfg = cfg
         self.storage = storage or run_storage(cfg)
         self._owns_ledger = ledger is None
         self.ledger = ledger or Ledger(ledger_path(cfg))
-        self.tasks: list[MathTask] = list(tasks) if tasks is not None else task_pool(cfg.tasks, self.storage)
-        self.reward_fn, self.extra_checks, self.engine_factory = reward_fn, list(extra_checks), engine_factory
+        self._tasks: list[Task] | None = list(tasks) if tasks is not None else None
+        self.reward_fn = reward_fn or cfg.tasks.reward_fn()
+        self.extra_checks, self.engine_factory = list(extra_checks), engine_factory
         self.engines = S.CheckpointEngines(self.storage, self.ledger, keep=cfg.async_level + 2, compute=cfg.compute)
         self.stopping = threading.Event()  # set: waits for workers give up
         self.trainer: GRPOTrainer | None = None  # holding checkpoint `trainer_step`
@@ -158,7 +160,7 @@ class RLRun:
         self._secret = secret
         self._key: SigningKey | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
-        self._heldout: list | None = None
+        self.heldout = HeldOut(cfg.tasks, cfg.eval.size, self.storage)
 
     @property
     def secret(self) -> bytes:
@@ -205,6 +207,15 @@ class RLRun:
             _, tok = fetch_recorded(self.storage, self.ledger, 0)
             self._tokenizer = tok
         return tok
+
+    @property
+    def tasks(self) -> list[Task]:
+        """The training prompts (:func:`~intellect.rl.setup.task_pool`, rendered with the run's tokenizer,
+        loaded on first use)."""
+        if self._tasks is None:
+            self._tasks = task_pool(self.cfg.tasks, self.storage, tokenizer=self.tokenizer,
+                                    prompt=self.cfg.submission.prompt)
+        return self._tasks
 
     @property
     def limits(self) -> RolloutLimits:
@@ -425,12 +436,11 @@ class RLRun:
         return committed
 
     def evaluate(self, step: int) -> float:
-        """Held-out greedy exact-match accuracy of recorded checkpoint ``step``, kept in the run's eval
-        record."""
-        if self._heldout is None:
-            self._heldout = heldout_tasks(self.cfg.tasks, self.cfg.eval.size)
+        """Held-out greedy accuracy of recorded checkpoint ``step`` (:mod:`intellect.rl.evaluation`),
+        kept in the run's eval record."""
         model, tok = fetch_recorded(self.storage, self.ledger, step)
-        accuracy = evaluate(model, tok, self._heldout).accuracy
+        accuracy = self.heldout.accuracy(model, tok, self.cfg.submission, reward_fn=self.reward_fn,
+                                         compute=self.cfg.compute)
         add_eval(self.storage, step, accuracy)
         return accuracy
 

@@ -36,7 +36,7 @@ Assignments carry each task's reference answer, which a worker needs to compute 
 claims (the validator recomputes them): answers are public to every admitted worker, so the task
 file of a run must never hold an evaluation split meant to stay held out.
 
-What was stored is in :class:`~intellect.rl.admission.Registry` under ``state_dir``, which only the
+What was stored is in :class:`~intellect.rl.registry.Registry` under ``state_dir``, which only the
 trainer writes; a restarted service reloads it and still refuses to write any name twice. Its
 replay guard lives in memory, so a request captured in the last ``request_window`` seconds could be
 sent again after a restart: every route is idempotent (a stored name answers its record, a done
@@ -66,11 +66,13 @@ import uvicorn
 from pydantic import Field, field_validator
 
 from intellect.config import StrictModel
+from intellect.data.loaders import task_row
 from intellect.rl.admission import (
-    DoneBody, DoneRecord, Empty, RateLimiter, Refusal, Registry, Request, SubmissionRecord, UploadBody, address_bucket,
-    parse_json, parse_request, precheck, query_ints, verify_digest,
+    DoneBody, Empty, RateLimiter, Refusal, Request, UploadBody, address_bucket, parse_json, parse_request, precheck,
+    query_ints, verify_digest,
 )
 from intellect.rl.assignment import assign_prompts
+from intellect.rl.registry import DoneRecord, Registry, SubmissionRecord
 from intellect.rl.rollouts import submission_path
 from intellect.rl.service_http import SPILL, Body, guarded_server, read_body, respond
 from intellect.rl.service_s3 import Presigner
@@ -79,7 +81,7 @@ from intellect.trust.keys import VerifyKey
 from intellect.trust.requests import CONTENT_HEADER, AuthError, ReplayGuard, RequestVerifier
 
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import Task
     from intellect.storage import RunStorage
 
 __all__ = ["DoneRecord", "ServiceConfig", "SubmissionRecord", "SubmissionService"]
@@ -154,7 +156,7 @@ class SubmissionService:
     """The service of one run (see the module docstring); :meth:`start` serves it in a thread."""
 
     def __init__(self, cfg: ServiceConfig, *, run: str, storage: RunStorage, state_dir: str | os.PathLike,
-                 run_info: Callable[[], dict], tasks: Sequence[MathTask], prompts_per_submission: int,
+                 run_info: Callable[[], dict], tasks: Sequence[Task], prompts_per_submission: int,
                  committed: int = -1):
         if not 1 <= prompts_per_submission <= len(tasks):
             raise ValueError(f"cannot assign {prompts_per_submission} prompts from {len(tasks)} tasks")
@@ -417,7 +419,7 @@ class SubmissionService:
         self._k(k)
         self._step(step)
         idx = assign_prompts(len(self.tasks), key.id, step, k, self.prompts_per_submission)
-        tasks = [{"id": self.tasks[i].id, "prompt": self.tasks[i].prompt, "answer": self.tasks[i].answer} for i in idx]
+        tasks = [task_row(self.tasks[i]) for i in idx]
         return 200, {"step": step, "k": k, "tasks": tasks}
 
     async def _status(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:

@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from intellect.rl.admission import SubmissionRecord
+from intellect.rl.registry import SubmissionRecord
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import sign_request
 
@@ -119,11 +119,11 @@ class ServiceClient:
         return self._call("GET", "/v1/run")
 
     def assignment(self, step: int, k: int) -> list[dict]:
-        """The tasks ``[{id, prompt, answer}]`` of submission ``k`` at ``step``, in group order."""
+        """The tasks of submission ``k`` at ``step`` (:func:`~intellect.data.loaders.task_row` objects:
+        ``{id, prompt, answer}`` or ``{id, prompt, tests}``), in group order."""
         tasks = self._call("GET", f"/v1/assignment?step={int(step)}&k={int(k)}").get("tasks")
         if not isinstance(tasks, list) or not all(
-                isinstance(t, dict) and all(isinstance(t.get(f), str) for f in ("id", "prompt", "answer"))
-                for t in tasks):
+                isinstance(t, dict) and all(isinstance(t.get(f), str) for f in ("id", "prompt")) for t in tasks):
             raise ServiceError(0, "bad_answer", f"not a task list: {str(tasks)[:200]}")
         return tasks
 

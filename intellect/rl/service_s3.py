@@ -12,7 +12,8 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from intellect.rl.admission import Refusal, Registry, SubmissionRecord, UploadBody
+from intellect.rl.admission import Refusal, UploadBody
+from intellect.rl.registry import Registry, SubmissionRecord
 from intellect.rl.rollouts import submission_path
 
 if TYPE_CHECKING:

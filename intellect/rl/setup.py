@@ -12,21 +12,25 @@ version; workers pin its public half).
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from intellect.data.arithmetic import heldout_problems, train_stream
-from intellect.data.loaders import load_math_tasks
+from intellect.data.loaders import RowError, TaskFileError, load_tasks, split_heldout
 from intellect.checkpoints import CHECKPOINTS, ORIGIN, fetch, publish, record
 from intellect.model.checkpoint import load_checkpoint_copy
+from intellect.prompts import PromptConfig, PromptError, render_prompt
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from intellect.trust.mac import SECRET_BYTES, new_secret
 
+log = logging.getLogger("intellect.rl.setup")
+
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import MathTask, Task, TaskKind
     from intellect.ledger import Ledger
     from intellect.rl.config import FilterRunConfig, InitConfig, RLRunConfig, TaskPoolConfig
 
@@ -122,23 +126,62 @@ def seed_checkpoint(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger) -> st
     return origin
 
 
-def task_pool(cfg: TaskPoolConfig, storage: RunStorage | None = None) -> list[MathTask]:
-    """The training prompts: ``cfg.file`` (a path, or relative to the storage root) or generated
-    arithmetic (``cfg.size`` distinct non-held-out problems of ``cfg.data``, in stream order).
+def _task_file(name: str, storage: RunStorage | None, what: str) -> Path:
+    path = Path(name).expanduser()
+    if not path.is_file() and storage is not None and storage.scheme == "file":
+        path = Path(storage.url[len("file://"):]).parent / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {name} not found (absolute, relative to the cwd, or to the storage root)")
+    return path
+
+
+def load_task_file(name: str, storage: RunStorage | None, kind: TaskKind = "math", *, lenient: bool = False,
+                   tokenizer=None, prompt: PromptConfig | None = None, what: str = "tasks.file") -> list[Task]:
+    """The ``kind`` tasks of task file ``name`` (a path, or relative to the storage root). With ``tokenizer``,
+    every prompt must render under ``prompt`` too. A bad row is a one-line :class:`TaskFileError`
+    naming it, or, ``lenient``, skipped and logged."""
+    path = _task_file(name, storage, what)
+    loaded = load_tasks(path, kind, lenient=lenient)
+    skipped = list(loaded.errors)
+    tasks = []
+    for task, row in zip(loaded.tasks, loaded.rows):
+        if tokenizer is not None:
+            try:
+                render_prompt(tokenizer, task.prompt, prompt or PromptConfig())
+            except PromptError as e:
+                if not lenient:
+                    raise TaskFileError(f"{path} row {row}: prompt: {e}") from None
+                skipped.append(RowError(row, f"prompt: {e}"))
+                continue
+        tasks.append(task)
+    for row, reason in sorted(skipped):
+        log.warning("%s row %d skipped: %s", path, row, reason)
+    if not tasks:
+        raise TaskFileError(f"{path}: no usable task ({len(skipped)} rows skipped)")
+    return tasks
+
+
+def task_pool(cfg: TaskPoolConfig, storage: RunStorage | None = None, *, tokenizer=None,
+              prompt: PromptConfig | None = None) -> list[Task]:
+    """The training prompts: ``cfg.file`` (less its held-out split, or the prompts of
+    ``cfg.heldout_file``) or generated arithmetic (``cfg.size`` distinct non-held-out problems of
+    ``cfg.data``, in stream order). With ``tokenizer``, a file's prompts must render under ``prompt``
+    (:func:`load_task_file`); every process that builds the pool of a lenient run must pass it, so
+    that all skip the same rows.
 
     >>> from intellect.rl.config import TaskPoolConfig
     >>> [t.id for t in task_pool(TaskPoolConfig(size=3, seed=1))] == [t.id for t in task_pool(TaskPoolConfig(size=3, seed=1))]
     True
     """
     if cfg.file is not None:
-        path = Path(cfg.file).expanduser()
-        if not path.is_file() and storage is not None and storage.scheme == "file":
-            path = Path(storage.url[len("file://"):]).parent / cfg.file
-        if not path.is_file():
-            raise FileNotFoundError(f"tasks.file: {cfg.file} not found (absolute, relative to the cwd, or to the storage root)")
-        tasks = load_math_tasks(path).tasks
+        tasks = load_task_file(cfg.file, storage, cfg.kind, lenient=cfg.lenient, tokenizer=tokenizer, prompt=prompt)
+        if cfg.heldout_source == "split":
+            tasks = split_heldout(tasks, cfg.heldout_percent)[0]
+        elif cfg.heldout_source == "file":
+            held = {t.prompt for t in heldout_task_file(cfg, storage)}
+            tasks = [t for t in tasks if t.prompt not in held]
         if not tasks:
-            raise ValueError(f"tasks.file: {cfg.file} holds no task")
+            raise ValueError(f"tasks.file: {cfg.file} holds no training task outside the held-out ones")
         return tasks
     seen: dict[str, MathTask] = {}
     stream = train_stream(cfg.data, seed=cfg.seed)
@@ -149,6 +192,23 @@ def task_pool(cfg: TaskPoolConfig, storage: RunStorage | None = None) -> list[Ma
         if len(seen) == cfg.size:
             break
     return list(seen.values())
+
+
+def heldout_task_file(cfg: TaskPoolConfig, storage: RunStorage | None = None, *, tokenizer=None,
+                      prompt: PromptConfig | None = None) -> list[Task]:
+    """The held-out tasks of a file-based pool (``heldout`` = split or file), in file order."""
+    if cfg.heldout_source == "file":
+        assert cfg.heldout_file is not None  # TaskPoolConfig requires it
+        return load_task_file(cfg.heldout_file, storage, cfg.kind, lenient=cfg.lenient, tokenizer=tokenizer,
+                              prompt=prompt, what="tasks.heldout_file")
+    if cfg.heldout_source == "split":
+        assert cfg.file is not None  # TaskPoolConfig requires it
+        tasks = load_task_file(cfg.file, storage, cfg.kind, lenient=cfg.lenient, tokenizer=tokenizer, prompt=prompt)
+        held = split_heldout(tasks, cfg.heldout_percent)[1]
+        if not held:
+            raise ValueError(f"tasks.file: no task of {cfg.file} falls in its {cfg.heldout_percent}% held-out split")
+        return held
+    raise ValueError(f"tasks.heldout = {cfg.heldout_source!r} is not a file's split")
 
 
 def heldout_tasks(cfg: TaskPoolConfig, n: int) -> list:

@@ -44,6 +44,7 @@ from intellect.checkpoints import (
     recorded_copy, recorded_digest,
 )
 from intellect.config import ComputeConfig
+from intellect.inference.config import EngineConfig
 from intellect.inference.torch_engine import TorchEngine
 from intellect.ledger import StepMetrics
 from intellect.model.checkpoint import load_checkpoint_copy
@@ -58,7 +59,7 @@ from intellect.rl.validator import RowCheck, validate_submission
 from intellect.toploc.check import toploc_check
 
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import Task
     from intellect.inference.protocol import InferenceEngine
     from intellect.ledger import Ledger
     from intellect.rl.config import RLRunConfig
@@ -69,16 +70,18 @@ EngineFactory = Callable[[torch.nn.Module, Any], "InferenceEngine"]
 
 
 def torch_engine(model: torch.nn.Module, tokenizer, capture_hidden: bool = False,
-                 compute: ComputeConfig | None = None) -> InferenceEngine:
-    """The worker's engine, on ``compute``'s device and in its precision (None: the model as it is);
-    hidden states are captured only when TOPLOC proofs are built from them."""
-    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden, compute=compute)
+                 compute: ComputeConfig | None = None, engine: EngineConfig | None = None) -> InferenceEngine:
+    """The worker's engine, on ``compute``'s device and in its precision (None: the model as it is),
+    batching as ``engine`` says (None: the defaults); hidden states are captured only when TOPLOC
+    proofs are built from them."""
+    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden, compute=compute, config=engine)
 
 
 def worker_engines(cfg: RLRunConfig) -> EngineFactory:
-    """The worker engine ``cfg`` needs: on ``cfg.compute``, with hidden-state capture when
-    ``cfg.toploc`` is set."""
-    return functools.partial(torch_engine, capture_hidden=cfg.toploc is not None, compute=cfg.compute)
+    """The worker engine ``cfg`` needs: on ``cfg.compute``, batching as ``cfg.workers.engine``, with
+    hidden-state capture when ``cfg.toploc`` is set."""
+    return functools.partial(torch_engine, capture_hidden=cfg.toploc is not None, compute=cfg.compute,
+                             engine=cfg.workers.engine)
 
 
 class _Serialized:
@@ -167,7 +170,7 @@ def worker_step(
     storage: RunStorage,
     step: int,
     worker: str,
-    tasks: Sequence[MathTask],
+    tasks: Sequence[Task],
     engine: InferenceEngine,
     tokenizer,
     policy: int,
@@ -198,7 +201,7 @@ def worker_step(
 
 
 def validate_files(
-    cfg: RLRunConfig, storage: RunStorage, step: int, files: Sequence[str], tasks: Sequence[MathTask], tokenizer,
+    cfg: RLRunConfig, storage: RunStorage, step: int, files: Sequence[str], tasks: Sequence[Task], tokenizer,
     *, limits: RolloutLimits, engines: CheckpointEngines, reward_fn: RewardFn = math_task_reward,
     extra_checks: Sequence[RowCheck] = (), recorded: Mapping[str, Any] | None = None,
 ) -> list[Verdict]:

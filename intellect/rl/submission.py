@@ -19,7 +19,8 @@ Rewards here are only the worker's *claim*: the validator recomputes every one o
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from pydantic import Field
@@ -30,19 +31,22 @@ from intellect.inference.protocol import Request
 from intellect.inference.sampling import MAX_SEED, SamplingParams
 from intellect.rl.advantages import group_advantages
 from intellect.rl.assignment import assign_prompts, assignment_seed
+from intellect.prompts import PromptConfig, render_prompt
+from intellect.rl.rewards.code import CodeRewardConfig, code_reward, code_rewards
 from intellect.rl.rewards.math import math_reward, math_rewards
 from intellect.rl.rollout_schema import Rollout
 from intellect.toploc.check import completion_proofs
 from intellect.toploc.proofs import ToplocConfig
 
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import CodeTask, MathTask, Task, TaskKind
     from intellect.inference.protocol import InferenceEngine
 
 _SEED_DOMAIN = b"intellect/sample-seed/v1\0"
 
-#: ``reward_fn(completion_text, task) -> reward``: what workers claim and validators recompute.
-RewardFn = Callable[[str, "MathTask"], float]
+#: ``reward_fn(completion_text, task) -> reward``: what workers claim and validators recompute; the
+#: task is a :class:`~intellect.data.loaders.MathTask` or a :class:`~intellect.data.loaders.CodeTask`.
+RewardFn = Callable[[str, Any], float]
 
 
 def math_task_reward(completion: str, task: MathTask) -> float:
@@ -50,12 +54,31 @@ def math_task_reward(completion: str, task: MathTask) -> float:
     return math_reward(completion, task.answer).reward
 
 
-def task_rewards(reward_fn: RewardFn, completions: Sequence[str], tasks: Sequence[MathTask]) -> list[float]:
-    """``reward_fn`` of each completion against its task, as one file's rows: the default math reward
-    is scored in one :func:`~intellect.rl.rewards.math.math_rewards` call, so that the file's total
-    time budget holds however many hard answers it carries."""
+@dataclass(frozen=True)
+class CodeTaskReward:
+    """The code task reward: :func:`~intellect.rl.rewards.code.code_reward` of the completion against
+    ``task.tests``, in the sandbox ``cfg`` sets."""
+
+    cfg: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+
+    def __call__(self, completion: str, task: CodeTask) -> float:
+        return code_reward(completion, task.tests, self.cfg).reward
+
+
+def task_reward_fn(kind: TaskKind, code: CodeRewardConfig | None = None) -> RewardFn:
+    """The reward of a run's tasks: :func:`math_task_reward`, or :class:`CodeTaskReward` with ``code``."""
+    return CodeTaskReward(code or CodeRewardConfig()) if kind == "code" else math_task_reward
+
+
+def task_rewards(reward_fn: RewardFn, completions: Sequence[str], tasks: Sequence[Any]) -> list[float]:
+    """``reward_fn`` of each completion against its task, as one file's rows: the math reward is
+    scored in one :func:`~intellect.rl.rewards.math.math_rewards` call and the code reward in one
+    :func:`~intellect.rl.rewards.code.code_rewards` call (a pool of sandboxes), so that the file's
+    total time budget holds however many hard rows it carries."""
     if reward_fn is math_task_reward:
         return [r.reward for r in math_rewards(completions, [t.answer for t in tasks])]
+    if isinstance(reward_fn, CodeTaskReward):
+        return [r.reward for r in code_rewards(completions, [t.tests for t in tasks], reward_fn.cfg)]
     return [float(reward_fn(c, t)) for c, t in zip(completions, tasks)]
 
 
@@ -69,6 +92,7 @@ class SubmissionConfig(StrictModel):
     temperature: float = Field(default=1.0, ge=0, le=100, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus mass kept before sampling.")
     max_tokens: int = Field(default=16, ge=1, le=1 << 20, description="Most completion tokens, EOS included.")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="How task prompts are rendered.")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
@@ -81,9 +105,9 @@ def sample_seed(worker: str, step: int, k: int, group: int, i: int) -> int:
     return int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & MAX_SEED
 
 
-def prompt_tokens(tokenizer, task: MathTask) -> list[int]:
-    """The token ids a task's prompt is asked with (the tokenizer adds BOS)."""
-    return list(tokenizer(task.prompt)["input_ids"])
+def prompt_tokens(tokenizer, task: Task, cfg: PromptConfig) -> list[int]:
+    """The token ids a task's prompt is asked with (:func:`~intellect.prompts.render_prompt`)."""
+    return render_prompt(tokenizer, task.prompt, cfg)
 
 
 def completion_text(tokenizer, output_tokens: Sequence[int]) -> str:
@@ -106,7 +130,7 @@ def advantages_of(rewards: Sequence[float], group_ids: Sequence[int]) -> list[fl
 def generate_submission(
     engine: InferenceEngine,
     tokenizer,
-    tasks: Sequence[MathTask],
+    tasks: Sequence[Task],
     worker: str,
     step: int,
     k: int,
@@ -128,7 +152,7 @@ def generate_submission(
 def generate_assigned(
     engine: InferenceEngine,
     tokenizer,
-    assigned: Sequence[MathTask],
+    assigned: Sequence[Task],
     worker: str,
     step: int,
     k: int,
@@ -144,7 +168,7 @@ def generate_assigned(
     worker = canonical_worker(worker)
     plan = []  # (group, i, task, prompt ids, seed), in row order
     for j, task in enumerate(assigned):
-        ids = prompt_tokens(tokenizer, task)
+        ids = prompt_tokens(tokenizer, task, cfg.prompt)
         plan += [(j, i, task, ids, sample_seed(worker, step, k, j, i)) for i in range(cfg.group_size)]
     completions = engine.generate([Request(ids, seed) for _, _, _, ids, seed in plan], cfg.sampling())
     rewards = task_rewards(reward_fn, [completion_text(tokenizer, c.tokens) for c in completions],

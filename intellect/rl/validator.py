@@ -56,7 +56,7 @@ from intellect.trust.keys import is_key_id
 from intellect.verdict import Verdict
 
 if TYPE_CHECKING:
-    from intellect.data.loaders import MathTask
+    from intellect.data.loaders import Task
     from intellect.storage import RunStorage
 
 log = logging.getLogger("intellect.rl.validator")
@@ -124,7 +124,7 @@ def validate_submission(
     storage: RunStorage,
     rel_path: str,
     *,
-    tasks: Sequence[MathTask],
+    tasks: Sequence[Task],
     tokenizer,
     step: int,
     async_level: int,
@@ -160,7 +160,7 @@ def validate_submission(
     by_id = {t.id: t for t in tasks}
     why = check_assignment(
         rows, [t.id for t in tasks], cfg.prompts_per_submission, group_size=cfg.group_size,
-        prompt_tokens=lambda task_id: prompt_tokens(tokenizer, by_id[task_id]),
+        prompt_tokens=lambda task_id: prompt_tokens(tokenizer, by_id[task_id], cfg.prompt),
     )
     if why is not None:
         log.info("rejected %s: assignment: %s", rel_path, why)

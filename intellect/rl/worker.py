@@ -43,13 +43,15 @@ import torch
 from pydantic import Field
 
 from intellect.config import ComputeConfig, StrictModel
-from intellect.data.loaders import MathTask
+from intellect.data.loaders import TaskKind, task_of_row
 from intellect.device import DeviceError, resolve_device
+from intellect.inference.config import EngineConfig
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import RolloutLimits, encode_submission, submission_path
 from intellect.rl.service_client import ServiceClient, ServiceError
 from intellect.rl.step import _signal_samples, torch_engine
-from intellect.rl.submission import RewardFn, SubmissionConfig, generate_assigned, math_task_reward
+from intellect.rl.rewards.code import CodeRewardConfig
+from intellect.rl.submission import RewardFn, SubmissionConfig, generate_assigned, task_reward_fn
 from intellect.rl.weights import ShardcastWeights
 from intellect.shardcast.client import ShardcastClient, ShardcastError
 from intellect.shardcast.config import ClientConfig, ClientTuning
@@ -86,6 +88,11 @@ class WorkerRunInfo(StrictModel):
         "a worker's engine generates in it.",
     )
     limits: RolloutLimits | None = Field(description="Bounds the validator applies; None: defaults.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="How the engine batches (workers.engine).")
+    task_kind: Literal["math", "code"] = Field(default="math", description="What the assigned tasks are (tasks.kind).")
+    code_reward: CodeRewardConfig = Field(
+        default_factory=CodeRewardConfig, description="How the validator scores code tasks (tasks.code).",
+    )
     min_signal_samples: int = Field(ge=0, description="Online filter (see WorkersConfig).")
     max_submissions: int = Field(ge=1, description="Most submissions per step.")
     relays: list[str] = Field(min_length=1, description="SHARDCAST relays to download checkpoints from.")
@@ -99,10 +106,19 @@ class WorkerRunInfo(StrictModel):
         return cls(
             run=cfg.run_name, steps=cfg.steps, committed=committed, async_level=cfg.async_level,
             submission=cfg.submission, toploc=cfg.toploc, precision=cfg.compute.precision, limits=cfg.limits,
+            task_kind=cfg.tasks.kind, code_reward=cfg.tasks.code, engine=cfg.workers.engine,
             min_signal_samples=cfg.workers.min_signal_samples, max_submissions=cfg.workers.max_submissions,
             relays=relays, client=cfg.weights_broadcast().client, poll_interval=cfg.workers.poll_interval,
             checkpoint_timeout=cfg.workers.checkpoint_timeout,
         )
+
+
+def _tasks(rows: list[dict], kind: TaskKind) -> list:
+    """The assigned tasks of the service's answer; a malformed one is the service's bad answer."""
+    try:
+        return [task_of_row(t, kind) for t in rows]
+    except ValueError as e:
+        raise ServiceError(0, "bad_answer", f"assigned task: {e}") from None
 
 
 def wait_for_policy(complete_steps: Callable[[], list[int]], step: int, async_level: int, timeout: float,
@@ -162,13 +178,14 @@ def run_worker(
     trainer_key: VerifyKey,
     cache: str | os.PathLike,
     *,
-    reward_fn: RewardFn = math_task_reward,
+    reward_fn: RewardFn | None = None,
     stop: Callable[[], bool] = lambda: False,
     timeout: float = 30.0,
     device: str = "auto",
 ) -> list[dict]:
     """Work for the run at ``url`` until its last step (see the module docstring); one record per step.
-    ``device`` is a ``compute.device`` value; the precision is the run's."""
+    ``device`` is a ``compute.device`` value; the precision and the reward (unless ``reward_fn``) are
+    the run's."""
     try:
         run = run_name(url, timeout)
     except httpx.HTTPError as e:
@@ -180,6 +197,7 @@ def run_worker(
         client.register()
         info = WorkerRunInfo.model_validate(client.run_info())
         compute = ComputeConfig(device=device, precision=info.precision)
+        reward_fn = reward_fn or task_reward_fn(info.task_kind, info.code_reward)
         weights = relay_weights(info, trainer_key, Path(cache))
         held, engine, tok, limits = None, None, None, None
         for step in range(info.committed + 1, info.steps):
@@ -197,15 +215,16 @@ def run_worker(
                     break
                 if engine is None or policy != held:
                     model, tok = weights.load(policy)
-                    engine = torch_engine(model, tok, capture_hidden=info.toploc is not None, compute=compute)
+                    engine = torch_engine(model, tok, capture_hidden=info.toploc is not None, compute=compute,
+                                          engine=info.engine)
                     held = policy
                     limits = info.limits or RolloutLimits(vocab_size=len(tok))
                 files, signal = [], 0
                 if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
                     files = [submission_path(step, client.worker, k) for k in status["submissions"]]
                 for k in range(info.max_submissions if not files else 0):
-                    tasks = [MathTask(t["id"], t["prompt"], t["answer"]) for t in
-                             _call(client.assignment, step, k, deadline=wait, poll=info.poll_interval)]
+                    tasks = _tasks(_call(client.assignment, step, k, deadline=wait, poll=info.poll_interval),
+                                   info.task_kind)
                     rows = generate_assigned(engine, tok, tasks, client.worker, step, k, policy, info.submission,
                                              run=info.run, reward_fn=reward_fn, proofs=info.toploc)
                     rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 OUTSIDER = r'''
 import json, os, socket, sys, threading, time, datetime
 import torch.distributed as dist
-from intellect.diloco.rendezvous import RendezvousStore
+from intellect.diloco.rendezvous_client import RendezvousStore
 
 host, port, run, out_path, stop_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 pids = [int(p) for p in sys.argv[6].split(",")]

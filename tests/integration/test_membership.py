@@ -21,11 +21,10 @@ from intellect.diloco.rendezvous import (
     PEER_HEADER,
     TIME_HEADER,
     RendezvousServer,
-    RendezvousStore,
-    StoreError,
     peer_key,
     request_tag,
 )
+from intellect.diloco.rendezvous_client import RendezvousStore, StoreError
 
 SECRET = bytes(range(32))
 

@@ -15,7 +15,8 @@ from test_diloco_elastic import run_cfg
 from intellect.diloco.coordinator import (ALLREDUCE_KEY_ENV, PEER_KEY_ENV, SECRET_ENV, Coordinator, load_credentials,
                                           worker_args, worker_credentials, worker_launcher)
 from intellect.diloco.membership import Membership, StoreLost, scope
-from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, RendezvousStore, StoreError, peer_key
+from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, peer_key
+from intellect.diloco.rendezvous_client import RendezvousStore, StoreError
 
 SECRET = bytes(range(32))
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from intellect.data.loaders import MathTask
-from intellect.rl.admission import uploads_settled_at
+from intellect.rl.registry import uploads_settled_at
 from intellect.rl.rollouts import RolloutLimits, RolloutRejected, load_submission, submission_path
 from intellect.rl.service import ServiceConfig, SubmissionService
 from intellect.rl.service_client import ServiceClient, ServiceError

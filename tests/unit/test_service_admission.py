@@ -8,9 +8,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from intellect.rl.admission import (
-    DoneRecord, RateLimiter, Refusal, Registry, SubmissionRecord, address_bucket, precheck, verify_digest,
-)
+from intellect.rl.admission import RateLimiter, Refusal, address_bucket, precheck, verify_digest
+from intellect.rl.registry import DoneRecord, Registry, SubmissionRecord
 from intellect.rl.service import ServiceConfig
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import AuthError, RequestVerifier, sign_request

@@ -17,6 +17,8 @@ with the sandbox's reason (``failed``, ``timeout``, ``killed:SIGXCPU``,
 from __future__ import annotations
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from pydantic import Field
@@ -25,7 +27,7 @@ from intellect.config import StrictModel
 from intellect.rl.rewards.base import RewardResult, after_thinking
 from intellect.rl.rewards.sandbox import SandboxConfig, run_python
 
-__all__ = ["CodeRewardConfig", "code_reward", "extract_code"]
+__all__ = ["CodeRewardConfig", "code_reward", "code_rewards", "extract_code"]
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"", "python", "py", "python3"}
@@ -38,6 +40,15 @@ class CodeRewardConfig(StrictModel):
         default=65536, ge=1, le=10_000_000, description="Longer code blocks score 0 (too_long) without running."
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits and isolation of each run.")
+    workers: int = Field(
+        default=4, ge=1, le=256,
+        description="Sandboxes one file's rows run in at once (code_rewards): the validator's pool of sandbox workers.",
+    )
+    file_budget_s: float = Field(
+        default=300.0, gt=0, le=86_400,
+        description="Wall-clock budget of one file's rows (code_rewards); a row not started within it scores 0 "
+        "as `budget`. The row budget is sandbox.timeout_s.",
+    )
 
 
 def extract_code(completion: str) -> str | None:
@@ -69,3 +80,27 @@ def code_reward(completion: str, tests: Sequence[str], cfg: CodeRewardConfig | N
     run = run_python(code, list(tests), cfg.sandbox)
     detail = run.detail if run.sandboxed else f"UNSANDBOXED run. {run.detail}"
     return RewardResult(1.0 if run.passed else 0.0, run.reason, detail[-800:])
+
+
+def code_rewards(completions: Sequence[str], tests: Sequence[Sequence[str]],
+                 cfg: CodeRewardConfig | None = None) -> list[RewardResult]:
+    """:func:`code_reward` of each ``(completion, tests)`` pair, meant for one file's rows: at most
+    ``cfg.workers`` sandboxes at once (each bounded by ``cfg.sandbox.timeout_s``), and rows not started
+    within ``cfg.file_budget_s`` of the call score 0 as ``budget``, so one file costs at most about
+    ``file_budget_s + sandbox.timeout_s`` however many rows it has. Results are in row order.
+
+    >>> [r.reason for r in code_rewards(["no code here"], [["assert True"]])]
+    ['no_code']
+    """
+    cfg = cfg or CodeRewardConfig()
+    if len(completions) != len(tests):
+        raise ValueError(f"{len(completions)} completions but {len(tests)} test lists")
+    deadline = time.monotonic() + cfg.file_budget_s
+
+    def one(i: int) -> RewardResult:
+        if time.monotonic() > deadline:
+            return RewardResult(0.0, "budget", f"the file's {cfg.file_budget_s:g} s were spent before this row")
+        return code_reward(completions[i], tests[i], cfg)
+
+    with ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="sandbox") as pool:
+        return list(pool.map(one, range(len(completions))))

@@ -58,7 +58,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import selectors
 import shutil
 import signal
 import socket
@@ -69,11 +68,12 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import Sequence
 
 from pydantic import Field
 
 from intellect.config import StrictModel
+from intellect.rl.rewards.sandbox_processes import finish, kill_group, pipes, pump, wait_exit
 from intellect.rl.rewards.sandbox_runner import FAILED_EXIT
 
 __all__ = ["RunResult", "SandboxConfig", "SandboxError", "SandboxUnavailable", "run_python", "sandbox_status"]
@@ -308,14 +308,14 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
     except BaseException:
         for fd in (status_r, verdict_r):
             os.close(fd)
-        _finish(procs, workdirs)
+        finish(procs, workdirs)
         raise
     finally:
         for end in (cand_sock, judge_sock):
             end.close()
         for fd in (status_w, verdict_w):
             os.close(fd)
-    (cand_in, cand_out, cand_stderr), (judge_in, _, judge_stderr) = (_pipes(p) for p in procs)
+    (cand_in, cand_out, cand_stderr), (judge_in, _, judge_stderr) = (pipes(p) for p in procs)
     cand, judge = procs
     cap = cfg.max_output_kb << 10
     cand_err, judge_err = cand_stderr.fileno(), judge_stderr.fileno()
@@ -324,19 +324,19 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
              judge_in.fileno(): (json.dumps(tests).encode(), judge_in.close)}
     ended_rc = None
     try:
-        got, timed_out = _pump(feeds, streams, verdict_r, deadline)
+        got, timed_out = pump(feeds, streams, verdict_r, deadline)
         verdict = _parse_verdict(got[verdict_r])
         if verdict["ended"]:  # the candidate quit on its own: its status says how
-            ended_rc = _wait_exit(cand, min(deadline, time.monotonic() + 2.0))
+            ended_rc = wait_exit(cand, min(deadline, time.monotonic() + 2.0))
         for proc in procs:
-            _kill_group(proc)
-        rest, _ = _pump({}, streams, None, time.monotonic() + 0.5)  # what was left in the pipes
+            kill_group(proc)
+        rest, _ = pump({}, streams, None, time.monotonic() + 0.5)  # what was left in the pipes
         for fd, data in rest.items():
             got[fd] = (got[fd] + data)[: streams[fd]]
     finally:
         os.close(status_r)
         os.close(verdict_r)
-        _finish(procs, workdirs)
+        finish(procs, workdirs)
     seconds = time.monotonic() - start
     err = got[cand_err].decode("utf-8", "replace").strip()
     failures = "\n".join(verdict["why"][:2])[:600]
@@ -410,93 +410,3 @@ def _parse_verdict(raw: bytes) -> dict:
         elif "why" in msg:
             out["why"].append(str(msg["why"]))
     return out
-
-
-def _finish(procs: list[subprocess.Popen], workdirs: list[str]) -> None:
-    for proc in procs:
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None and not pipe.closed:
-                pipe.close()
-        if proc.returncode is None:
-            _kill_group(proc)
-            proc.wait()
-    for workdir in workdirs:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _pipes(proc: subprocess.Popen) -> tuple[IO[bytes], IO[bytes], IO[bytes]]:
-    """stdin, stdout and stderr of a process started with all three piped."""
-    if proc.stdin is None or proc.stdout is None or proc.stderr is None:
-        raise RuntimeError("sandbox process started without pipes")
-    return proc.stdin, proc.stdout, proc.stderr
-
-
-def _pump(
-    feeds: dict[int, tuple[bytes, Callable[[], None]]], reads: dict[int, int], stop: int | None, deadline: float
-) -> tuple[dict[int, bytes], bool]:
-    """Feed stdins (closing each when fed) and drain ``reads`` (each up to its byte bound) until
-    ``stop`` closes, every stream closes, or the deadline passes.
-
-    Returns what was read per descriptor and whether the deadline passed first.
-    """
-    bufs = {fd: bytearray() for fd in reads}
-    todo = {fd: memoryview(data) for fd, (data, _) in feeds.items()}
-    with selectors.DefaultSelector() as sel:
-        for fd in todo:
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_WRITE)
-        for fd in reads:
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
-        timed_out = False
-        while sel.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(remaining):
-                fd = key.fd
-                if fd in todo:
-                    try:
-                        todo[fd] = todo[fd][os.write(fd, todo[fd][:1 << 16]):]
-                    except BlockingIOError:
-                        continue
-                    except BrokenPipeError:
-                        todo[fd] = todo[fd][:0]
-                    if not todo[fd]:
-                        sel.unregister(fd)
-                        feeds[fd][1]()
-                    continue
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    sel.unregister(fd)
-                    if fd == stop:
-                        return {fd: bytes(b) for fd, b in bufs.items()}, False
-                    continue
-                buf = bufs[fd]
-                if len(buf) < reads[fd]:
-                    buf += chunk[: reads[fd] - len(buf)]
-    return {fd: bytes(b) for fd, b in bufs.items()}, timed_out
-
-
-def _wait_exit(proc: subprocess.Popen, until: float) -> int | None:
-    """The exit status of ``proc`` once it exits before ``until`` (left unreaped), else None."""
-    while time.monotonic() < until:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        if info is not None:
-            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        time.sleep(0.005)
-    return None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the process group of ``proc``; called while its leader is unreaped, so the id cannot be reused."""
-    if proc.returncode is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
