@@ -228,7 +228,7 @@ def test_the_shipped_task_files_are_what_their_generators_write():
     from pathlib import Path  # noqa: PLC0415 - this section's imports
 
     from intellect.config import SmokeConfig, load_config  # noqa: PLC0415
-    from intellect.data.arithmetic import heldout_problems  # noqa: PLC0415
+    from intellect.data.arithmetic import heldout_problems, train_stream  # noqa: PLC0415
     from intellect.data.code_tasks import code_tasks, corpus_rows  # noqa: PLC0415
 
     root = Path(__file__).parents[2] / "configs"
@@ -237,7 +237,14 @@ def test_the_shipped_task_files_are_what_their_generators_write():
     # the chat model never saw these problems: they are its pretraining's held-out share, all of it
     assert arith == [loaders.task_row(p.to_task()) for p in heldout_problems(data, 100_000)]
     rl = load_config(RLRunConfig, root / "rl-chat.toml", [])
-    assert rl.tasks.file == "configs/tasks/arith-chat.jsonl" and rl.submission.prompt.template == "chat"
+    assert rl.tasks.heldout_file == "configs/tasks/arith-chat.jsonl" and rl.submission.prompt.template == "chat"
+    # RL trains on problems of the pretraining stream (rl-chat's pool seed), never on held-out ones
+    train = [json.loads(line) for line in (root / "tasks/arith-chat-train.jsonl").read_text().splitlines()]
+    stream, want = train_stream(data, seed=1234), {}
+    while len(want) < len(train):
+        p = next(stream)
+        want.setdefault(p.id, loaders.task_row(p.to_task()))
+    assert train == list(want.values()) and not {r["prompt"] for r in train} & {r["prompt"] for r in arith}
     code = [json.loads(line) for line in (root / "tasks/code-small.jsonl").read_text().splitlines()]
     assert code == code_tasks(72, 0)
     corpus = [json.loads(line) for line in (root / "tasks/code-small-corpus.jsonl").read_text().splitlines()]
