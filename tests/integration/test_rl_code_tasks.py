@@ -130,3 +130,15 @@ def test_the_pass_at_k_filter_scores_code_tasks_and_writes_them_back(tiny, tmp_p
     path = tmp_path / "kept.jsonl"
     path.write_text(F.kept_tasks_jsonl(table))
     assert load_code_tasks(path).tasks == TASKS[:3]  # the kept file is a code task file again
+
+
+def test_a_malformed_assignment_is_the_services_bad_answer_not_a_worker_crash():
+    from intellect.rl.service_client import ServiceError  # noqa: PLC0415 - this test's imports
+    from intellect.rl.worker import _tasks  # noqa: PLC0415
+
+    assert _tasks([task_row(TASKS[0])], "code") == [TASKS[0]]
+    for bad, kind in (([{"id": "a", "prompt": "p"}], "math"), ([{"id": "a", "prompt": "p", "tests": ["x = ("]}], "code"),
+                      ([{"id": "a", "prompt": "p", "tests": []}], "code"), (["not an object"], "math")):
+        with pytest.raises(ServiceError) as err:
+            _tasks(bad, kind)
+        assert err.value.reason == "bad_answer"
