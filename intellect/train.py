@@ -213,6 +213,9 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`. A state that does not fit this trainer's parameters (another
+        model, a garbled file) raises ValueError before anything is changed."""
+        check_state(state, self.optimizer)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         if "rng" in state:
@@ -226,8 +229,52 @@ class Trainer:
 
     def load_state_bytes(self, data: bytes) -> None:
         """Load what :meth:`state_bytes` wrote (tensors only: ``weights_only``, never arbitrary pickles);
-        AdamW moves each state tensor to its parameter's device and dtype."""
-        self.load_state_dict(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"))
+        AdamW moves each state tensor to its parameter's device and dtype. Bytes that are no such file raise
+        ValueError, with nothing changed."""
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as e:  # a truncated zip, a foreign pickle: torch raises many kinds
+            raise ValueError(f"not a trainer state file ({type(e).__name__}: {str(e)[:200]})") from e
+        self.load_state_dict(state)
+
+
+def check_state(state: object, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless ``state`` is a :meth:`Trainer.state_dict` for ``optimizer``'s parameters:
+    the step count, the same parameter groups, moment tensors shaped as their parameters, a CPU generator
+    state. Checked before loading, because AdamW takes mismatched moments silently and fails at its next step.
+
+    >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    >>> check_state({"optimizer": opt.state_dict(), "step": 0}, opt)
+    >>> check_state({"optimizer": opt.state_dict(), "step": -1}, opt)
+    Traceback (most recent call last):
+    ...
+    ValueError: not a trainer state: the step count is -1
+    """
+    if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict):
+        raise ValueError("not a trainer state: no optimizer state")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"not a trainer state: the step count is {step!r}")
+    groups, moments = state["optimizer"].get("param_groups"), state["optimizer"].get("state")
+    ours = [g["params"] for g in optimizer.param_groups]
+    if (not isinstance(groups, list) or len(groups) != len(ours)
+            or any(not isinstance(g, dict) or len(g.get("params", ())) != len(o) for g, o in zip(groups, ours))):
+        raise ValueError("the optimizer state belongs to other parameters (its parameter groups differ)")
+    params = [p for group in ours for p in group]
+    if not isinstance(moments, dict):
+        raise ValueError("not a trainer state: no optimizer moments")
+    for index, entry in moments.items():
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params) \
+                or not isinstance(entry, dict):
+            raise ValueError(f"the optimizer state names parameter {index!r}, which this model lacks")
+        for key, value in entry.items():
+            if key != "step" and (not isinstance(value, torch.Tensor) or value.shape != params[index].shape):
+                raise ValueError(f"the optimizer state's {key} of parameter {index} does not fit its shape "
+                                 f"{tuple(params[index].shape)}")
+    rng = state.get("rng")
+    if rng is not None and (not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8
+                            or rng.shape != torch.get_rng_state().shape):
+        raise ValueError("not a trainer state: the generator state is not torch's CPU generator state")
 
 
 @dataclass(frozen=True)

@@ -132,14 +132,13 @@ class DilocoWorker:
         self.trainer = Trainer(self.model, self.tok, inner_train_config(run), compute=run.compute)
         self.trainer.step = n * self.cfg.inner_steps
         # this worker's inner AdamW state and data position at checkpoint n, when it saved them
-        saved = worker_state.load(self.storage, worker, n) if n else None
+        saved, why = worker_state.restore(self.storage, worker, n, self.trainer) if n else (None, "")
         if saved is not None:
-            self.trainer.load_state_bytes(saved.trainer)
             self.trainer.step = n * self.cfg.inner_steps  # the run's schedule, if the state is older
             log.info("%s: resuming with its inner state and data position of checkpoint %d", worker, saved.step)
         elif n:
-            log.warning("%s: no saved state for checkpoint %d: a fresh inner AdamW, its shard read from the start",
-                        worker, n)
+            log.warning("%s: %s for checkpoint %d: a fresh inner AdamW, its shard read from the start",
+                        worker, why, n)
         self._data_state = saved.data if saved else None
         self.text = run.data.kind == "text"
         # arithmetic: worker index's own seeded stream; text: opened at the first boundary, once the
@@ -148,7 +147,7 @@ class DilocoWorker:
         if not self.text:
             self.stream = shard_stream(run, index)
             if self._data_state:
-                self.stream.load_state_dict(self._data_state)
+                self.stream = worker_state.resume_stream(self.stream, self._data_state, lambda: shard_stream(run, index))
         self.shard: tuple[int, int] = (index, run.diloco.workers)
         # one row per outer step, written at once: steps are long, and a killed worker keeps its series
         self.metrics_log = MetricsLog(self.storage, metrics_series(worker), run.logging, flush_every=1)
@@ -200,9 +199,12 @@ class DilocoWorker:
             return
         shard = (members.index(self.worker), len(members))
         if self.stream is None:
-            self.stream = PackedStream(self.run.data, self.tok, shard=shard[0], shards=shard[1])
+            def fresh() -> PackedStream:
+                return PackedStream(self.run.data, self.tok, shard=shard[0], shards=shard[1])
+            self.stream = fresh()
             if self._data_state:
-                self.stream.load_state_dict(self._data_state)  # the saved position, read in the shard of now
+                # the saved position, read in the shard of now
+                self.stream = worker_state.resume_stream(self.stream, self._data_state, fresh)
         elif isinstance(self.stream, PackedStream) and shard != self.shard:
             log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
             self.stream.reshard(*shard)

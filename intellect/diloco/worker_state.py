@@ -18,12 +18,18 @@ fresh AdamW at the start of its shard, and says so.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from intellect.checkpoints import DATA_STATE, OPTIMIZER
+from intellect.data.stream import TrainingStream
 from intellect.storage import STABLE, RunStorage
+from intellect.train import Trainer
+
+log = logging.getLogger(__name__)
+S = TypeVar("S", bound=TrainingStream)
 
 _WORKER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_STATE_JSON = 1 << 20  # bytes of a saved stream position at most (it is a few cursors)
@@ -79,4 +85,29 @@ def load(storage: RunStorage, worker: str, step: int) -> WorkerState | None:
     return WorkerState(step=step, trainer=storage.read_bytes(f"{rel}/{OPTIMIZER.value}"), data=data)
 
 
-__all__ = ["WorkerState", "load", "save", "state_kind"]
+def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer) -> tuple[WorkerState | None, str]:
+    """``worker``'s newest saved state up to checkpoint ``step`` (:func:`load`), its AdamW state and step
+    count loaded into ``trainer``; or None and why not, ``trainer`` untouched. The files are the worker's
+    own, yet a lost disk or a garbled copy must cost a fresh AdamW, never the worker."""
+    try:
+        saved = load(storage, worker, step)
+        if saved is None:
+            return None, "no saved state"
+        trainer.load_state_bytes(saved.trainer)  # checks the state before it changes anything
+        return saved, ""
+    except (OSError, ValueError) as e:
+        return None, f"its saved state is unreadable ({str(e)[:300]})"
+
+
+def resume_stream(stream: S, state: dict[str, Any], fresh: Callable[[], S]) -> S:
+    """``stream`` continued from the saved position ``state``, or ``fresh()`` (the shard from its start,
+    logged) when ``state`` does not fit the stream's corpus, tokenizer or settings."""
+    try:
+        stream.load_state_dict(state)
+        return stream
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("the saved data position does not fit (%s): the shard is read from its start", str(e)[:300])
+        return fresh()
+
+
+__all__ = ["WorkerState", "load", "restore", "resume_stream", "save", "state_kind"]
