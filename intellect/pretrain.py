@@ -29,7 +29,7 @@ from intellect.checkpoints import (CHECKPOINTS, DATA_STATE, OPTIMIZER, PHASE, TR
                                    verified_copy)
 from intellect.config import SmokeConfig
 from intellect.data.arithmetic import heldout_problems
-from intellect.data.stream import open_stream
+from intellect.data.stream import open_stream, resume_stream
 from intellect.data.text import heldout_batches
 from intellect.device import prepare_model, resolve_device
 from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
@@ -147,6 +147,13 @@ def _mid_phase(storage: RunStorage, from_step: int, steps: int, fingerprint: str
     return None
 
 
+def _json_or_none(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _drop(storage: RunStorage, steps: list[int]) -> None:
     """Delete complete checkpoints: ``STABLE`` first, so no reader takes a half-deleted one."""
     for s in steps:
@@ -192,6 +199,9 @@ def pretrain(
         if resume:
             trainer.load_state_bytes((folder / OPTIMIZER).read_bytes())
             stream.load_state_dict(json.loads((folder / DATA_STATE).read_text()))
+        elif from_step and (folder / DATA_STATE).is_file():
+            # a next phase reads on where the previous one stopped, unless it reads other data
+            stream = resume_stream(stream, _json_or_none(folder / DATA_STATE), lambda: open_stream(cfg.data, tok))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # before the CPU's peak is measured with that many
     if not resume:
@@ -232,7 +242,8 @@ def pretrain(
         precision=cfg.compute.precision,
     )
     prepare_model(model, cfg.compute, torch.device("cpu"), train=False)  # published in the weight dtype
-    publish(model.eval(), tok, storage, step, {TRAIN_REPORT: asdict(outcome)})
+    # the data position goes with the phase's result, so that a next phase reads on instead of re-reading
+    publish(model.eval(), tok, storage, step, {TRAIN_REPORT: asdict(outcome), DATA_STATE: stream.state_dict()})
     _drop(storage, mids)
     return outcome
 

@@ -14,13 +14,15 @@ next batches (equal token ids) as a run that was never stopped.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Iterator, Protocol
+import logging
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 from intellect.config import DataConfig
 from intellect.data.arithmetic import document_pairs
 from intellect.data.text import PackedStream
 from intellect.prompts import chat_document
 
+log = logging.getLogger(__name__)
 STATE_VERSION = 1
 MAX_REPLAY = 1 << 31  # documents a loaded DocumentStream state may replay: a bound, not a typical count
 
@@ -33,6 +35,30 @@ class TrainingStream(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+S = TypeVar("S", bound=TrainingStream)
+
+
+def resume_stream(stream: S, state: object, fresh: Callable[[], S]) -> S:
+    """``stream`` continued from the saved position ``state``, or ``fresh()`` (the data from its start,
+    logged) when ``state`` does not fit: another corpus, tokenizer, task, seed or settings (the state's
+    fingerprint says so), or a garbled file. A run's own saved position, never a reason to stop the run.
+
+    >>> a = DocumentStream(DataConfig(seed=3)); _ = a.next_batch(5)
+    >>> resume_stream(DocumentStream(DataConfig(seed=3)), a.state_dict(), lambda: None).read
+    5
+    >>> resume_stream(DocumentStream(DataConfig(seed=4)), a.state_dict(), lambda: DocumentStream(DataConfig())).read
+    0
+    """
+    try:
+        if not isinstance(state, dict):
+            raise ValueError(f"a data position is a JSON object, not {type(state).__name__}")
+        stream.load_state_dict(state)
+        return stream
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("the saved data position does not fit (%s): reading from the start", str(e)[:300])
+        return fresh()
 
 
 class DocumentStream:

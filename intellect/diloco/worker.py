@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
-from intellect.data.stream import DocumentStream
+from intellect.data.stream import DocumentStream, resume_stream
 from intellect.data.text import PackedStream
 from intellect.device import dist_backend, local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
@@ -147,7 +147,7 @@ class DilocoWorker:
         if not self.text:
             self.stream = shard_stream(run, index)
             if self._data_state:
-                self.stream = worker_state.resume_stream(self.stream, self._data_state, lambda: shard_stream(run, index))
+                self.stream = resume_stream(self.stream, self._data_state, lambda: shard_stream(run, index))
         self.shard: tuple[int, int] = (index, run.diloco.workers)
         # one row per outer step, written at once: steps are long, and a killed worker keeps its series
         self.metrics_log = MetricsLog(self.storage, metrics_series(worker), run.logging, flush_every=1)
@@ -204,7 +204,7 @@ class DilocoWorker:
             self.stream = fresh()
             if self._data_state:
                 # the saved position, read in the shard of now
-                self.stream = worker_state.resume_stream(self.stream, self._data_state, fresh)
+                self.stream = resume_stream(self.stream, self._data_state, fresh)
         elif isinstance(self.stream, PackedStream) and shard != self.shard:
             log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
             self.stream.reshard(*shard)

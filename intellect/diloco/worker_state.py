@@ -21,15 +21,13 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from intellect.checkpoints import DATA_STATE, OPTIMIZER
-from intellect.data.stream import TrainingStream
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer
 
 log = logging.getLogger(__name__)
-S = TypeVar("S", bound=TrainingStream)
 
 _WORKER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_STATE_JSON = 1 << 20  # bytes of a saved stream position at most (it is a few cursors)
@@ -99,15 +97,4 @@ def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer) -> tu
         return None, f"its saved state is unreadable ({str(e)[:300]})"
 
 
-def resume_stream(stream: S, state: dict[str, Any], fresh: Callable[[], S]) -> S:
-    """``stream`` continued from the saved position ``state``, or ``fresh()`` (the shard from its start,
-    logged) when ``state`` does not fit the stream's corpus, tokenizer or settings."""
-    try:
-        stream.load_state_dict(state)
-        return stream
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("the saved data position does not fit (%s): the shard is read from its start", str(e)[:300])
-        return fresh()
-
-
-__all__ = ["WorkerState", "load", "restore", "resume_stream", "save", "state_kind"]
+__all__ = ["WorkerState", "load", "restore", "save", "state_kind"]

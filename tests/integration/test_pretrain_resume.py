@@ -130,3 +130,25 @@ def test_a_foreign_checkpoint_inside_the_phase_is_a_one_line_error(tmp_path):
     assert r.returncode == -9, r.stderr[-3000:]
     with pytest.raises(ValueError, match="written with other train, data or precision settings"):
         P.pretrain(other, storage2, 0)
+
+
+def test_a_next_phase_reads_on_where_the_previous_one_stopped(tmp_path):
+    cfg = make_cfg(tmp_path, "phases", "arithmetic", tmp_path / "unused")
+    cfg = cfg.model_copy(update={"checkpoint_every": 0, "train": cfg.train.model_copy(update={"steps": 3})})
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    P.init_checkpoint(cfg, storage)
+    P.pretrain(cfg, storage, 0)
+    P.pretrain(cfg, storage, 3)  # a second phase from the first one's checkpoint
+    _, tok = fetch(storage, 0)
+    unbroken = open_stream(cfg.data, tok)
+    for _ in range(6):
+        unbroken.next_batch(BATCH)
+    assert json.loads(storage.read_text(f"{storage.step_path(6, CHECKPOINTS)}/{DATA_STATE}")) == unbroken.state_dict()
+
+    # a phase on other data (another seed) reads its own from the start
+    other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 6})})
+    P.pretrain(other, storage, 6)
+    fresh = open_stream(other.data, tok)
+    for _ in range(3):
+        fresh.next_batch(BATCH)
+    assert json.loads(storage.read_text(f"{storage.step_path(9, CHECKPOINTS)}/{DATA_STATE}")) == fresh.state_dict()

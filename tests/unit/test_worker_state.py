@@ -11,7 +11,7 @@ import torch
 
 from intellect.checkpoints import DATA_STATE, OPTIMIZER
 from intellect.config import DataConfig, TrainConfig
-from intellect.data.stream import DocumentStream
+from intellect.data.stream import DocumentStream, resume_stream
 from intellect.diloco import worker_state
 from intellect.storage import RunStorage
 from intellect.train import Trainer
@@ -53,7 +53,7 @@ def test_a_saved_state_restores_adamw_and_the_data_position(storage):
     saved, why = worker_state.restore(storage, "w0", 3, target)  # checkpoint 3: the newest state up to it
     assert saved is not None and saved.step == 2 and why == ""
     assert target.step == 7 and all(torch.equal(a, b) for a, b in zip(_moments(target), _moments(source)))
-    resumed = worker_state.resume_stream(DocumentStream(DataConfig(seed=1)), saved.data,
+    resumed = resume_stream(DocumentStream(DataConfig(seed=1)), saved.data,
                                          lambda: DocumentStream(DataConfig(seed=1)))
     assert resumed.next_batch(2) == stream.next_batch(2)
 
@@ -107,7 +107,7 @@ def test_a_position_that_does_not_fit_the_stream_reads_the_shard_from_its_start(
     other.next_batch(3)
     caplog.set_level(logging.WARNING)
     for state in (other.state_dict(), {"version": 1, "kind": "arithmetic"}, {"read": "many"}):
-        stream = worker_state.resume_stream(DocumentStream(DataConfig(seed=1)), state,
+        stream = resume_stream(DocumentStream(DataConfig(seed=1)), state,
                                             lambda: DocumentStream(DataConfig(seed=1)))
         assert stream.read == 0 and stream.next_batch(2) == DocumentStream(DataConfig(seed=1)).next_batch(2)
     assert caplog.text.count("does not fit") == 3
