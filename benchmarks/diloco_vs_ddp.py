@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048, help="--data text: BPE vocabulary size")
     ap.add_argument("--warm-start", type=int, default=0, metavar="N",
                     help="pretrain the init single-process for N steps (batch W*B) first; both arms start from it")
+    ap.add_argument("--warm-dir", type=Path, default=None,
+                    help="--warm-start: keep the warm checkpoint in this folder and reuse it while the config is the same")
     ap.add_argument("--batch-size", type=int, default=32, help="B, sequences per worker per inner step")
     ap.add_argument("--inner-steps", type=int, default=50, help="H")
     ap.add_argument("--outer-steps", type=int, default=90, help="T (T*H steps in all, both arms)")
@@ -195,8 +197,15 @@ def main() -> None:
         ddp_cfg["warm_start"] = a.warm_start
         warm = None
         if a.warm_start:
-            folder = Path(tmp) / "warm"
-            warm = warm_start(ddp_run, a.warm_start, W * B, folder)
+            folder = a.warm_dir or Path(tmp) / "warm"
+            record = folder / "warm_start.json"  # what the folder holds a warm start of, and its figures
+            saved = json.loads(record.read_text()) if record.is_file() else {}
+            if saved.get("ddp_config") == ddp_cfg:
+                warm = saved["warm"]
+                print(f"warm start reused from {folder}", flush=True)
+            else:
+                warm = warm_start(ddp_run, a.warm_start, W * B, folder)
+                record.write_text(json.dumps({"ddp_config": ddp_cfg, "warm": warm}))
             print(f"warm start: {warm['steps']} steps x {warm['batch_size']} sequences ({warm['tokens']} tokens, "
                   f"not counted below) in {warm['seconds']:.0f} s; held-out loss {warm['heldout_loss']:.4f}",
                   flush=True)
