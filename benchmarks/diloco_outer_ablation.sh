@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The outer-optimizer ablation on the real corpus: DiLoCo (4 workers, H=50, int8) vs DDP at the same lr,
 # one arm per outer setting, each against the DDP curve of its seed (run once, then reused).
-#   [WARM_START=N] [OUTER_STEPS=T] bash benchmarks/diloco_outer_ablation.sh OUT_DIR SEED LR "ARM=KEY=VALUE,KEY=VALUE" ...
-# e.g. bash benchmarks/diloco_outer_ablation.sh /tmp/abl 0 1.5e-3 "nest-1.0-0.5=diloco.outer_lr=1.0,diloco.outer_momentum=0.5"
+#   [WARM_START=N] [OUTER_STEPS=T] [BATCH=B] bash benchmarks/diloco_outer_ablation.sh OUT_DIR SEED LR "ARM=KEY=VALUE,KEY=VALUE" ...
+# e.g. BATCH=16 WARM_START=300 bash benchmarks/diloco_outer_ablation.sh /tmp/abl 0 1.5e-3 "nest-0.7-0.5=" \
+#          "nest-0.7-0.9=diloco.outer_momentum=0.9" "avg-1.0-0=diloco.outer_lr=1.0,diloco.outer_momentum=0.0,diloco.nesterov=false"
+# (an arm with no knobs runs the defaults); its table and plot: benchmarks/diloco_ablation_table.py
 set -euo pipefail
 out=$1 seed=$2 lr=$3; shift 3
 mkdir -p "$out"
 py=${PYTHON:-.venv/bin/python}
-common=(--data text --outer-steps "${OUTER_STEPS:-20}" --batch-size 8 --timeout 3600
+common=(--data text --outer-steps "${OUTER_STEPS:-20}" --batch-size "${BATCH:-8}" --timeout 3600
         "train.lr=$lr" "data.seed=$seed" "model.init_seed=$seed")
 tag=$(echo "s$seed-lr$lr" | tr . p)  # no dots: the benchmark takes --out's suffix off
+if [ "${BATCH:-8}" != 8 ]; then tag="$tag-B$BATCH"; fi
 if [ "${WARM_START:-0}" != 0 ]; then  # both arms from a checkpoint pretrained WARM_START steps, made once
     common+=(--warm-start "$WARM_START" --warm-dir "$out/warm-$tag-w$WARM_START")
     tag="$tag-w$WARM_START"

@@ -18,7 +18,11 @@ class DilocoConfig(StrictModel):
     inner_steps: int = Field(default=50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
     outer_steps: int = Field(default=10, ge=1, le=1_000_000, description="Outer steps of the run.")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    outer_momentum: float = Field(
+        default=0.5, ge=0, lt=1,
+        description="Outer SGD momentum. 0.5, not the DiLoCo paper's 0.9: on a real corpus at H=50 it beats both "
+        "0.9 and plain averaging, from scratch and from a warm start (the ablation: docs/diloco.md).",
+    )
     nesterov: bool = Field(default=True, description="Nesterov momentum for the outer step.")
     algorithm: Literal["auto", "direct", "ring-residual", "ring-owner", "ring"] = Field(
         default="auto",

@@ -54,7 +54,7 @@ class OuterState:
     so ``theta_sync`` starts exact.
     """
 
-    def __init__(self, model: torch.nn.Module, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+    def __init__(self, model: torch.nn.Module, lr: float = 0.7, momentum: float = 0.5, nesterov: bool = True,
                  *, device: torch.device | None = None):
         params = self._model_params(model)
         self.device = device or (params[0].device if params else torch.device("cpu"))

@@ -204,23 +204,27 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
     proc = subprocess.Popen([sys.executable, "-c", COORDINATOR_SCRIPT, str(cfg_file), str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, text=True)
+    workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while (storage.latest_step("checkpoints") or 0) < 2:
             assert time.monotonic() < deadline and proc.poll() is None, logs(tmp_path)
             time.sleep(0.1)
+        # the workers are the coordinator's children, not ours: their PIDs before it dies (only this
+        # test's, never another run's workers on the same machine)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
         proc.kill()
         proc.wait(timeout=10)
-        # the workers are not our children: find them by their command line
         t0 = time.monotonic()
-        while _worker_pids() and time.monotonic() - t0 < 60:
+        while _alive(workers) and time.monotonic() - t0 < 60:
             time.sleep(0.2)
-        assert not _worker_pids(), "workers kept running without their coordinator"
+        assert not _alive(workers), "workers kept running without their coordinator"
         assert time.monotonic() - t0 < 30
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _worker_pids():
+        for pid in _alive(workers):
             os.kill(pid, signal.SIGKILL)
     resumed_from = storage.latest_step("checkpoints")
     assert 2 <= resumed_from < 6
@@ -242,15 +246,22 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path):
     assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
 
 
-def _worker_pids() -> list[int]:
-    """Live DiLoCo worker processes of a run.json config (any test's), by command line."""
-    out = subprocess.run(["pgrep", "-f", "intellect.diloco.coordinator worker --config"], capture_output=True, text=True)
-    pids = []
-    for pid in out.stdout.split():
+def _children(pid: int) -> list[int]:
+    """The DiLoCo worker processes that process ``pid`` started."""
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "intellect.diloco.coordinator worker"],
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie counts as gone: it computes nothing)."""
+    alive = []
+    for pid in pids:
         try:
-            cmd = open(f"/proc/{pid}/cmdline").read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "run.json" in cmd:
-            pids.append(int(pid))
-    return pids
+        if state != "Z":
+            alive.append(pid)
+    return alive
