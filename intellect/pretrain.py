@@ -180,6 +180,8 @@ def pretrain(
     AdamW state with the step count and the generator, the data stream's position, the phase's
     totals; only the newest is kept, and none once the phase is done). A phase killed at any point
     resumes from the newest one: the same next batches and, in fp32 on the CPU, the same weights.
+    The phase's own checkpoint keeps the stream's position too, so a next phase from it reads on
+    (unless it reads other data: then from the start).
     """
     steps, step = cfg.train.steps, from_step + cfg.train.steps
     if storage.is_stable(step, CHECKPOINTS):
