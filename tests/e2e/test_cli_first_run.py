@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,13 @@ def test_task_run_info_reaches_the_api_but_not_the_console(monkeypatch):
     APILogHandler().flush()
     assert "one line per step" in shown and "task warning for everyone" in shown
     assert "task info for the dashboard" not in shown
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-    stored = {log.message for log in logs}
-    assert {"task info for the dashboard", "task warning for everyone", "one line per step"} <= stored
+    want = {"task info for the dashboard", "task warning for everyone", "one line per step"}
+    # the server stores a flushed batch of logs asynchronously: read until it has them, within a bound
+    deadline, stored = time.monotonic() + 30, set()
+    while not want <= stored and time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        stored = {log.message for log in logs}
+        if not want <= stored:
+            time.sleep(0.5)
+    assert want <= stored
