@@ -18,7 +18,6 @@ fresh AdamW at the start of its shard, and says so.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +25,6 @@ from typing import Any
 from intellect.checkpoints import DATA_STATE, OPTIMIZER
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer
-
-log = logging.getLogger(__name__)
 
 _WORKER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_STATE_JSON = 1 << 20  # bytes of a saved stream position at most (it is a few cursors)
