@@ -11,8 +11,9 @@ its all-reduce: the step commits only once every member has voted, so when check
 complete every member's state for it is too, and a whole run killed at any point resumes every
 worker exactly (same next batches, same weights). A worker killed alone rejoins with its newest
 state (the others may have published checkpoints since): that AdamW state and data position, read
-in the shard the step's membership gives it. One without any (a newcomer, a lost disk) starts a
-fresh AdamW at the start of its shard, and says so.
+in the shard the step's membership gives it. One without any (a newcomer, a lost disk), or whose
+saved state does not load (a garbled copy, another model's moments: :func:`restore` checks before it
+changes anything), starts a fresh AdamW at the start of its shard, and says why.
 """
 
 from __future__ import annotations
