@@ -61,6 +61,8 @@ class Sidecar(StrEnum):
     OPTIMIZER = "optimizer.pt", False
     # a mid-phase pretraining checkpoint's data position (a training stream's ``state_dict``)
     DATA_STATE = "data_state.json", False
+    # what a DiLoCo worker's saved data position was reached under: ``{"members": [...], "rows_per_step": n}``
+    DATA_MEMBERS = "data_members.json", False
     # what a mid-phase pretraining checkpoint belongs to and how far its phase got (:class:`PhaseProgress`)
     PHASE = "pretrain_phase.json", False
     # where checkpoint 0 of an RL run came from: ``{"origin": <path or URI>}``
@@ -77,6 +79,7 @@ ORIGIN = Sidecar.ORIGIN
 OUTER_STATE = Sidecar.OUTER_STATE
 TRAIN_REPORT = Sidecar.TRAIN_REPORT
 DATA_STATE = Sidecar.DATA_STATE
+DATA_MEMBERS = Sidecar.DATA_MEMBERS
 PHASE = Sidecar.PHASE
 
 TRAINER_ONLY = frozenset(s.value for s in Sidecar if not s.for_inference)

@@ -263,10 +263,16 @@ class RunStorage:
     def write_text(self, rel: str, text: str, encoding: str = "utf-8") -> None:
         self.write_bytes(rel, text.encode(encoding))
 
-    def read_bytes(self, rel: str) -> bytes:
-        """The whole content of ``rel``; ``FileNotFoundError`` if absent."""
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes:
+        """The whole content of ``rel``; ``FileNotFoundError`` if absent. With ``max_bytes``, a larger file
+        raises ValueError after at most ``max_bytes + 1`` bytes were read (a file others may write)."""
         # fsspec is untyped and pyright's inference of cat_file lets in str; it returns the bytes
-        return cast(bytes, self.fs.cat_file(self._path(rel)))
+        if max_bytes is None:
+            return cast(bytes, self.fs.cat_file(self._path(rel)))
+        data = cast(bytes, self.fs.cat_file(self._path(rel), start=0, end=max_bytes + 1))
+        if len(data) > max_bytes:
+            raise ValueError(f"{self.uri(rel)} is over {max_bytes} bytes")
+        return data
 
     def read_text(self, rel: str, encoding: str = "utf-8") -> str:
         return self.read_bytes(rel).decode(encoding)

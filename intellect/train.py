@@ -227,6 +227,13 @@ class Trainer:
         torch.save(self.state_dict(), buf)
         return buf.getvalue()
 
+    def max_state_bytes(self) -> int:
+        """An upper bound of :meth:`state_bytes`' size: two moments of at most 4 bytes per parameter, a
+        generous allowance per tensor for the file's own records, and 1 MiB for the rest (the generator
+        state, the step count). A larger file is no state of this trainer's and need not be read."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return 8 * sum(p.numel() for p in params) + 4096 * len(params) + (1 << 20)
+
     def load_state_bytes(self, data: bytes) -> None:
         """Load what :meth:`state_bytes` wrote (tensors only: ``weights_only``, never arbitrary pickles);
         AdamW moves each state tensor to its parameter's device and dtype. Bytes that are no such file raise

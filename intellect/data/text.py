@@ -22,8 +22,11 @@ scores and would not isolate anything.
 Exact resumption: :meth:`PackedStream.state_dict` is small JSON (the cursor after the last document read,
 and the cursors of the few documents whose tokens are still buffered); :meth:`PackedStream.load_state_dict`
 re-reads those documents, so the next batches are the ones an uninterrupted stream would have given.
-:meth:`PackedStream.reshard` changes the shard in place, keeping the position and the buffer: a document
-between two workers' positions can then be read twice or not at all, a bounded effect of a membership change.
+:meth:`PackedStream.reshard` changes the shard in place, keeping the position and the buffer. Workers that
+consumed the same number of tokens stand at slightly different positions (their shards' documents differ
+in length), so after a membership change a document between two workers' positions could be read twice;
+:meth:`PackedStream.align` first moves a worker's reading position up to the members' furthest one
+(``intellect.diloco.data`` decides where, and how far a worker may skip).
 """
 
 from __future__ import annotations
@@ -115,6 +118,9 @@ class PackedStream:
         self._pending: deque[tuple[Cursor, list[int]]] = deque()  # documents with tokens still to hand out
         self._drop = 0  # tokens of the first pending document already handed out
         self._docs: Iterator[tuple[Cursor, Cursor, str]] | None = None
+        self.passed = 0  # rows the reader has looked at (any shard or split, skips aside): its pace
+        self._floor: tuple[int, int, int] | None = None  # rows before it are not read, while _skips last
+        self._skips = 0
         self.shard, self.shards = 0, 1
         self.reshard(shard, shards)
 
@@ -128,7 +134,28 @@ class PackedStream:
         return is_heldout_text(text, self.data.heldout_percent) == (self.split == "heldout")
 
     def _mine(self, ref: FileRef, at: Cursor) -> bool:
+        if self._floor is not None:
+            if at.key < self._floor and self._skips > 0:
+                self._skips -= 1
+                return False
+            self._floor = None  # reached, or the skip budget is spent
+        self.passed += 1
         return self.shards == 1 or shard_of(ref.name, at.row, self.shards) == self.shard
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """Where the reader goes on: (epoch, file position, row) after the last document read."""
+        return self._cursor.key
+
+    def align(self, floor: tuple[int, int, int], max_rows: int) -> None:
+        """Read on from ``floor`` (a :attr:`position`) if it is ahead: the rows between are passed unread,
+        at most ``max_rows`` of them (a floor further ahead than that is given up at the limit). Buffered
+        tokens are kept: their documents were read by this stream already."""
+        if max_rows < 0:
+            raise ValueError(f"need max_rows >= 0 (got {max_rows})")
+        if floor > self.position and max_rows:
+            self._floor, self._skips = floor, max_rows
+            self._restart()
 
     def reshard(self, shard: int, shards: int) -> None:
         """Become shard ``shard`` of ``shards`` from the current position on (buffered tokens are kept)."""

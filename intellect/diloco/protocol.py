@@ -71,6 +71,8 @@ HB = Family("hb", ("worker",), W, "heartbeat counter, bumped every heartbeat_int
 DEAD = Family("dead", ("worker",), W, "deathrattle, written on clean exit and on SIGTERM")
 COMMITTED = Family("committed", ("step", "worker"), W, "outer steps <worker> had committed at boundary <step>")
 ARRIVE = Family("arrive", ("step", "worker"), W, "<worker> is at the boundary of outer step <step>")
+DATA_AT = Family("data_at", ("step", "worker"), W, "<worker>'s reading position at boundary <step> and its rows "
+                 "per outer step (diloco.data.position_claim), written before it arrives")
 LEFT = Family("left", ("step", "worker"), W, "<worker> was left out of <step> and rejoins later: do not wait for it")
 DIGEST = Family("digest", ("step", "worker"), W, "SHA-256 of theta_sync after committing <step>")
 METRICS = Family("metrics", ("step", "worker"), W, "<worker>'s report of <step> (report.StepReport, JSON)")

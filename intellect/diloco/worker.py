@@ -51,12 +51,11 @@ import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
-from intellect.data.stream import DocumentStream, resume_stream
 from intellect.data.text import PackedStream
 from intellect.device import dist_backend, local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco import worker_state
-from intellect.diloco.data import data_sketch, shard_stream, sketched_batches
+from intellect.diloco.data import align_to_members, data_sketch, position_claim, sketched_batches, worker_stream
 from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
 from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.faults import NO_FAULTS, Faults
@@ -64,8 +63,8 @@ from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.plan import allreduce_plan
 from intellect.diloco.report import StepReport, metrics_series
-from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DIGEST, FLAGS, LAUNCHED, LEFT, METRICS, PG,
-                                       PROBE, PROGRESS, Quorum, ban_record, read_count)
+from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DATA_AT, DIGEST, FLAGS, LAUNCHED, LEFT,
+                                       METRICS, PG, PROBE, PROGRESS, Quorum, ban_record, read_count)
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.transport import CommError, new_group
@@ -139,16 +138,14 @@ class DilocoWorker:
         elif n:
             log.warning("%s: %s for checkpoint %d: a fresh inner AdamW, its shard read from the start",
                         worker, why, n)
-        self._data_state = saved.data if saved else None
         self.text = run.data.kind == "text"
-        # arithmetic: worker index's own seeded stream; text: opened at the first boundary, once the
-        # members (and so this worker's shard) are known
-        self.stream: PackedStream | DocumentStream | None = None
-        if not self.text:
-            self.stream = shard_stream(run, index)
-            if self._data_state:
-                self.stream = resume_stream(self.stream, self._data_state, lambda: shard_stream(run, index))
-        self.shard: tuple[int, int] = (index, run.diloco.workers)
+        # arithmetic: worker index's own seeded stream; text: the whole corpus until the first boundary
+        # gives this worker its place among the members, and so its shard
+        self.stream = worker_stream(run, self.tok, index, saved.data if saved else None)
+        self.shard: tuple[int, int] = (0, 1) if self.text else (index, run.diloco.workers)
+        # (the boundary, its members) this data position is current at: at any other it is realigned
+        self.data_at: tuple[int, list[str]] = (saved.step, saved.members) if saved else (0, [])
+        self.rows_per_step = saved.rows_per_step if saved else 0  # the reader's pace in its last inner phase
         # one row per outer step, written at once: steps are long, and a killed worker keeps its series
         self.metrics_log = MetricsLog(self.storage, metrics_series(worker), run.logging, flush_every=1)
         self.flops_per_token = flops_per_token(self.model.config, self.seq_len())
@@ -194,21 +191,20 @@ class DilocoWorker:
         return self._host
 
     def reshard(self, members: list[str]) -> None:
-        """Read shard ``i`` of ``n``: this worker's place among the step's members (text corpus)."""
-        if not self.text:
+        """Read shard ``i`` of ``n``, this worker's place among the step's members (text corpus), from the
+        members' furthest position when its own is not current (:mod:`intellect.diloco.data`)."""
+        if not isinstance(self.stream, PackedStream):
             return
         shard = (members.index(self.worker), len(members))
-        if self.stream is None:
-            def fresh() -> PackedStream:
-                return PackedStream(self.run.data, self.tok, shard=shard[0], shards=shard[1])
-            self.stream = fresh()
-            if self._data_state:
-                # the saved position, read in the shard of now
-                self.stream = resume_stream(self.stream, self._data_state, fresh)
-        elif isinstance(self.stream, PackedStream) and shard != self.shard:
-            log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
+        if shard != self.shard:
+            if self.data_at[1] and members != self.data_at[1]:
+                log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
             self.stream.reshard(*shard)
-        self.shard = shard
+            self.shard = shard
+        if self.data_at != (self.step, members):
+            m = self.m
+            align_to_members(self.stream, lambda k: m.get(k).encode() if m.has(k) else None, self.step, members,
+                             self.worker, max(0, self.step - self.data_at[0]), self.rows_per_step)
 
     def _deadline(self, seconds: float) -> float:
         return time.monotonic() + seconds
@@ -233,6 +229,8 @@ class DilocoWorker:
         t = self.step
         q = Quorum(m, me, t)
         m.set(COMMITTED(t, me), str(self.committed))
+        if isinstance(self.stream, PackedStream):  # before arriving: a member's claim is there when it is
+            m.set(DATA_AT(t, me), position_claim(self.stream.position, self.rows_per_step))
         m.set(ARRIVE(t, me), "1")
         members = q.members(0)
         if members is None and (founder or veteran):
@@ -318,15 +316,17 @@ class DilocoWorker:
 
     def batches(self, seen: list[str]) -> Iterator:
         """Training batches of this worker's shard; ``seen`` keeps the :func:`data_sketch` of their sequences."""
-        assert self.stream is not None  # arithmetic streams open with the worker, text ones at its first boundary
         return sketched_batches(self.stream, self.run.train.batch_size, seen)
 
     def inner(self, report: StepReport) -> None:
         """H inner steps: the report's inner_loss, inner_seconds, tokens, shard and data_sketch."""
         t0 = time.perf_counter()
         seen: list[str] = []
+        rows = getattr(self.stream, "passed", 0)
         logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), lambda *_: self.m.check_store())
         report.inner_seconds = time.perf_counter() - t0
+        self.rows_per_step = getattr(self.stream, "passed", 0) - rows
+        self.data_at = (self.step + 1, list(self.members))
         report.inner_loss = sum(rec["loss"] for rec in logs) / len(logs)
         report.tokens = int(sum(rec["tokens"] for rec in logs))
         report.shard, report.data_sketch = list(self.shard), data_sketch(seen)
@@ -439,8 +439,9 @@ class DilocoWorker:
         """Save this worker's inner state and data position for the checkpoint this step commits into
         (before the all-reduce: see :mod:`~intellect.diloco.worker_state`)."""
         n = self.step + 1
-        if self.checkpoint_step(n) and self.stream is not None:
-            state = worker_state.WorkerState(n, self.trainer.state_bytes(), self.stream.state_dict())
+        if self.checkpoint_step(n):
+            state = worker_state.WorkerState(n, self.trainer.state_bytes(), self.stream.state_dict(),
+                                             self.data_at[1], self.rows_per_step)
             worker_state.save(self.storage, self.worker, state, self.run.storage.keep_last)
 
     def checkpoint(self) -> str | None:

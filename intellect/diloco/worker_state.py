@@ -4,14 +4,16 @@ The outer checkpoint ``checkpoints/step_<n>`` holds what all members share (``th
 momentum). What each worker holds alone lives under ``worker_state/<worker>/step_<n>`` in run storage:
 its inner AdamW state with the inner step count (:meth:`~intellect.train.Trainer.state_bytes`) and its
 training stream's position (:mod:`intellect.data.stream`), under the file names of the checkpoint
-sidecars that hold the same things for single-machine pretraining.
+sidecars that hold the same things for single-machine pretraining, and what that position was reached
+under (the step's members, the reader's pace: ``DATA_MEMBERS``), which tells a resumed worker whether
+its position is still current (:mod:`intellect.diloco.data`).
 
 A worker writes its state for checkpoint ``n`` after the inner phase of outer step ``n - 1`` and before
 its all-reduce: the step commits only once every member has voted, so when checkpoint ``n`` is
 complete every member's state for it is too, and a whole run killed at any point resumes every
 worker exactly (same next batches, same weights). A worker killed alone rejoins with its newest
 state (the others may have published checkpoints since): that AdamW state and data position, read
-in the shard the step's membership gives it. One without any (a newcomer, a lost disk), or whose
+in the shard the step's membership gives it, from the members' positions on. One without any (a newcomer, a lost disk), or whose
 saved state does not load (a garbled copy, another model's moments: :func:`restore` checks before it
 changes anything), starts a fresh AdamW at the start of its shard, and says why.
 """
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from intellect.checkpoints import DATA_STATE, OPTIMIZER
+from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER
+from intellect.diloco.protocol import read_count, read_json, read_names
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer
 
@@ -47,6 +50,8 @@ class WorkerState:
     step: int  # the outer checkpoint it belongs to
     trainer: bytes  # Trainer.state_bytes()
     data: dict[str, Any]  # the training stream's state_dict()
+    members: list[str] = field(default_factory=list)  # the members of the step that reached the position
+    rows_per_step: int = 0  # rows the reader passed in that step (0: not known)
 
 
 def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> None:
@@ -58,27 +63,37 @@ def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> Non
         if storage.is_stable(state.step, kind):
             storage.delete(f"{rel}/{STABLE}")
         storage.delete(rel, recursive=True)
+    reached = {"members": state.members, "rows_per_step": state.rows_per_step}
     storage.write_step(state.step, kind, {OPTIMIZER.value: state.trainer,
-                                          DATA_STATE.value: json.dumps(state.data).encode()})
+                                          DATA_STATE.value: json.dumps(state.data).encode(),
+                                          DATA_MEMBERS.value: json.dumps(reached).encode()})
     storage.retain(kind, keep)
 
 
-def load(storage: RunStorage, worker: str, step: int) -> WorkerState | None:
+def load(storage: RunStorage, worker: str, step: int, max_trainer_bytes: int | None = None) -> WorkerState | None:
     """``worker``'s newest complete state for checkpoint ``step`` or an earlier one (a worker killed in an
-    inner phase rejoins at a checkpoint the others published without it); None when it has none."""
+    inner phase rejoins at a checkpoint the others published without it); None when it has none. Files
+    over their bounds (``max_trainer_bytes`` for the AdamW state) raise ValueError unread."""
     kind = state_kind(worker)
     steps = [s for s in storage.complete_steps(kind) if s <= step]
     if not steps:
         return None
     step = steps[-1]
     rel = storage.step_path(step, kind)
-    raw = storage.read_bytes(f"{rel}/{DATA_STATE.value}")
-    if len(raw) > MAX_STATE_JSON:
-        raise ValueError(f"{storage.uri(rel)}: the saved data position is {len(raw)} bytes (at most {MAX_STATE_JSON})")
-    data = json.loads(raw)
+    data = json.loads(storage.read_bytes(f"{rel}/{DATA_STATE.value}", MAX_STATE_JSON))
     if not isinstance(data, dict):
         raise ValueError(f"{storage.uri(rel)}: the saved data position is not a JSON object")
-    return WorkerState(step=step, trainer=storage.read_bytes(f"{rel}/{OPTIMIZER.value}"), data=data)
+    # what the position was reached under; unreadable, it counts as stale (the worker realigns)
+    try:
+        reached = read_json(storage.read_bytes(f"{rel}/{DATA_MEMBERS.value}", MAX_STATE_JSON))
+    except (OSError, ValueError):
+        reached = None
+    reached = reached if isinstance(reached, dict) else {}
+    members, rows = read_names(reached.get("members")), read_count(reached.get("rows_per_step"))
+    if members is None or rows is None:
+        members, rows = [], 0
+    return WorkerState(step=step, trainer=storage.read_bytes(f"{rel}/{OPTIMIZER.value}", max_trainer_bytes),
+                       data=data, members=members, rows_per_step=rows)
 
 
 def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer) -> tuple[WorkerState | None, str]:
@@ -86,7 +101,7 @@ def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer) -> tu
     count loaded into ``trainer``; or None and why not, ``trainer`` untouched. The files are the worker's
     own, yet a lost disk or a garbled copy must cost a fresh AdamW, never the worker."""
     try:
-        saved = load(storage, worker, step)
+        saved = load(storage, worker, step, trainer.max_state_bytes())
         if saved is None:
             return None, "no saved state"
         trainer.load_state_bytes(saved.trainer)  # checks the state before it changes anything

@@ -105,12 +105,25 @@ def test_two_workers_read_disjoint_shards_and_the_heldout_loss_falls(tmp_path):
     assert after < before - 0.3, (before, after)
 
 
+def write_sequence_corpus(folder, docs: int) -> None:
+    """One JSONL file of distinct documents of exactly one packed sequence each (SEQ - 1 characters and
+    EOS, one token a character): a sequence is a document, so equal reads hash equal in every sketch."""
+    folder.mkdir()
+    rows = []
+    for i in range(docs):
+        rng = random.Random(i)
+        text = (f"doc {i:05d}: " + " ".join(rng.choice(WORDS) for _ in range(8)))[:SEQ - 1]
+        rows.append(json.dumps({"text": text.ljust(SEQ - 1, ".")}) + "\n")
+    (folder / "docs.jsonl").write_text("".join(rows))
+
+
 def test_a_killed_worker_rejoins_with_its_saved_position_and_reads_only_its_shard(tmp_path):
-    write_corpus(tmp_path / "corpus", docs=120)
-    outer = 14
+    outer, inner = 14, 100
+    # every sequence read is a new document: no epoch ends before the run does
+    write_sequence_corpus(tmp_path / "corpus", docs=outer * inner * BATCH * WORKERS * 2)
     cfg = run_cfg(tmp_path).model_copy(deep=True)
     # steps long enough that the restarted worker (seconds of imports) is back before the run ends
-    cfg.diloco.outer_steps, cfg.diloco.inner_steps = outer, 100
+    cfg.diloco.outer_steps, cfg.diloco.inner_steps = outer, inner
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
     logs = worker_log_dir(storage)
     assert logs is not None
@@ -150,3 +163,8 @@ def test_a_killed_worker_rejoins_with_its_saved_position_and_reads_only_its_shar
         sketches = [set(r["data_sketch"]) for r in live]
         assert all(a.isdisjoint(b) for i, a in enumerate(sketches) for b in sketches[i + 1:]), (t, sketches)
     assert any(rows["w0"][t]["members"] == ["w0", "w1"] and t in rows["w1"] for t in rejoined)
+    # and never, at any step, a document the other read: w0 read every document while w1 was away, from
+    # further on than w1's saved position, and w1 read on from there when it came back
+    assert "reading on from the members' furthest position" in text, text[-3000:]
+    seen = {w: {h for r in series.values() for h in r["data_sketch"]} for w, series in rows.items()}
+    assert seen["w0"].isdisjoint(seen["w1"]), seen["w0"] & seen["w1"]

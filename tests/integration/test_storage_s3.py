@@ -47,6 +47,13 @@ def test_objects_land_under_the_run_prefix(store: RunStorage, bucket: str, s3_en
     assert store.uri("checkpoints/step_2") == f"s3://{bucket}/runs/test/checkpoints/step_2"
 
 
+def test_a_bounded_read_refuses_a_larger_object(store: RunStorage) -> None:
+    store.write_bytes("a/blob", b"x" * 100)
+    assert store.read_bytes("a/blob", 100) == b"x" * 100
+    with pytest.raises(ValueError, match="over 99 bytes"):
+        store.read_bytes("a/blob", 99)
+
+
 def test_from_config_credentials_override_env(
     bucket: str, s3_env: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

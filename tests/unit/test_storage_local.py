@@ -370,3 +370,10 @@ def test_from_config_defaults_to_runs_folder_in_cwd(tmp_path: Path, monkeypatch)
     for bad in ("a/b", "..", "", ".tmp-r"):
         with pytest.raises(ValueError):
             RunStorage.from_config(StorageConfig(), bad)
+
+
+def test_a_bounded_read_refuses_a_larger_file(store: RunStorage) -> None:
+    store.write_bytes("a/blob", b"x" * 100)
+    assert store.read_bytes("a/blob", 100) == b"x" * 100
+    with pytest.raises(ValueError, match="over 99 bytes"):
+        store.read_bytes("a/blob", 99)

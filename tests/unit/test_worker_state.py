@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from intellect.checkpoints import DATA_STATE, OPTIMIZER
+from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER
 from intellect.config import DataConfig, TrainConfig
 from intellect.data.stream import DocumentStream, resume_stream
 from intellect.diloco import worker_state
@@ -69,6 +69,21 @@ def test_a_garbled_optimizer_file_gives_a_fresh_adamw_with_the_reason(storage, g
     assert target.step == 0 and not target.optimizer.state
 
 
+def test_an_optimizer_file_larger_than_any_state_of_the_model_is_refused_unread(storage, monkeypatch):
+    """Anyone with the run's storage credentials could leave a huge file for a rejoiner to load."""
+    target = _trainer()
+    _save(storage, b"\0" * (target.max_state_bytes() + 1), json.dumps({"version": 1}).encode())
+    asked: list[int | None] = []
+    read = RunStorage.read_bytes
+    monkeypatch.setattr(RunStorage, "read_bytes", lambda self, rel, max_bytes=None: (
+        asked.append(max_bytes), read(self, rel, max_bytes))[1])
+    saved, why = worker_state.restore(storage, "w0", 2, target)
+    assert saved is None and f"over {target.max_state_bytes()} bytes" in why
+    assert None not in asked  # every file of the state was read with a bound
+    assert target.step == 0 and not target.optimizer.state
+    assert len(_stepped().state_bytes()) <= _trainer().max_state_bytes()
+
+
 def test_another_models_state_is_refused_before_anything_changes(storage):
     _save(storage, _stepped(width=6).state_bytes(), b"{}")  # same structure, other shapes
     target = _stepped(width=4)
@@ -111,3 +126,20 @@ def test_a_position_that_does_not_fit_the_stream_reads_the_shard_from_its_start(
                                             lambda: DocumentStream(DataConfig(seed=1)))
         assert stream.read == 0 and stream.next_batch(2) == DocumentStream(DataConfig(seed=1)).next_batch(2)
     assert caplog.text.count("does not fit") == 3
+
+
+@pytest.mark.parametrize("reached", [None, b"[", b'{"members": "w0", "rows_per_step": 5}',
+                                     b'{"members": ["w0", "w0"], "rows_per_step": -1}', b"x" * (2 << 20)])
+def test_what_a_position_was_reached_under_round_trips_and_a_garbled_record_counts_as_stale(storage, reached):
+    source = _stepped()
+    state = worker_state.WorkerState(2, source.state_bytes(), {"read": 0}, ["w0", "w1"], 42)
+    worker_state.save(storage, "w0", state, keep=2)
+    saved, _ = worker_state.restore(storage, "w0", 2, _trainer())
+    assert saved is not None and (saved.members, saved.rows_per_step) == (["w0", "w1"], 42)
+    rel = f"{storage.step_path(2, worker_state.state_kind('w0'))}/{DATA_MEMBERS.value}"
+    storage.delete(rel)
+    if reached is not None:
+        storage.write_bytes(rel, reached)
+    saved, why = worker_state.restore(storage, "w0", 2, _trainer())
+    # the AdamW state and position still load; the worker realigns its position with the members'
+    assert saved is not None and why == "" and (saved.members, saved.rows_per_step) == ([], 0)
