@@ -6,7 +6,9 @@ Prefect, so no test ever touches the user's ~/.prefect or phones home.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 pytest_plugins = ["wan_fixtures"]
 
 _PREFECT_HOME = tempfile.mkdtemp(prefix="intellect-prefect-home-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, True)  # every session made one; none outlives it
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
@@ -25,6 +28,13 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.pop("PREFECT_API_URL", None)
 for key in [k for k in os.environ if k.startswith("INTELLECT_")]:
     del os.environ[key]
+
+
+@pytest.fixture(autouse=True)
+def _temporary_files_in_tmp_path(tmp_path, monkeypatch):
+    """What a test or a docstring example makes with ``tempfile`` lands in the test's own folder, which
+    pytest removes in time, never in /tmp for good."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(scope="module")

@@ -216,8 +216,9 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path, kind):
     cfg_file = tmp_path / "run.json"
     cfg_file.write_text(cfg.model_dump_json())
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    # its temporary folder in ours: a SIGKILLed coordinator cannot remove it
     proc = subprocess.Popen([sys.executable, "-c", COORDINATOR_SCRIPT, str(cfg_file), str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
