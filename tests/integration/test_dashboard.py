@@ -45,8 +45,10 @@ class Browser:
             pytest.skip("headless Chromium missing: apt-get install chromium (.ci/run does)")
         profile = tmp_path / "chromium-profile"
         self.log = open(tmp_path / "chromium.log", "ab")
+        # its own temporary folders (org.chromium.*) in the test's, not in /tmp for good
         self.proc = subprocess.Popen([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TMPDIR": str(tmp_path)})
         try:
             port_file = profile / "DevToolsActivePort"
             deadline = time.monotonic() + timeout
