@@ -103,6 +103,12 @@ def _rank(rank: int, world: int, port: int, run_json: str, out: str) -> None:
         torch.save({"step": [t * H for t in range(T + 1)], "tokens": tokens, "loss": loss, "accuracy": acc,
                     "seconds": seconds, "eval_seconds": time.perf_counter() - t1}, out)
     dist.destroy_process_group()
+    # Gloo's teardown can deadlock: ~ProcessGroupGloo (run by DDP's reducer as it is freed, GIL held)
+    # joins a worker thread that waits for the GIL to free a finished work's tensors. Everything is
+    # saved: leave without running destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ddp(run: DilocoRunConfig) -> dict:

@@ -9,12 +9,12 @@ set -euo pipefail
 out=$1 seed=$2 lr=$3; shift 3
 mkdir -p "$out"
 py=${PYTHON:-.venv/bin/python}
-common=(--data text --outer-steps "${OUTER_STEPS:-20}" --batch-size "${BATCH:-8}" --timeout 3600
+common=(--data text --outer-steps "${OUTER_STEPS:-20}" --batch-size "${BATCH:-8}" --warm-start "${WARM_START:-0}" --timeout 3600
         "train.lr=$lr" "data.seed=$seed" "model.init_seed=$seed")
 tag=$(echo "s$seed-lr$lr" | tr . p)  # no dots: the benchmark takes --out's suffix off
 if [ "${BATCH:-8}" != 8 ]; then tag="$tag-B$BATCH"; fi
 if [ "${WARM_START:-0}" != 0 ]; then  # both arms from a checkpoint pretrained WARM_START steps, made once
-    common+=(--warm-start "$WARM_START" --warm-dir "$out/warm-$tag-w$WARM_START")
+    common+=(--warm-dir "$out/warm-$tag-w$WARM_START")
     tag="$tag-w$WARM_START"
 fi
 if [ "${OUTER_STEPS:-20}" != 20 ]; then tag="$tag-T$OUTER_STEPS"; fi

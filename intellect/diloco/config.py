@@ -20,9 +20,10 @@ class DilocoConfig(StrictModel):
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
     outer_momentum: float = Field(
         default=0.5, ge=0, lt=1,
-        description="Outer SGD momentum. 0.5, not the DiLoCo paper's 0.9: on a real corpus at H=50 it beats 0.9 and "
-        "ties plain averaging from scratch, and beats both from a warm start; a run that continues a pretrained "
-        "checkpoint does better still with 0.7 (the ablation: docs/diloco.md).",
+        description="Outer SGD momentum. Unless set: 0.5 from scratch, 0.7 when the run continues a checkpoint "
+        "(model.pretrained). Not the DiLoCo paper's 0.9: on a real corpus at H=50, from scratch 0.5 ties plain "
+        "averaging and beats 0.7 and 0.9; from a warm start 0.7 beats 0.5, 0.9 and averaging "
+        "(the ablation: docs/diloco.md).",
     )
     nesterov: bool = Field(default=True, description="Nesterov momentum for the outer step.")
     algorithm: Literal["auto", "direct", "ring-residual", "ring-owner", "ring"] = Field(
@@ -120,8 +121,20 @@ class DilocoConfig(StrictModel):
         return self
 
 
+WARM_OUTER_MOMENTUM = 0.7  # the outer momentum of a run from a checkpoint, unless set (docs/diloco.md)
+
+
 class DilocoRunConfig(StrictModel):
-    """A DiLoCo pretraining run: N workers, each training the model on its own data shard."""
+    """A DiLoCo pretraining run: N workers, each training the model on its own data shard.
+
+    The outer momentum follows the start unless the run sets it: a pretrained checkpoint's pseudo-gradients
+    are small and consistent, and carry a higher momentum than a fresh model's.
+
+    >>> DilocoRunConfig().diloco.outer_momentum, DilocoRunConfig(model={"pretrained": "ckpt"}).diloco.outer_momentum
+    (0.5, 0.7)
+    >>> DilocoRunConfig(model={"pretrained": "ckpt"}, diloco={"outer_momentum": 0.5}).diloco.outer_momentum
+    0.5
+    """
 
     run_name: str = Field(default="diloco", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Folder name of the run.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -136,3 +149,10 @@ class DilocoRunConfig(StrictModel):
         description="Where the workers run: subprocesses of the coordinator (local), or flow runs of the "
         "diloco-worker deployment on its work pool (deployments; diloco.store_host must be reachable from there).",
     )
+
+    @model_validator(mode="after")
+    def _outer_momentum_for_the_start(self) -> "DilocoRunConfig":
+        if self.model.pretrained and "outer_momentum" not in self.diloco.model_fields_set:
+            # assigned, so it counts as set: a dump of this config (to workers, to a checkpoint) keeps it
+            self.diloco.outer_momentum = WARM_OUTER_MOMENTUM
+        return self

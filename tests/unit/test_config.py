@@ -98,3 +98,19 @@ def test_diloco_wire_codec_is_strict_and_reaches_the_codec_list():
     assert cfg.diloco.wire_codec == "none"
     with pytest.raises(C.ConfigError, match="diloco.wire_codec: Input should be 'none' or 'zstd'"):
         C.load_config(DC.DilocoRunConfig, overrides=["diloco.wire_codec=lz4"], environ={})
+
+
+def test_diloco_outer_momentum_follows_the_start_unless_set():
+    """0.5 from scratch, 0.7 from a checkpoint (the ablation's winners); a value the run sets is kept, and
+    the chosen one survives the dump a coordinator sends its workers."""
+    text = next(p for p in CONFIGS if p.name == "diloco-text.toml")
+    scratch = C.load_config(DC.DilocoRunConfig, text, environ={})
+    assert scratch.diloco.outer_momentum == 0.5
+    warm = C.load_config(DC.DilocoRunConfig, text, overrides=["model.pretrained=/ckpt"], environ={})
+    assert warm.diloco.outer_momentum == DC.WARM_OUTER_MOMENTUM == 0.7
+    sent = DC.DilocoRunConfig.model_validate_json(warm.model_dump_json())
+    assert sent.diloco.outer_momentum == 0.7
+    assert C.load_config(DC.DilocoRunConfig, overrides=["model.pretrained=/ckpt", "diloco.outer_momentum=0.5"],
+                         environ={}).diloco.outer_momentum == 0.5
+    assert C.load_config(DC.DilocoRunConfig, environ={"INTELLECT_DILOCO__OUTER_MOMENTUM": "0.9",
+                                                      "INTELLECT_MODEL__PRETRAINED": "/ckpt"}).diloco.outer_momentum == 0.9
