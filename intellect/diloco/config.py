@@ -153,6 +153,7 @@ class DilocoRunConfig(StrictModel):
     @model_validator(mode="after")
     def _outer_momentum_for_the_start(self) -> "DilocoRunConfig":
         if self.model.pretrained and "outer_momentum" not in self.diloco.model_fields_set:
-            # assigned, so it counts as set: a dump of this config (to workers, to a checkpoint) keeps it
-            self.diloco.outer_momentum = WARM_OUTER_MOMENTUM
+            # a copy, not the caller's DilocoConfig changed under it; the copy counts the field as set, so a
+            # dump of this config (to workers, to a checkpoint) keeps it
+            object.__setattr__(self, "diloco", self.diloco.model_copy(update={"outer_momentum": WARM_OUTER_MOMENTUM}))
         return self

@@ -112,5 +112,8 @@ def test_diloco_outer_momentum_follows_the_start_unless_set():
     assert sent.diloco.outer_momentum == 0.7
     assert C.load_config(DC.DilocoRunConfig, overrides=["model.pretrained=/ckpt", "diloco.outer_momentum=0.5"],
                          environ={}).diloco.outer_momentum == 0.5
+    shared = DC.DilocoConfig()
+    assert DC.DilocoRunConfig(model={"pretrained": "/ckpt"}, diloco=shared).diloco.outer_momentum == 0.7
+    assert shared.outer_momentum == 0.5  # the caller's object is left as it was
     assert C.load_config(DC.DilocoRunConfig, environ={"INTELLECT_DILOCO__OUTER_MOMENTUM": "0.9",
                                                       "INTELLECT_MODEL__PRETRAINED": "/ckpt"}).diloco.outer_momentum == 0.9
