@@ -1,4 +1,5 @@
 # Two commands a new user needs: `make demo` and `make test`. Both create .venv on first use.
+# `make test-fast` is the quick lane while working: tests/unit/ only, which starts no process, server or socket.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,8 +7,11 @@ BIN := $(VENV)/bin
 # TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers; each test file runs whole on one worker (`--dist loadfile`), so a file's module
+# fixtures and servers stay together. TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-fast lint venv clean gpu-wheels
 
 # pip's own notices go to a log, shown only if the install fails.
 $(BIN)/.installed: pyproject.toml
@@ -28,7 +32,15 @@ lint: $(BIN)/.installed
 	$(BIN)/pyright
 
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+
+# No lint here, to keep the lane quick: `make lint` or `make test` runs it.
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/unit -q -n $(TEST_JOBS) $(PYTEST_ARGS)
+
+# The lent GPU machine's missing packages as wheels in .whl/ (docs/deploy.md, "The GPU check").
+gpu-wheels:
+	bash benchmarks/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

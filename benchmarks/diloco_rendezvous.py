@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from intellect.diloco import protocol as P  # noqa: E402
+from intellect.diloco import protocol  # noqa: E402
 from intellect.diloco.coordinator import free_port  # noqa: E402
 from intellect.diloco.rendezvous_client import RendezvousStore  # noqa: E402
 
@@ -67,49 +67,49 @@ def outer_step(s, t: int, w: int) -> int:
         ops += 1
         return fn(*a)
 
-    op(s.set, P.COMMITTED(t, me), "0")
-    op(s.set, P.ARRIVE(t, me), "1")
-    op(s.check, [P.MEMBERS(t, 0)])
-    n = op(s.add, P.LAUNCHED.under(), 0)
+    op(s.set, protocol.COMMITTED(t, me), "0")
+    op(s.set, protocol.ARRIVE(t, me), "1")
+    op(s.check, [protocol.MEMBERS(t, 0)])
+    n = op(s.add, protocol.LAUNCHED.under(), 0)
     for i in range(n):
-        op(s.check, [P.LAUNCHED(i)])
-        op(s.get, P.LAUNCHED(i))
-        op(s.check, [P.BANNED(f"w{i}")])
+        op(s.check, [protocol.LAUNCHED(i)])
+        op(s.get, protocol.LAUNCHED(i))
+        op(s.check, [protocol.BANNED(f"w{i}")])
     for x in names[1:]:
-        op(s.check, [P.ARRIVE(t, x)])
-        op(s.check, [P.DEAD(x)])
-        op(s.add, P.HB(x), 0)
-    op(s.compare_set, P.MEMBERS(t, 0), "", json.dumps(names))
+        op(s.check, [protocol.ARRIVE(t, x)])
+        op(s.check, [protocol.DEAD(x)])
+        op(s.add, protocol.HB(x), 0)
+    op(s.compare_set, protocol.MEMBERS(t, 0), "", json.dumps(names))
     for x in names:
-        op(s.get, P.COMMITTED(t, x))
-    op(s.set, P.READY(t, 0, me), "1")
+        op(s.get, protocol.COMMITTED(t, x))
+    op(s.set, protocol.READY(t, 0, me), "1")
     for x in names[1:]:
-        op(s.check, [P.READY(t, 0, x)])
+        op(s.check, [protocol.READY(t, 0, x)])
     for i in range(w):  # gloo's rendezvous of one group: each rank's address, read by the others
-        op(s.set, f"{P.PG(t, 0)}/rank{i}", b"x" * 64)
+        op(s.set, f"{protocol.PG(t, 0)}/rank{i}", b"x" * 64)
     for i in range(1, w):
-        op(s.get, f"{P.PG(t, 0)}/rank{i}")
-    op(s.compare_set, P.PLAN(t, 0), "", json.dumps({"order": None, "algorithm": "direct", "estimates": {}}))
-    op(s.set, P.FLAGS(t, 0, me), "[]")
-    op(s.set, P.VOTE(t, 0, me), "ok")
+        op(s.get, f"{protocol.PG(t, 0)}/rank{i}")
+    op(s.compare_set, protocol.PLAN(t, 0), "", json.dumps({"order": None, "algorithm": "direct", "estimates": {}}))
+    op(s.set, protocol.FLAGS(t, 0, me), "[]")
+    op(s.set, protocol.VOTE(t, 0, me), "ok")
     for x in names:
-        op(s.check, [P.VOTE(t, 0, x)])
-        op(s.get, P.VOTE(t, 0, x))
-    op(s.compare_set, P.OUTCOME(t, 0), "", "commit")
-    op(s.set, P.DIGEST(t, me), "d" * 64)
+        op(s.check, [protocol.VOTE(t, 0, x)])
+        op(s.get, protocol.VOTE(t, 0, x))
+    op(s.compare_set, protocol.OUTCOME(t, 0), "", "commit")
+    op(s.set, protocol.DIGEST(t, me), "d" * 64)
     for x in names:
-        op(s.check, [P.FLAGS(t, 0, x)])
-        op(s.get, P.FLAGS(t, 0, x))
-    op(s.set, P.PROGRESS(), str(t + 1))
-    op(s.set, P.METRICS(t, me), "{}" * 200)
+        op(s.check, [protocol.FLAGS(t, 0, x)])
+        op(s.get, protocol.FLAGS(t, 0, x))
+    op(s.set, protocol.PROGRESS(), str(t + 1))
+    op(s.set, protocol.METRICS(t, me), "{}" * 200)
     return ops
 
 
 def prime(s, w: int) -> None:
     # the keys other members would have written, so that no get waits
     for i in range(w):
-        s.set(P.LAUNCHED(i), f"w{i}")
-    s.add(P.LAUNCHED.under(), w)
+        s.set(protocol.LAUNCHED(i), f"w{i}")
+    s.add(protocol.LAUNCHED.under(), w)
 
 
 def bench(kind: str, workers: int, repeat: int) -> dict:
@@ -118,7 +118,7 @@ def bench(kind: str, workers: int, repeat: int) -> dict:
         s = client(kind, port)
         prime(s, workers)
         for x in [f"w{i}" for i in range(workers)]:
-            s.set(f"{P.ARRIVE.name}/{x}", "1")
+            s.set(f"{protocol.ARRIVE.name}/{x}", "1")
         out = {}
         cases = {"set": lambda i: s.set(f"k{i}", "v" * 32), "get": lambda i: s.get(f"k{i}"),
                  "check": lambda i: s.check([f"k{i}"]), "add": lambda i: s.add("counter", 1),
@@ -133,7 +133,8 @@ def bench(kind: str, workers: int, repeat: int) -> dict:
         steps = []
         for t in range(max(5, repeat // 30)):
             for x in [f"w{i}" for i in range(workers)]:  # the others' keys of this step
-                for key, value in ((P.COMMITTED(t, x), "0"), (P.VOTE(t, 0, x), "ok"), (P.FLAGS(t, 0, x), "[]")):
+                for key, value in ((protocol.COMMITTED(t, x), "0"), (protocol.VOTE(t, 0, x), "ok"),
+                                   (protocol.FLAGS(t, 0, x), "[]")):
                     s.set(key, value)
             t0 = time.perf_counter()
             n = outer_step(s, t, workers)

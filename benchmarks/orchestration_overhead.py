@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 from prefect import flow  # noqa: E402
 from prefect.utilities.annotations import BaseAnnotation  # noqa: E402
 
-from flows import rl as F  # noqa: E402
+from flows import rl as rl_flows  # noqa: E402
 from flows.artifacts import BackgroundArtifacts  # noqa: E402
 from intellect.config import load_config  # noqa: E402
 from intellect.pipeline import DemoConfig  # noqa: E402
 from intellect.rl.config import RLRunConfig  # noqa: E402
-from tasks import rl as T  # noqa: E402
+from tasks import rl as rl_tasks  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 STEP_TASKS = ("collect", "validate", "record", "grpo_update", "broadcast", "commit_step")
@@ -70,14 +70,14 @@ def _bare(args) -> list:
 
 @contextlib.contextmanager
 def plain_tasks():
-    saved = {name: getattr(T, name) for name in STEP_TASKS}
+    saved = {name: getattr(rl_tasks, name) for name in STEP_TASKS}
     for name, t in saved.items():
-        setattr(T, name, _Plain(t.fn))
+        setattr(rl_tasks, name, _Plain(t.fn))
     try:
         yield
     finally:
         for name, t in saved.items():
-            setattr(T, name, t)
+            setattr(rl_tasks, name, t)
 
 
 def children_cpu() -> float:
@@ -95,17 +95,17 @@ def children_cpu() -> float:
 
 @flow(name="orchestration-overhead")
 def measure(a: RLRunConfig, b: RLRunConfig, steps: int) -> dict:
-    with T.open_run(a), T.open_run(b):  # tasks act on the run their flow opened
-        T.prepare_run(a)
+    with rl_tasks.open_run(a), rl_tasks.open_run(b):  # tasks act on the run their flow opened
+        rl_tasks.prepare_run(a)
         with plain_tasks():
-            T.prepare_run(b)
+            rl_tasks.prepare_run(b)
         times: dict[str, list[float]] = {"prefect": [], "plain": [], "prefect_cpu": [], "plain_cpu": []}
 
         def timed(kind: str, cfg: RLRunConfig, n: int, artifacts: BackgroundArtifacts | None) -> None:
             t, c = time.perf_counter(), time.process_time()
-            summary = F.run_step(cfg, n, local=True)
+            summary = rl_flows.run_step(cfg, n, local=True)
             if artifacts is not None:  # the step's table, published in the background as rl-train does
-                F._publish_step(cfg, summary, artifacts.submit)
+                rl_flows._publish_step(cfg, summary, artifacts.submit)
             times[kind].append(time.perf_counter() - t)
             times[f"{kind}_cpu"].append(time.process_time() - c)
 

@@ -148,7 +148,8 @@ import sys, uvicorn
 from starlette.applications import Starlette
 from starlette.responses import FileResponse
 from starlette.routing import Route
-from intellect.shardcast.server import bind, write_port_file
+from intellect.http_server import bind
+from intellect.shardcast.server import write_port_file
 path, port_file = sys.argv[1], sys.argv[3]
 app = Starlette(routes=[Route("/file", lambda request: FileResponse(path))])
 sock = bind("127.0.0.1", 0)

@@ -46,8 +46,8 @@ from intellect.inference.torch_engine import TorchEngine  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.model.generate import left_pad  # noqa: E402
 from intellect.rl.rollouts import Rollout  # noqa: E402
-from intellect.toploc.check import completion_proofs, toploc_check  # noqa: E402
-from intellect.toploc.proofs import ToplocConfig, build_proofs, check_chunks  # noqa: E402
+from intellect.toploc.check import toploc_check  # noqa: E402
+from intellect.toploc.proofs import ToplocConfig, build_proofs, check_chunks, completion_proofs  # noqa: E402
 
 PEER = ROOT / "benchmarks" / "peers" / "toploc"
 RESULTS = ROOT / "benchmarks" / "results"

@@ -11,15 +11,22 @@ from pathlib import Path
 
 from intellect.config import ConfigError, SmokeConfig, load_config
 from intellect.diloco.config import DilocoRunConfig
-from intellect.pipeline import DemoConfig
-from intellect.rl.config import FilterRunConfig, RLRunConfig
 
-RUNS = {"smoke": SmokeConfig, "diloco": DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
-        "demo": DemoConfig}
 EXAMPLES = {"smoke": "smoke", "diloco": "diloco-tiny", "rl": "rl-tiny", "filter": "filter-tiny", "demo": "demo"}
 # imported once the config parsed: Prefect's import is slow, wasted on a bad config
 FLOWS = {"smoke": ("flows.smoke", "smoke"), "diloco": ("flows.diloco", "diloco_train"), "rl": ("flows.rl", "rl_train"),
          "filter": ("flows.filter", "filter_pass_at_k"), "demo": ("flows.demo", "demo")}
+
+
+def run_config(command: str) -> type:
+    """The config class of a flow command. The RL and demo configs are imported here, when a flow
+    command runs: they name the RL trainer's and the service's configs, whose modules ``intellect
+    worker`` (untrusted machines) must never load."""
+    from intellect.pipeline import DemoConfig  # noqa: PLC0415 - not for `intellect worker`
+    from intellect.rl.config import FilterRunConfig, RLRunConfig  # noqa: PLC0415 - not for `intellect worker`
+
+    return {"smoke": SmokeConfig, "diloco": DilocoRunConfig, "rl": RLRunConfig, "filter": FilterRunConfig,
+            "demo": DemoConfig}[command]
 
 
 # Set for the flow commands before Prefect is imported: Prefect reads its settings at import, and
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from intellect.preflight import DATA_ERRORS, check_data  # noqa: PLC0415 - loads transformers
 
     try:
-        cfg = load_config(RUNS[args.command], args.config, args.overrides)
+        cfg = load_config(run_config(args.command), args.config, args.overrides)
         if isinstance(cfg, (SmokeConfig, DilocoRunConfig)):
             check_data(cfg.data, cfg.model)  # a corpus or tokenizer that cannot work, named before any process starts
         quiet_task_runs()

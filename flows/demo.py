@@ -87,7 +87,7 @@ def demo(config: DemoConfig | None = None) -> DemoReport:
                   f"{pretrained.step}, {cfg.diloco.diloco.inner_steps} inner steps each)",
          "start": before.accuracy, "end": pretrained.accuracy,
          "gain_points": 100 * (pretrained.accuracy - before.accuracy), "seconds": seconds["diloco"]},
-        {"phase": f"RL ({report.steps} steps, async_level {rl.async_level}, TOPLOC "
+        {"phase": f"RL ({report.steps} steps, async_level {rl.async_level}, policy lag {rl.policy_lag}, TOPLOC "
                   f"{'on' if rl.toploc else 'off'}, SHARDCAST {'on' if rl.shardcast else 'off'})",
          "start": pretrained.accuracy, "end": after.accuracy,
          "gain_points": 100 * (after.accuracy - pretrained.accuracy), "seconds": seconds["rl"]},

@@ -36,12 +36,13 @@ from flows.diloco_events import emit_outliers
 from flows.diloco_worker import diloco_worker
 from flows.events import emit_membership
 from flows.launch import DeploymentLauncher
-from flows.progress import progress_bar
+from flows.progress import show_progress
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import (EXIT_BANNED, EXIT_DONE, EXIT_FAILED, Coordinator, parse_worker_args,
                                           save_logs, worker_launcher, worker_log_dir)
 from intellect.diloco.outer import init_run
 from intellect.launch import Launcher
+from intellect.progress import Progress
 from intellect.storage import RunStorage
 
 
@@ -131,6 +132,7 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
                  worker_module: str = "flows.diloco_worker") -> DilocoReport:
     cfg = config or DilocoRunConfig()
     logger = get_run_logger()
+    show_progress(cfg.logging)
     start = start_run(cfg)
     local = cfg.dispatch.mode == "local"
     env = _api_env() if local and worker_module == "flows.diloco_worker" else {}
@@ -138,15 +140,19 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
                                                description=f"DiLoCo {cfg.run_name}: outer steps committed"))
     rows: list[dict] = []
     members: list[list[str]] = []
-    bar = progress_bar(cfg.diloco.outer_steps, f"DiLoCo {cfg.run_name}", initial=start, unit="outer step")
+    # every worker writes its own inner-step lines (logs/<worker>.log); this is the run's
+    bar = Progress(f"DiLoCo {cfg.run_name}", cfg.diloco.outer_steps, unit="outer step", start=start, heartbeat=True)
+    bar.begin(f"{cfg.diloco.workers} workers, {cfg.diloco.outer_steps} outer steps of {cfg.diloco.inner_steps} "
+              f"inner steps, from outer step {start}")
 
     def on_commit(n: int, metrics: list[dict]) -> None:
-        bar.update(n - bar.n)
         now = sorted(metrics[0].get("members", [])) if metrics else []
         emit_membership(cfg.run_name, n, now, members[-1] if members else None)
         members.append(now)
         row = step_row(n, metrics, emit_outliers(cfg.run_name, n - 1, metrics))
         rows.append(row)
+        bar.update(n, tokens=row["tokens"], loss=row["mean_inner_loss"])
+        bar.waiting("the workers publishing and leaving" if n >= cfg.diloco.outer_steps else f"outer step {n + 1}")
         logger.info("outer step %d/%d committed: %s", n, cfg.diloco.outer_steps, row)
         update_progress_artifact(artifact_id=progress, progress=100.0 * n / cfg.diloco.outer_steps)
 

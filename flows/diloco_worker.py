@@ -19,6 +19,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.artifacts import artifact_key
+from flows.progress import show_progress
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, main, parse_worker_args, worker_main
 from intellect.diloco.report import StepReport
@@ -66,6 +67,7 @@ def diloco_worker(config: DilocoRunConfig, worker: str, index: int, store: str,
     """One DiLoCo worker until the run is done (its outer steps are recorded as sub-flow runs).
     Cancelling the flow run stops it: the process worker's SIGTERM is Prefect's to handle (it marks
     the run cancelled), and the deathrattle tells the peers at once on the way out."""
+    show_progress(config.logging)
     with tempfile.TemporaryDirectory(prefix="intellect-diloco-worker-") as tmp:
         path = Path(tmp) / "run.json"
         path.write_text(config.model_dump_json())
@@ -78,6 +80,7 @@ def diloco_worker(config: DilocoRunConfig, worker: str, index: int, store: str,
 def _main(argv: list[str]) -> int:
     prog = "python -m flows.diloco_worker"
     run = DilocoRunConfig.model_validate_json(Path(parse_worker_args(argv, prog).config).read_text())
+    show_progress(run.logging)
     return main(argv, observe=observer(run.run_name), prog=prog)
 
 

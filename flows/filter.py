@@ -19,11 +19,13 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
+from flows.progress import show_progress
 from intellect.ledger import Ledger
-from intellect.rl import filter as F
+from intellect.progress import Progress
+from intellect.rl.filter import from_parquet, histogram, kept_tasks_jsonl, scores_table, solve_counts, to_parquet
 from intellect.rl.config import FilterRunConfig
 from intellect.rl.setup import initial_weights, ledger_path, run_storage, task_pool
-from intellect.rl.step import torch_engine
+from intellect.rl.submission import torch_engine
 
 PARTS = "parts"
 
@@ -57,38 +59,43 @@ def score_chunk(cfg: FilterRunConfig, index: int) -> int:
     tasks = task_pool(cfg.tasks, storage)[index * cfg.filter.chunk_size:(index + 1) * cfg.filter.chunk_size]
     if not storage.exists(rel):
         model, tok, _, _ = _model(cfg)
-        counts = F.solve_counts(torch_engine(model, tok, compute=cfg.compute), tok, tasks, cfg.filter,
-                                cfg.tasks.reward_fn())
-        storage.write_bytes(rel, F.to_parquet(F.scores_table(tasks, counts, cfg.filter)))
+        counts = solve_counts(torch_engine(model, tok, compute=cfg.compute), tok, tasks, cfg.filter,
+                              cfg.tasks.reward_fn())
+        storage.write_bytes(rel, to_parquet(scores_table(tasks, counts, cfg.filter)))
     return len(tasks)
 
 
 @task(name="collect-scores", cache_policy=NO_CACHE, retries=1, timeout_seconds=1800)
 def collect_scores(cfg: FilterRunConfig, chunks: int) -> FilterReport:
     storage = run_storage(cfg)
-    table = pa.concat_tables([F.from_parquet(storage.read_bytes(f"{PARTS}/part-{i:05d}.parquet"))
+    table = pa.concat_tables([from_parquet(storage.read_bytes(f"{PARTS}/part-{i:05d}.parquet"))
                               for i in range(chunks)])
-    storage.write_bytes("solve_rates.parquet", F.to_parquet(table))
-    storage.write_text("tasks.jsonl", F.kept_tasks_jsonl(table))
+    storage.write_bytes("solve_rates.parquet", to_parquet(table))
+    storage.write_text("tasks.jsonl", kept_tasks_jsonl(table))
     _, _, origin, sha = _model(cfg)
-    # the scores table's schema (F.scores_table): non-null columns of these types
+    # the scores table's schema (scores_table): non-null columns of these types
     ids = cast(list[str], table["prompt_id"].to_pylist())
     solved, kept = cast(list[int], table["solved"].to_pylist()), cast(list[bool], table["kept"].to_pylist())
     with Ledger(ledger_path(cfg)) as ledger:
         ledger.record_solve_rates(sha, cfg.filter.k, zip(ids, solved, kept))
-    return FilterReport(model=origin, prompts=len(solved), kept=sum(kept), histogram=F.histogram(solved, cfg.filter.k),
+    return FilterReport(model=origin, prompts=len(solved), kept=sum(kept), histogram=histogram(solved, cfg.filter.k),
                         tasks_file=storage.uri("tasks.jsonl"), solve_rates_file=storage.uri("solve_rates.parquet"))
 
 
 @flow(name="filter-pass-at-k", log_prints=True)
 def filter_pass_at_k(config: FilterRunConfig | None = None) -> FilterReport:
     cfg = config or FilterRunConfig()
+    show_progress(cfg.logging)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     n = len(task_pool(cfg.tasks, run_storage(cfg)))
     chunks = -(-n // cfg.filter.chunk_size)
-    for i in range(chunks):  # in turn: the chunks share the CPU, threads would only contend
-        score_chunk(cfg, i)
+    bar = Progress(f"filter {cfg.run_name}", n, unit="prompt", heartbeat=True)
+    bar.begin(f"pass@{cfg.filter.k} of {n} prompts in {chunks} chunks")
+    with bar:
+        for i in range(chunks):  # in turn: the chunks share the CPU, threads would only contend
+            bar.waiting(f"scoring chunk {i + 1}/{chunks}")
+            bar.update(advance=score_chunk(cfg, i))
     report = collect_scores(cfg, chunks)
     f = cfg.filter
     create_table_artifact(key=artifact_key(cfg.run_name, "solve-histogram"),

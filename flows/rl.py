@@ -41,10 +41,11 @@ from pydantic import BaseModel
 
 from flows.artifacts import BackgroundArtifacts, artifact_key
 from flows.events import emit_rejections
-from flows.progress import progress_bar
+from flows.progress import show_progress
 from flows.rl_worker import worker_launcher
+from intellect.progress import Progress
 from intellect.rl.config import RLRunConfig
-from tasks import rl as T
+from tasks import rl as rl_tasks
 
 
 class StepSummary(BaseModel):
@@ -79,8 +80,8 @@ class Ingested(BaseModel):
     """A step's rollouts, validated and recorded: what its update needs."""
 
     step: int
-    results: list[T.WorkerResult]
-    record: T.RecordReport
+    results: list[rl_tasks.WorkerResult]
+    record: rl_tasks.RecordReport
     seconds: float
     timings: dict[str, float]
 
@@ -95,22 +96,22 @@ def ingest(cfg: RLRunConfig, step: int, local: bool) -> Ingested:
     """``collect -> validate -> record`` of one step (called inside a flow)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    results = T.collect(_q(cfg), step, local)
+    results = rl_tasks.collect(_q(cfg), step, local)
     timings["generate_wait"] = time.perf_counter() - t0
 
     rec = validate_and_record(cfg, step, timings)
     return Ingested(step=step, results=results, record=rec, seconds=time.perf_counter() - t0, timings=timings)
 
 
-def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> T.RecordReport:
+def validate_and_record(cfg: RLRunConfig, step: int, timings: dict[str, float]) -> rl_tasks.RecordReport:
     """``validate`` (the files of every worker that sent some) ``-> record`` (called inside a flow)."""
     t = time.perf_counter()
-    by_worker = T.step_files(cfg, step)  # every file, also from workers this run did not start
-    reports = T.validate(_q(cfg), step, by_worker)
+    by_worker = rl_tasks.step_files(cfg, step)  # every file, also from workers this run did not start
+    reports = rl_tasks.validate(_q(cfg), step, by_worker)
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    rec = T.record(_q(cfg), step, [(r.verdicts, r.mac) for r in reports])
+    rec = rl_tasks.record(_q(cfg), step, [(r.verdicts, r.mac) for r in reports])
     timings["record"] = time.perf_counter() - t
     emit_rejections(cfg.run_name, step, {r.worker: (r.accepted, r.rejected) for r in reports},
                     cfg.alert_rejection_rate)
@@ -134,15 +135,15 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
 
 
 def train_broadcast_commit(cfg: RLRunConfig, step: int, policy_step: int, timings: dict[str, float]
-                           ) -> T.UpdateReport:
+                           ) -> rl_tasks.UpdateReport:
     """``grpo-update -> broadcast -> commit-step`` (called inside a flow); adds train/broadcast timings."""
     t = time.perf_counter()
-    upd = T.grpo_update(_q(cfg), step, policy_step)
+    upd = rl_tasks.grpo_update(_q(cfg), step, policy_step)
     timings["train"] = time.perf_counter() - t
     t = time.perf_counter()
-    T.broadcast(_q(cfg), step + 1)
+    rl_tasks.broadcast(_q(cfg), step + 1)
     timings["broadcast"] = time.perf_counter() - t
-    T.commit_step(_q(cfg), step, timings)
+    rl_tasks.commit_step(_q(cfg), step, timings)
     return upd
 
 
@@ -172,8 +173,8 @@ def _publish_step(cfg: RLRunConfig, s: StepSummary, publish: Callable[..., Any] 
 @flow(name="rl-step", log_prints=True)
 def rl_step(config: RLRunConfig, step: int) -> StepSummary:
     """Run (or resume) one step with every worker generating in this process."""
-    with T.open_run(config):
-        info = T.prepare_run(config)
+    with rl_tasks.open_run(config):
+        info = rl_tasks.prepare_run(config)
         if step < info.first_step:
             raise ValueError(f"step {step} is already committed (next: {info.first_step})")
         summary = run_step(config, step, local=True)
@@ -196,24 +197,24 @@ def eval_table(evals: list[dict]) -> list[str]:
 @contextlib.contextmanager
 def shardcast(cfg: RLRunConfig, logger) -> Iterator[list[str]]:
     """The run's SHARDCAST servers, the newest recorded checkpoint published; stopped on exit."""
-    relays = T.start_shardcast(cfg)
+    relays = rl_tasks.start_shardcast(cfg)
     try:
-        T.publish_weights(cfg)
+        rl_tasks.publish_weights(cfg)
         logger.info("SHARDCAST: workers download from %s", relays)
         yield relays
     finally:
-        T.stop_shardcast(cfg)
+        rl_tasks.stop_shardcast(cfg)
 
 
 @contextlib.contextmanager
 def submission_service(cfg: RLRunConfig, first_step: int, logger) -> Iterator[str]:
     """The submission service, the workers' only door into the run; stopped on exit."""
-    url = T.start_service(cfg, first_step)
+    url = rl_tasks.start_service(cfg, first_step)
     try:
         logger.info("submission service: %s", url)
         yield url
     finally:
-        T.stop_service(cfg)
+        rl_tasks.stop_service(cfg)
 
 
 @contextlib.contextmanager
@@ -221,13 +222,13 @@ def inference_workers(cfg: RLRunConfig, url: str) -> Iterator[dict[str, int | No
     """The run's ``intellect worker`` processes (``workers.launch``: subprocesses here, or flow runs of
     ``rl-worker`` on its pool); on exit their exit codes fill the yielded dict (an ingest still
     waiting for a worker gives up first)."""
-    T.start_workers(cfg, url, worker_launcher(cfg))
+    rl_tasks.start_workers(cfg, url, worker_launcher(cfg))
     codes: dict[str, int | None] = {}
     try:
         yield codes
     finally:
-        T.stop_waiting(cfg)
-        codes |= T.stop_workers(cfg)
+        rl_tasks.stop_waiting(cfg)
+        codes |= rl_tasks.stop_workers(cfg)
 
 
 def train_steps(cfg: RLRunConfig, first_step: int, progress, artifacts: BackgroundArtifacts, logger) -> float:
@@ -240,7 +241,9 @@ def train_steps(cfg: RLRunConfig, first_step: int, progress, artifacts: Backgrou
     def ingest_ahead(step: int) -> Future | None:
         return ahead.submit(contextvars.copy_context().run, ingest, cfg, step, False) if step < cfg.steps else None
 
-    bar = progress_bar(cfg.steps, f"RL {cfg.run_name}", initial=first_step)
+    bar = Progress(f"RL {cfg.run_name}", cfg.steps, start=first_step, heartbeat=True)
+    bar.begin(f"steps {first_step}..{cfg.steps - 1}, async_level {cfg.async_level}, workers {cfg.workers.names}; "
+              "waiting for the first rollouts")
     try:
         nxt = ingest_ahead(first_step)
         for n in range(first_step, cfg.steps):
@@ -253,15 +256,15 @@ def train_steps(cfg: RLRunConfig, first_step: int, progress, artifacts: Backgrou
                         n, None if s.mean_reward is None else round(s.mean_reward, 4), s.accepted, s.rejected,
                         s.reasons or "", s.trained_samples, None if s.loss is None else round(s.loss, 5), s.seconds)
             artifacts.submit(update_progress_artifact, artifact_id=progress, progress=100.0 * (n + 1) / cfg.steps)
-            bar.update(1)
-            bar.set_postfix(reward=s.mean_reward, rejected=s.rejected, refresh=False)
+            bar.update(n + 1, reward=s.mean_reward, accepted=s.accepted, rejected=s.rejected, loss=s.loss)
+            bar.waiting(f"step {n + 1}: rollouts, validation, update")
             if eval_due(cfg, n + 1):
                 te = time.perf_counter()
-                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, T.evaluate_step(cfg, n + 1))
+                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, rl_tasks.evaluate_step(cfg, n + 1))
                 eval_seconds += time.perf_counter() - te
     finally:
         bar.close()
-        T.stop_waiting(cfg)  # an ingest still waiting for a worker gives up at its next poll
+        rl_tasks.stop_waiting(cfg)  # an ingest still waiting for a worker gives up at its next poll
         ahead.shutdown(wait=True, cancel_futures=True)
     return eval_seconds
 
@@ -272,12 +275,13 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
     ``config.steps`` with evaluations, the curve."""
     cfg = config or RLRunConfig()
     logger = get_run_logger()
-    with T.open_run(cfg):
-        info = T.prepare_run(cfg)
+    show_progress(cfg.logging)
+    with rl_tasks.open_run(cfg):
+        info = rl_tasks.prepare_run(cfg)
         logger.info("run %s: from %s, %d prompts, ledger %s, first step %d, trainer key %s", cfg.run_name,
                     info.origin, info.pool, info.ledger, info.first_step, info.trainer_key)
         if info.first_step == 0 and 0 not in info.evaluated:
-            logger.info("checkpoint 0: held-out accuracy %.3f", T.evaluate_step(cfg, 0))
+            logger.info("checkpoint 0: held-out accuracy %.3f", rl_tasks.evaluate_step(cfg, 0))
         progress = create_progress_artifact(progress=100.0 * info.first_step / cfg.steps,
                                             description=f"RL {cfg.run_name}: steps committed")
         t0 = time.perf_counter()
@@ -287,7 +291,7 @@ def rl_train(config: RLRunConfig | None = None) -> RLReport:
                   submission_service(cfg, info.first_step, logger) as url, inference_workers(cfg, url) as codes):
                 eval_seconds = train_steps(cfg, info.first_step, progress, artifacts, logger)
         seconds = time.perf_counter() - t0
-        evals, curve = T.summarize_run(cfg)
+        evals, curve = rl_tasks.summarize_run(cfg)
     done = max(cfg.steps - info.first_step, 0)
     step_seconds = seconds - eval_seconds
     per_hour = 3600 * done / step_seconds if step_seconds > 0 else 0.0

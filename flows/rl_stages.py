@@ -27,19 +27,19 @@ from flows.artifacts import artifact_key
 from flows.dispatch import dispatch, dispatch_many
 from flows.rl import eval_due, eval_table, train_broadcast_commit, validate_and_record
 from intellect.rl.config import RLRunConfig
-from tasks import rl as T
+from tasks import rl as rl_tasks
 
 
 @flow(name="rl-generate", flow_run_name="generate-step-{step}-{worker}")
 def rl_generate(config: RLRunConfig, step: int, worker: str) -> dict:
     """Generate ``worker``'s submissions of ``step`` with the newest checkpoint the lag rule allows."""
-    return T.generate_here(config, step, worker).model_dump()
+    return rl_tasks.generate_here(config, step, worker).model_dump()
 
 
 @flow(name="rl-validate", flow_run_name="validate-step-{step}")
 def rl_validate(config: RLRunConfig, step: int) -> dict:
     """Check every submission of ``step`` (rewards, TOPLOC, lag) and record the verdicts."""
-    with T.open_run(config):
+    with rl_tasks.open_run(config):
         timings: dict[str, float] = {}
         rec = validate_and_record(config, step, timings)
         return rec.model_dump() | {"timings": timings}
@@ -48,9 +48,9 @@ def rl_validate(config: RLRunConfig, step: int) -> dict:
 @flow(name="rl-update", flow_run_name="update-step-{step}")
 def rl_update(config: RLRunConfig, step: int, timings: dict[str, float] | None = None) -> dict:
     """Train on ``step``'s accepted samples, publish and broadcast checkpoint ``step + 1``, commit ``step``."""
-    with T.open_run(config):
+    with rl_tasks.open_run(config):
         timings = dict(timings or {})
-        upd = train_broadcast_commit(config, step, min(T.done_policies(config, step), default=step), timings)
+        upd = train_broadcast_commit(config, step, min(rl_tasks.done_policies(config, step), default=step), timings)
         return upd.model_dump() | {"timings": timings}
 
 
@@ -59,14 +59,14 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
     """Steps from the first uncommitted one to ``config.steps``, every stage dispatched per ``config.dispatch``."""
     cfg = config or RLRunConfig()
     logger = get_run_logger()
-    with T.open_run(cfg):
-        info = T.prepare_run(cfg)
-        T.release_ledger(cfg)
+    with rl_tasks.open_run(cfg):
+        info = rl_tasks.prepare_run(cfg)
+        rl_tasks.release_ledger(cfg)
         logger.info("run %s: first step %d, stages dispatched %s", cfg.run_name, info.first_step,
                     "here" if cfg.dispatch.mode == "local" else "to their deployments")
         if info.first_step == 0 and 0 not in info.evaluated:
-            logger.info("checkpoint 0: held-out accuracy %.3f", T.evaluate_step(cfg, 0))
-            T.release_ledger(cfg)  # evaluating reads the checkpoint's digest; the stages write the ledger next
+            logger.info("checkpoint 0: held-out accuracy %.3f", rl_tasks.evaluate_step(cfg, 0))
+            rl_tasks.release_ledger(cfg)  # evaluating reads the checkpoint's digest; the stages write the ledger next
         rows = []
         for n in range(info.first_step, cfg.steps):
             t0 = time.perf_counter()
@@ -85,9 +85,9 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
                                   description=f"RL step {n} of {cfg.run_name}")
             logger.info("step %d: %s", n, row)
             if eval_due(cfg, n + 1):
-                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, T.evaluate_step(cfg, n + 1))
-                T.release_ledger(cfg)
-        evals, _ = T.summarize_run(cfg, curve=False)
+                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, rl_tasks.evaluate_step(cfg, n + 1))
+                rl_tasks.release_ledger(cfg)
+        evals, _ = rl_tasks.summarize_run(cfg, curve=False)
     lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "", *eval_table(evals)]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),
                              description=f"RL run {cfg.run_name}")
@@ -96,7 +96,7 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
 
 def _step_row(cfg: RLRunConfig, step: int) -> dict:
     """The committed step as the ledger has it (the stages may have run elsewhere)."""
-    rec = T.read_step(cfg, step)
+    rec = rl_tasks.read_step(cfg, step)
     if rec is None:
         raise RuntimeError(f"step {step} is not committed in the ledger after rl-update")
     keep = ("step", "accepted", "rejected", "mean_reward", "loss", "clip_fraction", "trained_samples")

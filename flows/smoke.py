@@ -10,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
+from flows.progress import show_progress
 from intellect.config import SmokeConfig
 from tasks.pretrain import EvalReport, PassRateReport, PretrainReport, evaluate_checkpoint, init_checkpoint, pass_rates, pretrain
 
@@ -61,6 +62,7 @@ def summary(r: SmokeReport) -> str:
 @flow(name="smoke", log_prints=True)
 def smoke(config: SmokeConfig | None = None) -> SmokeReport:
     cfg = config or SmokeConfig()
+    show_progress(cfg.logging)
     t0 = time.perf_counter()
     start = init_checkpoint(cfg)
     before = evaluate_checkpoint(cfg, start)

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from intellect.model.checkpoint import load_checkpoint_copy, save_checkpoint
+from intellect.progress import Progress, quantity
 from intellect.storage import STABLE, TMP_PREFIX, RunStorage
 
 CHECKPOINTS = "checkpoints"  # the run-storage kind: checkpoints/step_<n>/
@@ -149,8 +150,15 @@ def publish(model, tokenizer, storage: RunStorage, step: int,
         hf = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
         if clash := hf.keys() & files.keys():
             raise ValueError(f"the HF folder already holds {sorted(clash)}: a sidecar may not replace it")
-        storage.write_step(step, CHECKPOINTS, {**hf, **files})
-    return storage.uri(storage.step_path(step, CHECKPOINTS))
+        uri = storage.uri(storage.step_path(step, CHECKPOINTS))
+        size = sum(p.stat().st_size for p in hf.values()) + sum(len(b) for b in files.values() if isinstance(b, bytes))
+        # silent unless the upload (S3, a slow disk) outlasts a progress interval
+        bar = Progress(f"checkpoint {step}", unit="", heartbeat=True)
+        bar.begin(quiet=True)
+        with bar:
+            bar.waiting(f"writing {quantity(size)}B in {len(hf) + len(files)} files to {uri}")
+            storage.write_step(step, CHECKPOINTS, {**hf, **files})
+    return uri
 
 
 def _complete_step(storage: RunStorage, step: int | None) -> int:
@@ -180,7 +188,11 @@ def verified_copy(storage: RunStorage, step: int | None = None, *, sha256: str |
     rel = storage.step_path(step, CHECKPOINTS)
     with tempfile.TemporaryDirectory(prefix="intellect-ckpt-") as tmp:
         folder = Path(tmp) / "model"
-        storage.get_dir(rel, folder)
+        bar = Progress(f"checkpoint {step}", unit="", heartbeat=True)  # silent unless the download is long
+        bar.begin(quiet=True)
+        with bar:
+            bar.waiting(f"reading {storage.uri(rel)}")
+            storage.get_dir(rel, folder)
         if sha256 is not None and (got := local_digest(folder)) != sha256:
             raise CheckpointMismatch(step, sha256, got, storage.uri(rel))
         yield folder

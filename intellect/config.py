@@ -280,11 +280,14 @@ class ComputeConfig(StrictModel):
         description="auto: CUDA when present (a worker process takes the GPU of its local rank, within "
         "CUDA_VISIBLE_DEVICES), else the CPU; cpu; cuda; cuda:N.",
     )
-    precision: Literal["fp32", "bf16-mixed", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
         default="fp32",
-        description="fp32; bf16-mixed: fp32 master weights and optimizer state, bf16 autocast compute "
-        "(DiLoCo's synced copy, pseudo-gradients and outer state stay fp32 on the CPU); bf16: weights, "
-        "gradients and optimizer state in bf16.",
+        description="auto (what the text configs say): bf16-mixed where the device computes bf16 fast (a "
+        "CUDA GPU of compute capability >= 8.0; a CPU whose measured bf16 matmuls are >= 1.5x fp32's, as "
+        "with AMX or AVX512-BF16), else fp32; each process decides it and logs why. fp32 (the default: the "
+        "same arithmetic on every machine); bf16-mixed: fp32 master weights and optimizer state, bf16 "
+        "autocast compute (DiLoCo's synced copy, pseudo-gradients and outer state stay fp32 on the CPU); "
+        "bf16: weights, gradients and optimizer state in bf16.",
     )
     compile: bool = Field(default=False, description="torch.compile the model for training.")
     activation_checkpointing: bool = Field(
@@ -298,11 +301,20 @@ class ComputeConfig(StrictModel):
 
 
 class LoggingConfig(StrictModel):
-    """Per-step metrics: always a JSONL time series in run storage; TensorBoard event files optionally."""
+    """Per-step metrics (always a JSONL time series in run storage; TensorBoard event files optionally) and
+    the progress lines of long runs (:mod:`intellect.progress`)."""
 
     every: int = Field(default=1, ge=1, le=1_000_000, description="Write a metrics row every N steps.")
     tensorboard: bool = Field(
         default=False, description="Also write TensorBoard event files in the run folder (the tensorboard extra).",
+    )
+    progress_seconds: float = Field(
+        default=30.0, ge=0.5, le=30.0,
+        description="Most seconds between two progress lines of a long run (step, loss, tokens/s, ETA; a "
+        "heartbeat while one step runs longer), in the console and the run's logs; also on a terminal.",
+    )
+    progress_steps: int = Field(
+        default=0, ge=0, le=1_000_000, description="Also a progress line every N steps (0: by time only).",
     )
 
 

@@ -1,8 +1,9 @@
 """Throughput metrics (model FLOPs per token, the device's peak, MFU) and the per-step metrics log.
 
 MFU is the model FLOPs a run achieves over what the device could do:
-``mfu(tokens_per_second, flops_per_token(config, seq_len), peak_flops(device, precision))``. Model
-FLOPs are counted, not hardware FLOPs: activation recomputation and padding are overhead, not work.
+``mfu(tokens_per_second, flops_per_token(config, seq_len), peak_flops(device, precision))``, never above 1
+when a :class:`Peak` keeps the peak. Model FLOPs are counted, not hardware FLOPs: activation
+recomputation and padding are overhead, not work.
 
 :class:`MetricsLog` writes one row per step to a JSONL time series in run storage (any DuckDB,
 pandas or ``jq`` reads it), and optionally to TensorBoard event files.
@@ -10,8 +11,8 @@ pandas or ``jq`` reads it), and optionally to TensorBoard event files.
 
 from __future__ import annotations
 
-import functools
 import json
+import logging
 import math
 import numbers
 import os
@@ -24,9 +25,11 @@ import torch
 from transformers import PretrainedConfig
 
 from intellect.config import LoggingConfig
-from intellect.device import Precision, autocast_dtype, param_dtype
+from intellect.device import Precision, PrecisionSetting, autocast_dtype, measure_matmul_flops, param_dtype, resolve_precision
 from intellect.model.arch import meta_model
 from intellect.storage import RunStorage, normalize_rel
+
+_log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------- FLOPs
 
@@ -112,69 +115,101 @@ def gpu_peak_flops(name: str, precision: Precision) -> float | None:
     return None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# GPUs reach their peak only on large matmuls; a CPU may peak at any size from L2-sized to large ones,
+# so it tries several, each bounded in time: where bf16 is emulated one 2048 matmul takes many seconds.
+_BENCH_SIZES = {"cuda": (8192,), "cpu": (256, 512, 1024, 2048)}
+_BENCH_SECONDS = {"cuda": 1.0, "cpu": 0.25}
 
 
-@functools.cache
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 1.0) -> float:
-    """Peak FLOP/s of ``size x size`` matmuls in ``dtype`` on ``device``, with torch's current thread
-    count: the best rate over batches of matmuls run for about ``seconds`` (the best, not the mean,
-    so other processes sharing the machine count less). Measured once per process per arguments."""
-    if size < 1 or not seconds > 0:
-        raise ValueError(f"need size >= 1 and seconds > 0, got {size}, {seconds}")
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    out = torch.empty_like(a)
-    torch.matmul(a, b, out=out)  # warm-up: first-call dispatch and allocation
-    _sync(device)
-    t0 = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    _sync(device)
-    once = max(time.perf_counter() - t0, 1e-9)
-    batch = max(1, int(seconds / 20 / once))  # ~20 timed batches: one clock read per batch, not per matmul
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            torch.matmul(a, b, out=out)
-        _sync(device)
-        t1 = time.perf_counter()
-        best = max(best, 2.0 * size**3 * batch / max(t1 - t0, 1e-9))
-        if t1 >= deadline:
-            return best
-
-
-# GPUs reach their peak only on large matmuls; on a CPU a smaller one already does, in less time.
-_BENCH_SIZE = {"cuda": 8192}
-
-
-def peak_flops(device: torch.device, precision: Precision, configured_tflops: float = 0.0, *,
-               remeasure: bool = False) -> float:
-    """Peak FLOP/s of one ``device`` at ``precision``: ``configured_tflops`` when > 0
-    (``compute.peak_tflops``), else the table's figure for a known GPU, else (the CPU, an unknown
-    GPU) a matmul benchmark in the precision's compute dtype, measured once per process. With
-    ``remeasure`` the benchmark runs again and the best of all its runs counts: a peak measured
-    while other processes held the cores is too low (an MFU over 100%), and a run re-measures at
-    its end for the figure it reports."""
-    if configured_tflops > 0:
-        return configured_tflops * 1e12
-    if device.type == "cuda":
-        known = gpu_peak_flops(torch.cuda.get_device_name(device), precision)
-        if known is not None:
-            return known
-    args = (device, compute_dtype(precision), _BENCH_SIZE.get(device.type, 2048))
-    first = measure_matmul_flops(*args)
-    if not remeasure:
-        return first
-    again = measure_matmul_flops.__wrapped__(*args)
-    _MEASURED[args] = best = max(first, again, _MEASURED.get(args, 0.0))
+def _measure_peak(device: torch.device, dtype: torch.dtype, fresh: bool = False) -> float:
+    """The best matmul rate over the device's benchmark sizes; a size whose one matmul would take
+    over a second at the rate measured so far is skipped. ``fresh`` measures again (not cached)."""
+    seconds = _BENCH_SECONDS.get(device.type, 1.0)
+    best = 0.0
+    for size in _BENCH_SIZES.get(device.type, (2048,)):
+        if best and 2.0 * size**3 / best > 1.0:
+            break
+        measure = measure_matmul_flops.__wrapped__ if fresh else measure_matmul_flops
+        best = max(best, measure(device, dtype, size, seconds))
     return best
 
 
-_MEASURED: dict[tuple, float] = {}  # the best re-measured peak per benchmark, this process
+def peak_flops(device: torch.device, precision: PrecisionSetting, configured_tflops: float = 0.0, *,
+               remeasure: bool = False) -> float:
+    """Peak FLOP/s of one ``device`` at ``precision`` (``auto`` as the device decides it):
+    ``configured_tflops`` when > 0 (``compute.peak_tflops``), else the table's figure for a known GPU,
+    else (the CPU, an unknown GPU) a matmul benchmark in the precision's compute dtype, measured once
+    per process. With ``remeasure`` the benchmark runs again and the best of all its runs counts: a
+    peak measured while other processes held the cores is too low (an MFU over 100%), and a run
+    re-measures at its end for the figure it reports."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    concrete = resolve_precision(precision, device)
+    if device.type == "cuda":
+        known = gpu_peak_flops(torch.cuda.get_device_name(device), concrete)
+        if known is not None:
+            return known
+    key = (device, compute_dtype(concrete))
+    first = _measure_peak(*key)
+    if not remeasure:
+        return max(first, _MEASURED.get(key, 0.0))
+    _MEASURED[key] = best = max(first, _measure_peak(*key, fresh=True), _MEASURED.get(key, 0.0))
+    return best
+
+
+_MEASURED: dict[tuple, float] = {}  # the best re-measured peak per device and dtype, this process
+
+
+class Peak:
+    """A device's peak FLOP/s for MFU, which no achieved rate may exceed.
+
+    A peak below what a run achieves is a measurement error (measured while other work held the
+    cores, or at matmul sizes slower than the model's): the first time, it is logged, measured again,
+    and replaced by the larger of the new measurement and the achieved rate, so :meth:`mfu` is always
+    in [0, 1].
+
+    >>> peak = Peak(1e12)
+    >>> peak.mfu(tokens_per_second=100.0, flops_per_token=5e9)
+    0.5
+    >>> peak.mfu(tokens_per_second=400.0, flops_per_token=5e9), peak.flops   # 2e12 achieved > 1e12
+    (1.0, 2000000000000.0)
+    """
+
+    def __init__(self, flops: float, device: torch.device | None = None, precision: PrecisionSetting = "fp32",
+                 configured: bool = False):
+        if not flops > 0:
+            raise ValueError(f"peak FLOP/s must be > 0, got {flops}")
+        self.flops, self.device, self.configured = flops, device, configured
+        self.precision: PrecisionSetting = precision
+        self.corrected = False
+
+    @classmethod
+    def of(cls, device: torch.device, precision: PrecisionSetting, configured_tflops: float = 0.0) -> Peak:
+        """:func:`peak_flops` of ``device`` at ``precision``, kept honest."""
+        return cls(peak_flops(device, precision, configured_tflops), device, precision, configured_tflops > 0)
+
+    def remeasure(self) -> float:
+        """Measure again (``peak_flops(..., remeasure=True)``); the peak only grows."""
+        if self.device is not None and not self.configured:
+            self.flops = max(self.flops, peak_flops(self.device, self.precision, remeasure=True))
+        return self.flops
+
+    def mfu(self, tokens_per_second: float, flops_per_token: float) -> float:
+        achieved = tokens_per_second * flops_per_token
+        if achieved > self.flops:
+            before = self.flops
+            if not self.corrected:
+                self.corrected = True
+                self.remeasure()
+                _log.warning(
+                    "MFU: the %s peak of %.4g FLOP/s is below the %.4g FLOP/s this run achieved, a "
+                    "measurement error (%s); the peak is now %.4g FLOP/s",
+                    "configured" if self.configured else "measured", before, achieved,
+                    "compute.peak_tflops is too low" if self.configured
+                    else "measured while other work held the device, or at slower matmul sizes than the model's",
+                    max(self.flops, achieved))
+            self.flops = max(self.flops, achieved)
+        return mfu(tokens_per_second, flops_per_token, self.flops)
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak: float) -> float:

@@ -31,10 +31,11 @@ from intellect.config import SmokeConfig
 from intellect.data.arithmetic import heldout_problems
 from intellect.data.stream import open_stream, resume_stream
 from intellect.data.text import heldout_batches
-from intellect.device import prepare_model, resolve_device
-from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
+from intellect.device import prepare_model, resolve_device, resolve_precision
+from intellect.metrics import MetricsLog, Peak, flops_per_token, mfu
 from intellect.model.bpe import ensure_tokenizer
 from intellect.model.checkpoint import build_model, load_checkpoint_copy
+from intellect.progress import Progress
 from intellect.prompts import chat_tasks
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer, evaluate, heldout_loss, pass_counts, perplexity
@@ -76,7 +77,7 @@ class StepMetrics:
     Model FLOPs per token depend on the sequence length: the packed length for text, and for the
     padded arithmetic batches the mean target tokens per row (padding is not work)."""
 
-    def __init__(self, config: PretrainedConfig, cfg: SmokeConfig, peak: float):
+    def __init__(self, config: PretrainedConfig, cfg: SmokeConfig, peak: Peak):
         self.config, self.cfg, self.peak = config, cfg, peak
         self._per_token: dict[int, float] = {}
         self.flops = 0.0
@@ -96,7 +97,7 @@ class StepMetrics:
         flops = tokens * self.per_token(self.seq_len(tokens))
         self.flops += flops
         tps = tokens / seconds if seconds > 0 else 0.0
-        util = mfu(tps, self.per_token(self.seq_len(tokens)), self.peak)
+        util = self.peak.mfu(tps, self.per_token(self.seq_len(tokens)))
         return {"loss": log["loss"], "lr": log["lr"], "grad_norm": log["grad_norm"], "tokens": tokens,
                 "tokens_per_s": tps, "mfu": util, "seconds": seconds}
 
@@ -189,6 +190,18 @@ def pretrain(
         return PretrainOutcome(**{**saved, "resumed": True})
     fingerprint = phase_fingerprint(cfg)
     resume = _mid_phase(storage, from_step, steps, fingerprint)
+    bar = Progress("pretrain", steps, start=resume[1].done if resume else 0, interval=cfg.logging.progress_seconds,
+                   every=cfg.logging.progress_steps, heartbeat=True)
+    bar.begin(f"{steps} steps from checkpoint {from_step}" + (f", resuming after step {resume[1].done}" if resume else "")
+              + f" (device {cfg.compute.device}, precision {cfg.compute.precision}); loading the model and the data")
+    with bar:
+        return _train_phase(cfg, storage, from_step, on_step, resume, bar)
+
+
+def _train_phase(cfg: SmokeConfig, storage: RunStorage, from_step: int, on_step: Callable[[int, dict], None] | None,
+                 resume: tuple[int, PhaseProgress] | None, bar: Progress) -> PretrainOutcome:
+    """The body of :func:`pretrain` once the phase's position is known, reporting to ``bar``."""
+    steps, step, fingerprint = cfg.train.steps, from_step + cfg.train.steps, phase_fingerprint(cfg)
     device = resolve_device(cfg.compute.device)
     with verified_copy(storage, resume[0] if resume else from_step) as folder:
         model, tok = load_checkpoint_copy(folder)
@@ -208,7 +221,8 @@ def pretrain(
         torch.set_num_threads(cfg.train.threads)  # before the CPU's peak is measured with that many
     if not resume:
         torch.manual_seed(cfg.train.seed)
-    metrics = StepMetrics(model.config, cfg, peak_flops(device, cfg.compute.precision, cfg.compute.peak_tflops))
+    bar.waiting("measuring the peak FLOP/s")
+    metrics = StepMetrics(model.config, cfg, Peak.of(device, cfg.compute.precision, cfg.compute.peak_tflops))
     done = resume[1] if resume else None
     tokens, seconds = (done.tokens, done.seconds) if done else (0, 0.0)
     first_loss, metrics.flops = (done.first_loss, done.flops) if done else (math.nan, 0.0)
@@ -222,9 +236,11 @@ def pretrain(
             tokens, seconds = tokens + int(log["tokens"]), seconds + float(log["seconds"])
             last_loss, first_loss = log["loss"], log["loss"] if n == 1 else first_loss
             series.log(from_step + n, row, force=n == steps or (cfg.checkpoint_every > 0 and n % cfg.checkpoint_every == 0))
+            bar.update(n, tokens=int(log["tokens"]), loss=log["loss"])
             if on_step:
                 on_step(n, row)
             if cfg.checkpoint_every and n % cfg.checkpoint_every == 0 and n < steps:
+                bar.waiting(f"publishing checkpoint {from_step + n}")
                 series.flush()  # the series up to the checkpoint survives a kill right after it
                 progress = PhaseProgress(from_step=from_step, steps=steps, done=n, fingerprint=fingerprint,
                                          tokens=tokens, seconds=seconds, flops=metrics.flops, first_loss=first_loss)
@@ -232,17 +248,19 @@ def pretrain(
                                                              DATA_STATE: stream.state_dict(), PHASE: progress})
                 _drop(storage, mids)
                 mids = [from_step + n]
-    peak = peak_flops(device, cfg.compute.precision, cfg.compute.peak_tflops, remeasure=True)
+    bar.waiting("measuring the peak FLOP/s")
+    peak = metrics.peak.remeasure()
     outcome = PretrainOutcome(
         step=step,
         seconds=seconds,
         tokens=tokens,
         first_loss=first_loss,
         final_loss=last_loss,
-        mfu=mfu(tokens / seconds, metrics.flops / max(tokens, 1), peak) if seconds > 0 else 0.0,
+        mfu=min(1.0, mfu(tokens / seconds, metrics.flops / max(tokens, 1), peak)) if seconds > 0 else 0.0,
         device=str(device),
-        precision=cfg.compute.precision,
+        precision=resolve_precision(cfg.compute.precision, device),
     )
+    bar.waiting(f"publishing checkpoint {step}")
     prepare_model(model, cfg.compute, torch.device("cpu"), train=False)  # published in the weight dtype
     # the data position goes with the phase's result, so that a next phase reads on instead of re-reading
     publish(model.eval(), tok, storage, step, {TRAIN_REPORT: asdict(outcome), DATA_STATE: stream.state_dict()})
@@ -265,13 +283,21 @@ def _heldout(cfg: SmokeConfig, tok, n: int) -> list:
 def heldout_eval(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
     """Held-out loss and perplexity of checkpoint ``step`` (``tokens`` target tokens over ``n``
     sequences or problems); for arithmetic also greedy exact-match ``accuracy`` (None for text)."""
-    model, tok = _placed(cfg, storage, step)
-    t0 = time.perf_counter()
-    if cfg.data.kind == "text":
-        res = heldout_loss(model, heldout_batches(cfg.data, tok))
-        return {"step": step, "loss": res.loss, "perplexity": res.perplexity, "accuracy": None,
-                "n": res.sequences, "tokens": res.tokens, "seconds": time.perf_counter() - t0}
-    ev = evaluate(model, tok, _heldout(cfg, tok, cfg.train.eval_size))
+    text = cfg.data.kind == "text"
+    size = cfg.data.text.eval_sequences if text else 2 * cfg.train.eval_size
+    bar = Progress(f"held-out eval of checkpoint {step}", size, unit="sequence" if text else "item",
+                   interval=cfg.logging.progress_seconds, heartbeat=True)
+    bar.begin(f"loading the model; then {cfg.data.text.eval_sequences} held-out sequences of the corpus" if text
+              else f"loading the model; then loss and greedy answers on {cfg.train.eval_size} held-out problems")
+    with bar:
+        model, tok = _placed(cfg, storage, step)
+        t0 = time.perf_counter()
+        if text:
+            bar.waiting("reading the held-out split of the corpus")
+            res = heldout_loss(model, heldout_batches(cfg.data, tok), bar)
+            return {"step": step, "loss": res.loss, "perplexity": res.perplexity, "accuracy": None,
+                    "n": res.sequences, "tokens": res.tokens, "seconds": time.perf_counter() - t0}
+        ev = evaluate(model, tok, _heldout(cfg, tok, cfg.train.eval_size), progress=bar)
     return {"step": step, "loss": ev.loss, "perplexity": perplexity(ev.loss), "accuracy": ev.accuracy,
             "n": ev.n, "tokens": ev.tokens, "seconds": time.perf_counter() - t0}
 
@@ -298,8 +324,10 @@ def pass_rate_report(cfg: SmokeConfig, storage: RunStorage, step: int) -> dict:
     model, tok = _placed(cfg, storage, step)
     tasks = _heldout(cfg, tok, cfg.pass_at_k_prompts)
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        counts = pass_counts(model, tok, tasks, k=k, temperature=cfg.temperature, seed=cfg.data.seed)
+    with (torch.random.fork_rng(devices=[]),
+          Progress(f"pass@{k} of checkpoint {step}", k * len(tasks), unit="sample",
+                   interval=cfg.logging.progress_seconds, heartbeat=True) as bar):
+        counts = pass_counts(model, tok, tasks, k=k, temperature=cfg.temperature, seed=cfg.data.seed, progress=bar)
     histogram = [counts.count(c) for c in range(k + 1)]
     return {
         "step": step,

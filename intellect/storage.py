@@ -101,8 +101,19 @@ def normalize_rel(rel: str, *, allow_empty: bool = False) -> str:
     return "/".join(parts)
 
 
+def step_name(step: int) -> str:
+    """The folder name of ``step``, read back by :func:`parse_step`.
+
+    >>> step_name(3), parse_step(step_name(0))
+    ('step_3', 0)
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return f"step_{step}"
+
+
 def parse_step(name: str) -> int | None:
-    """The step number of a ``step_<n>`` folder name, else ``None`` (no sign, spaces or leading zeros).
+    """The step number of a :func:`step_name`, else ``None`` (no sign, spaces or leading zeros).
 
     >>> parse_step("step_12"), parse_step("step_0"), parse_step("step_012"), parse_step(".tmp-step_3")
     (12, 0, None, None)
@@ -394,9 +405,7 @@ class RunStorage:
 
     def step_path(self, step: int, kind: str) -> str:
         """``kind/step_<step>``, e.g. ``step_path(3, "checkpoints") == "checkpoints/step_3"``."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
-        return f"{normalize_rel(kind)}/step_{step}"
+        return f"{normalize_rel(kind)}/{step_name(step)}"
 
     def mark_stable(self, step: int, kind: str) -> dict:
         """Publish a step: write its ``STABLE`` marker, listing its files and sizes. Call last."""

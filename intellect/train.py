@@ -22,6 +22,7 @@ import torch
 from intellect.config import ComputeConfig, TrainConfig
 from intellect.device import autocast, pin
 from intellect.model.generate import generate
+from intellect.progress import Progress
 
 
 class Task(Protocol):
@@ -308,7 +309,8 @@ def perplexity(loss: float) -> float:
 
 
 def _completions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
-                 temperature: float = 0.0, generator: torch.Generator | None = None) -> list[str]:
+                 temperature: float = 0.0, generator: torch.Generator | None = None,
+                 progress: Progress | None = None) -> list[str]:
     texts = []
     ids = tokenizer(list(prompts))["input_ids"]
     for start in range(0, len(ids), batch_size):
@@ -318,6 +320,8 @@ def _completions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, 
             temperature=temperature, generator=generator,
         )
         texts.extend(tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens)
+        if progress is not None:
+            progress.update(advance=len(gens))
     return texts
 
 
@@ -338,9 +342,9 @@ class LossResult:
 
 
 @torch.no_grad()
-def heldout_loss(model, batches: Iterable[Mapping[str, torch.Tensor]]) -> LossResult:
+def heldout_loss(model, batches: Iterable[Mapping[str, torch.Tensor]], progress: Progress | None = None) -> LossResult:
     """Token-weighted mean loss of ``model`` over batch dicts (keys as :meth:`Trainer.encode` takes),
-    computed where the model is, in its own dtype."""
+    computed where the model is, in its own dtype; ``progress`` counts the sequences."""
     model.eval()
     device = model_device(model)
     total, count, rows = 0.0, 0, 0
@@ -350,17 +354,22 @@ def heldout_loss(model, batches: Iterable[Mapping[str, torch.Tensor]]) -> LossRe
         total += float(summed_token_loss(model(**b, use_cache=False).logits, labels))
         count += target_tokens(labels)
         rows += len(labels)
+        if progress is not None:
+            progress.update(advance=len(labels), tokens=target_tokens(labels))
     return LossResult(loss=total / max(count, 1), tokens=count, sequences=rows)
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, tasks: Sequence[Task], batch_size: int = 256) -> EvalResult:
-    """Held-out token loss on the full texts and greedy exact-match accuracy on the answers."""
+def evaluate(model, tokenizer, tasks: Sequence[Task], batch_size: int = 256,
+             progress: Progress | None = None) -> EvalResult:
+    """Held-out token loss on the full texts and greedy exact-match accuracy on the answers; ``progress``
+    (its total twice the tasks) counts the texts scored, then the answers generated."""
     max_len = _max_len(model)
     texts = [t.text for t in tasks]
     loss = heldout_loss(model, (encode_texts(tokenizer, texts[i:i + batch_size], max_len)
-                                for i in range(0, len(texts), batch_size)))
-    answers = _completions(model, tokenizer, [t.prompt for t in tasks], answer_budget(tasks), batch_size)
+                                for i in range(0, len(texts), batch_size)), progress)
+    answers = _completions(model, tokenizer, [t.prompt for t in tasks], answer_budget(tasks), batch_size,
+                           progress=progress)
     correct = sum(a.strip() == t.answer for a, t in zip(answers, tasks))
     return EvalResult(loss=loss.loss, accuracy=correct / len(tasks), n=len(tasks), answers=answers,
                       tokens=loss.tokens)
@@ -368,12 +377,13 @@ def evaluate(model, tokenizer, tasks: Sequence[Task], batch_size: int = 256) -> 
 
 @torch.no_grad()
 def pass_counts(model, tokenizer, tasks: Sequence[Task], k: int, temperature: float = 1.0,
-                seed: int = 0, batch_size: int = 512) -> list[int]:
-    """How many of ``k`` samples at ``temperature`` solve each task (exact match)."""
+                seed: int = 0, batch_size: int = 512, progress: Progress | None = None) -> list[int]:
+    """How many of ``k`` samples at ``temperature`` solve each task (exact match); ``progress`` counts
+    the samples."""
     model.eval()
     gen = torch.Generator(device=model_device(model)).manual_seed(seed)  # sampling draws where the model is
     prompts = [t.prompt for t in tasks for _ in range(k)]
-    answers = _completions(model, tokenizer, prompts, answer_budget(tasks), batch_size, temperature, gen)
+    answers = _completions(model, tokenizer, prompts, answer_budget(tasks), batch_size, temperature, gen, progress)
     hits = [a.strip() == t.answer for a, t in zip(answers, (t for t in tasks for _ in range(k)))]
     return [sum(hits[i * k:(i + 1) * k]) for i in range(len(tasks))]
 

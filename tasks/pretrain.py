@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from intellect import pretrain as P
+from intellect import pretrain as pretraining
 from intellect.config import SmokeConfig
 from intellect.storage import RunStorage
 
@@ -59,29 +59,21 @@ def _storage(cfg: SmokeConfig) -> RunStorage:
 
 @task(name="init-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=600)
 def init_checkpoint(cfg: SmokeConfig) -> int:
-    return P.init_checkpoint(cfg, _storage(cfg))
+    return pretraining.init_checkpoint(cfg, _storage(cfg))
 
 
 @task(name="pretrain", cache_policy=NO_CACHE, retries=1, timeout_seconds=6 * 3600)
 def pretrain(cfg: SmokeConfig, from_step: int) -> PretrainReport:
-    logger = get_run_logger()
-    every = max(cfg.train.steps // 10, 1)
-
-    def log(step: int, m: dict) -> None:
-        if step % every == 0 or step == cfg.train.steps:
-            logger.info("step %d/%d loss %.4f lr %.2e %.0f tokens/s MFU %.2f%%", step, cfg.train.steps,
-                        m["loss"], m["lr"], m["tokens_per_s"], 100 * m["mfu"])
-
-    out = P.pretrain(cfg, _storage(cfg), from_step, log)
+    out = pretraining.pretrain(cfg, _storage(cfg), from_step)  # its progress lines: intellect.progress
     return PretrainReport(**asdict(out), tokens_per_second=out.tokens_per_second,
-                          metrics=_storage(cfg).uri(P.METRICS_SERIES))
+                          metrics=_storage(cfg).uri(pretraining.METRICS_SERIES))
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, timeout_seconds=1800)
 def evaluate_checkpoint(cfg: SmokeConfig, step: int) -> EvalReport:
-    return EvalReport(**P.heldout_eval(cfg, _storage(cfg), step))
+    return EvalReport(**pretraining.heldout_eval(cfg, _storage(cfg), step))
 
 
 @task(name="pass-rates", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
 def pass_rates(cfg: SmokeConfig, step: int) -> PassRateReport:
-    return PassRateReport(**P.pass_rate_report(cfg, _storage(cfg), step))
+    return PassRateReport(**pretraining.pass_rate_report(cfg, _storage(cfg), step))

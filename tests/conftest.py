@@ -14,8 +14,13 @@ import tempfile
 import pytest
 import torch
 
-# tests/ is on sys.path (rootdir conftest), so the WAN testbed fixtures load by module name
-pytest_plugins = ["wan_fixtures"]
+from mfu_rows import mfu_above_one
+
+# tests/ is on sys.path (rootdir conftest), so the WAN testbed fixtures load by module name; pytester
+# runs the unit guard's own test (tests/unit/test_unit_guard.py)
+pytest_plugins = ["wan_fixtures", "pytester"]
+# helper modules under tests/ that hold test classes: their asserts report values as a test module's do
+pytest.register_assert_rewrite("storage_contract")
 
 _PREFECT_HOME = tempfile.mkdtemp(prefix="intellect-prefect-home-")
 atexit.register(shutil.rmtree, _PREFECT_HOME, True)  # every session made one; none outlives it
@@ -28,6 +33,9 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.pop("PREFECT_API_URL", None)
 for key in [k for k in os.environ if k.startswith("INTELLECT_")]:
     del os.environ[key]
+# Under pytest-xdist (`make test` runs `-n 2`) each worker computes on its share of the cores: torch's
+# default of one thread per core in every worker oversubscribes them, and its threads then spin-wait.
+torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True)
@@ -65,3 +73,21 @@ def pytest_collection_modifyitems(items):  # pluggy passes only the hook argumen
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pluggy passes only the hook arguments named here
+    """No run the suite made may report MFU above 1 (issue: honest MFU): the metrics rows under the
+    session's temporary folders (every xdist worker's included) are read once, by the controller."""
+    if hasattr(session.config, "workerinput"):
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    base = getattr(factory, "_basetemp", None) if factory is not None else None
+    if base is None or not base.is_dir():
+        return
+    bad = mfu_above_one(base)
+    if bad:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line("metrics rows with MFU above 1:\n  " + "\n  ".join(bad), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from intellect.config import StorageConfig, TextDataConfig
+from intellect.progress import Progress
 from intellect.storage import env_first
 
 log = logging.getLogger(__name__)
@@ -311,12 +312,15 @@ class CorpusReader:
 
     ``want(ref, cursor)`` picks documents by position before they are read (a shard, a resume set);
     ``keep(text)`` by content after (a split). Both count toward ``stats`` only when they pass.
+    A scan that reads for long before it yields enough (a held-out split) sets ``progress``: it is
+    moved to each file's position in the epoch's order once the file is read.
     """
 
     def __init__(self, corpus: Corpus, order_key: Callable[[int], str]) -> None:
         self.corpus, self._order_key = corpus, order_key
         self._orders: dict[int, list[int]] = {}
         self.limit = corpus.text.max_document_bytes
+        self.progress: Progress | None = None
 
     def order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -347,6 +351,8 @@ class CorpusReader:
                         stats["documents"] += 1
                         found += 1
                         yield doc
+                if self.progress is not None:
+                    self.progress.update(file_pos + 1, documents=stats["documents"])
                 file_pos, row, offset = file_pos + 1, 0, 0
             if whole and not found:
                 raise CorpusError(self._nothing_found(len(order), stats))

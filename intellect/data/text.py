@@ -40,6 +40,7 @@ import torch
 
 from intellect.config import DataConfig
 from intellect.data.corpus import Corpus, CorpusReader, Cursor, FileRef, new_stats
+from intellect.progress import Progress
 
 Split = Literal["train", "heldout"]
 STATE_VERSION = 1
@@ -295,16 +296,23 @@ def heldout_batches(data: DataConfig, tokenizer, batch_size: int = 16,
     stream = PackedStream(data, tokenizer, split="heldout", storage_options=storage_options, epochs=1)
     batches: list[dict[str, torch.Tensor]] = []
     left = data.text.eval_sequences
-    while left:
-        size = min(batch_size, left)
-        try:
-            batches.append(stream.next_batch(size))
-        except EOFError:  # the split is exhausted: the whole sequences still buffered, then stop
-            size = min(size, stream._buffered() // stream.seq_len)
-            if size:
+    # the split is a few percent of the documents: finding enough of them can read much of the corpus
+    bar = Progress("held-out split", len(stream.corpus.files), unit="file")
+    bar.begin(f"reading the held-out documents ({data.heldout_percent}%) of {len(stream.corpus.files)} files "
+              f"for {left} sequences")
+    with bar:
+        stream.reader.progress = bar
+        while left:
+            size = min(batch_size, left)
+            try:
                 batches.append(stream.next_batch(size))
-            break
-        left -= size
+            except EOFError:  # the split is exhausted: the whole sequences still buffered, then stop
+                size = min(size, stream._buffered() // stream.seq_len)
+                if size:
+                    batches.append(stream.next_batch(size))
+                break
+            left -= size
+        bar.close(f"{sum(len(b['input_ids']) for b in batches)} sequences from {bar.done} of {bar.total} files")
     if not batches:
         raise ValueError(f"the held-out split ({data.heldout_percent}% of documents) holds less than one "
                          f"sequence of {data.text.seq_len} tokens")

@@ -90,15 +90,6 @@ def load_secret(secret_file: str | None, environ=os.environ) -> bytes | None:
     return secret
 
 
-def write_secret(path: str | os.PathLike, secret: bytes) -> Path:
-    """Write ``secret`` as hex to a new file created with mode 0600."""
-    path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.hex() + "\n")
-    return path
-
-
 def worker_credentials(secret: bytes, run: str, worker: str) -> dict[str, str]:
     """The environment the coordinator hands worker ``worker``: its own peer key and the all-reduce
     root, never the run secret."""

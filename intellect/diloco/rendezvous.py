@@ -46,17 +46,14 @@ import collections
 import json
 import logging
 import resource
-import threading
 import time
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from intellect.shardcast.server import bind
+from intellect.http_server import ConnectionGuard, ConnectionLimits, Drop, bind, guarded_server, serve_in_thread
 from intellect.trust.mac import check, derive_key, tag
 from intellect.trust.requests import AuthError, ReplayGuard
 
@@ -197,45 +194,6 @@ class _Table:
         raise ValueError(f"unknown op {op!r}")
 
 
-class _Guarded(H11Protocol):
-    """uvicorn's h11 protocol under :class:`RendezvousServer`'s connection bounds (``owner``)."""
-
-    owner: "RendezvousServer"
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        o = self.owner
-        self._began = False
-        o._fresh[self] = None
-        if len(self.connections) > o.max_connections:
-            # the oldest connection that never sent a byte goes (this one, when all others have spoken)
-            victim = next(iter(o._fresh))
-            o._count("too_many_connections")
-            victim._drop()
-        self._deadline = self.loop.call_later(o.header_timeout, self._idle_check)
-
-    def data_received(self, data: bytes) -> None:
-        self.owner._fresh.pop(self, None)
-        super().data_received(data)
-        if self.cycle is not None:
-            self._began = True
-
-    def _idle_check(self) -> None:
-        if not self._began:
-            self.owner._count("header_timeout")
-            self._drop()
-
-    def _drop(self) -> None:
-        self.owner._fresh.pop(self, None)
-        if not self.transport.is_closing():
-            self.transport.close()
-
-    def connection_lost(self, exc) -> None:
-        self.owner._fresh.pop(self, None)
-        self._deadline.cancel()
-        super().connection_lost(exc)
-
-
 class RendezvousServer:
     """The coordinator's store: uvicorn on ``host:port`` (0: a free port) in a daemon thread.
 
@@ -255,7 +213,6 @@ class RendezvousServer:
         cap = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, max(16, soft // 4))
         self.max_connections, self.header_timeout = cap, header_timeout
         self._keys: dict[str, bytes] = {}
-        self._fresh: dict = {}  # connections that have sent nothing yet, oldest first
         self.guard = ReplayGuard(window)
         self.refusals: collections.Counter[str] = collections.Counter()
         self.refused: collections.deque = collections.deque(maxlen=256)
@@ -263,19 +220,11 @@ class RendezvousServer:
         self._table: _Table | None = None
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        protocol = type("GuardedH11", (_Guarded,), {"owner": self})
-        config = uvicorn.Config(self._app(), http=protocol, loop="asyncio", log_level="warning", access_log=False,
-                                timeout_keep_alive=int(KEEP_ALIVE), lifespan="off", proxy_headers=False,
-                                backlog=ACCEPT_BATCH)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                        name=f"rendezvous-{self.port}")
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the rendezvous server did not start")
-            time.sleep(0.01)
+        # the header timeout holds for a connection's first request head; between requests a kept-alive
+        # connection is bounded by KEEP_ALIVE
+        guard = ConnectionGuard(ConnectionLimits(header_timeout, each_request=False, evict_over=cap), self._dropped)
+        self._server = guarded_server(self._app(), guard, keep_alive=KEEP_ALIVE, backlog=ACCEPT_BATCH)
+        self._thread = serve_in_thread(self._server, self.sock, f"rendezvous-{self.port}", 30)
 
     @property
     def address(self) -> str:
@@ -288,6 +237,10 @@ class RendezvousServer:
             if len(self._keys) < 4096:
                 self._keys[peer] = key
         return key
+
+    def _dropped(self, client: str, reason: Drop, detail: str) -> None:
+        # a connection that did not send its first request head in time, whether it began one or not
+        self._count("header_timeout" if reason in ("idle", "too_slow") else reason)
 
     def _count(self, reason: str) -> None:
         self.refusals[reason] += 1

@@ -1,10 +1,20 @@
 """What a DiLoCo worker reports of each outer step: the :class:`StepReport` it writes to the rendezvous
-(``METRICS``) and, one row per committed step, to its metrics series in run storage."""
+(``METRICS``) and, one row per committed step, to its metrics series in run storage; and, while it
+trains, its progress lines (:class:`WorkerLog`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from intellect import progress
+from intellect.metrics import MetricsLog
+from intellect.progress import Progress
+
+if TYPE_CHECKING:
+    from intellect.diloco.config import DilocoRunConfig
+    from intellect.storage import RunStorage
 
 
 @dataclass
@@ -39,4 +49,42 @@ def metrics_series(worker: str) -> str:
     return f"metrics/diloco/{worker}.jsonl"
 
 
-__all__ = ["StepReport", "metrics_series"]
+class WorkerLog:
+    """A worker's metrics series (one row per committed outer step, written at once: steps are long,
+    and a killed worker keeps its series) and its progress over the run's inner steps: a line every
+    ``logging.progress_seconds`` (or ``progress_steps`` inner steps), and while it waits on its peers
+    (all-reduce, the next boundary) a heartbeat line saying so."""
+
+    def __init__(self, storage: RunStorage, run: DilocoRunConfig, worker: str, checkpoint: int):
+        d = run.diloco
+        self.inner_steps, self.outer_steps = d.inner_steps, d.outer_steps
+        self.series = MetricsLog(storage, metrics_series(worker), run.logging, flush_every=1)
+        progress.configure(run.logging.progress_seconds)  # a worker process serves one run
+        self.progress = Progress(worker, d.outer_steps * d.inner_steps, unit="inner step",
+                                 start=checkpoint * d.inner_steps, every=run.logging.progress_steps, heartbeat=True)
+        self.progress.begin(f"{d.outer_steps} outer steps of {d.inner_steps} inner steps, from checkpoint "
+                            f"{checkpoint}; joining the first boundary")
+
+    def log(self, step: int, row: dict) -> None:
+        self.series.log(step, row)
+
+    def on_inner_step(self, check: Callable[[], object]) -> Callable[[int, dict], None]:
+        """The trainer's ``on_step`` for an inner phase: ``check`` (the store's liveness), then the
+        progress of inner step ``n`` (the run's count)."""
+
+        def on_step(n: int, rec: dict) -> None:
+            check()
+            outer = (n - 1) // self.inner_steps
+            self.progress.update(n, tokens=int(rec["tokens"]), loss=rec["loss"],
+                                 outer_step=f"{outer + 1}/{self.outer_steps}")
+            if n % self.inner_steps == 0:
+                self.progress.waiting(f"all-reduce and boundary after outer step {outer + 1}")
+
+        return on_step
+
+    def close(self) -> None:
+        self.progress.close()
+        self.series.close()
+
+
+__all__ = ["StepReport", "WorkerLog", "metrics_series"]

@@ -62,13 +62,13 @@ from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.plan import allreduce_plan
-from intellect.diloco.report import StepReport, metrics_series
+from intellect.diloco.report import StepReport, WorkerLog
 from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DATA_AT, DIGEST, FLAGS, LAUNCHED, LEFT,
                                        METRICS, PG, PROBE, PROGRESS, Quorum, ban_record, read_count)
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.robust import Strikes, majority_flagged, reported
 from intellect.diloco.transport import CommError, new_group
-from intellect.metrics import MetricsLog, flops_per_token, mfu, peak_flops
+from intellect.metrics import Peak, flops_per_token
 from intellect.storage import RunStorage
 from intellect.train import Trainer
 from intellect.trust.mac import derive_key
@@ -146,10 +146,9 @@ class DilocoWorker:
         # (the boundary, its members) this data position is current at: at any other it is realigned
         self.data_at: tuple[int, list[str]] = (saved.step, saved.members) if saved else (0, [])
         self.rows_per_step = saved.rows_per_step if saved else 0  # the reader's pace in its last inner phase
-        # one row per outer step, written at once: steps are long, and a killed worker keeps its series
-        self.metrics_log = MetricsLog(self.storage, metrics_series(worker), run.logging, flush_every=1)
+        self.metrics_log = WorkerLog(self.storage, run, worker, n)  # its series and progress lines
         self.flops_per_token = flops_per_token(self.model.config, self.seq_len())
-        self.peak = peak_flops(self.device, run.compute.precision, run.compute.peak_tflops)
+        self.peak = Peak.of(self.device, run.compute.precision, run.compute.peak_tflops)
         self._started = time.perf_counter()  # the current outer step's start (boundary)
         self.members: list[str] = []
         self.prev_members: list[str] = []
@@ -323,7 +322,7 @@ class DilocoWorker:
         t0 = time.perf_counter()
         seen: list[str] = []
         rows = getattr(self.stream, "passed", 0)
-        logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), lambda *_: self.m.check_store())
+        logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), self.metrics_log.on_inner_step(self.m.check_store))
         report.inner_seconds = time.perf_counter() - t0
         self.rows_per_step = getattr(self.stream, "passed", 0) - rows
         self.data_at = (self.step + 1, list(self.members))
@@ -336,7 +335,7 @@ class DilocoWorker:
         wall = report.outer_seconds = time.perf_counter() - self._started
         report.compute_utilization = report.inner_seconds / wall if wall > 0 else 0.0
         report.tokens_per_s = report.tokens / wall if wall > 0 else 0.0
-        report.mfu = mfu(report.tokens_per_s, self.flops_per_token, self.peak)
+        report.mfu = self.peak.mfu(report.tokens_per_s, self.flops_per_token)
 
     def sync(self, report: StepReport) -> None:
         """All-reduce, vote, commit or retry with the survivors (bounded attempts)."""

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_che
 
 import torch
 
-from intellect.device import Precision, autocast, prepare_model, resolve_device
+from intellect.device import Precision, autocast, prepare_model, resolve_device, resolve_precision
 from intellect.inference.config import EngineConfig
 from intellect.inference.kv_slots import KVSlots, UnsupportedCache
 from intellect.inference.stats import EngineStats
@@ -139,8 +139,9 @@ class TorchEngine:
         if pad is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token to pad prompts with")
         if compute is not None:
-            prepare_model(model, compute, resolve_device(compute.device), train=False)
-            kwargs["precision"] = compute.precision
+            device = resolve_device(compute.device)
+            prepare_model(model, compute, device, train=False)
+            kwargs["precision"] = resolve_precision(compute.precision, device)
         return cls(model, eos_token_id=sorted(e for e in eos if e is not None), pad_token_id=pad, **kwargs)
 
     # ------------------------------------------------------------------ helpers

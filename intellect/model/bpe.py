@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 import os
 import shutil
 import sys
@@ -33,11 +32,11 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from intellect.config import ConfigError, DataConfig, SmokeConfig, load_config
 from intellect.data.arithmetic import document_pairs
+from intellect.data.corpus import Corpus
 from intellect.data.text import iter_documents
 from intellect.model.checkpoint import make_tokenizer_portable
 from intellect.model.tokenizer import load_tokenizer
-
-log = logging.getLogger(__name__)
+from intellect.progress import Progress, to_stderr
 
 BOS_TOKEN, EOS_TOKEN = "<|begin_of_text|>", "<|endoftext|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)
@@ -150,6 +149,14 @@ def corpus_texts(data: DataConfig, max_documents: int | None = None, max_chars: 
             return
 
 
+def _reported(texts: Iterator[str], counts: dict[str, int], bar: Progress) -> Iterator[str]:
+    """``texts`` as they are, each counted on ``bar``; once they are all read, the merges are computed."""
+    for text in texts:
+        yield text
+        bar.update(advance=1, characters=counts["chars"])
+    bar.waiting("computing the merges")
+
+
 def _is_tokenizer_folder(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
 
@@ -164,10 +171,16 @@ def ensure_tokenizer(path: str | os.PathLike, data: DataConfig, vocab_size: int,
     if not _is_tokenizer_folder(folder):
         counts: dict[str, int] = {}
         start = time.perf_counter()
-        tok = train_bpe(corpus_texts(data, max_documents, counts=counts), vocab_size, chat=data.chat,
-                        digits=1 if data.kind == "arithmetic" else 3)
-        log.info("trained a BPE tokenizer of %d tokens on %d documents (%d characters) in %.1fs",
-                 len(tok), counts["documents"], counts["chars"], time.perf_counter() - start)
+        source = (f"{len(Corpus(data.text).files):,} files of data.text.files" if data.kind == "text"
+                  else f"{max_documents or ARITHMETIC_DOCUMENTS:,} arithmetic documents")
+        bar = Progress("BPE tokenizer", unit="document", heartbeat=True)
+        bar.begin(f"training a {vocab_size}-token BPE tokenizer on {source} (at most {TRAIN_CHARS:,} "
+                  f"characters) for {folder}")
+        with bar:
+            tok = train_bpe(_reported(corpus_texts(data, max_documents, counts=counts), counts, bar), vocab_size,
+                            chat=data.chat, digits=1 if data.kind == "arithmetic" else 3)
+            bar.close(f"{len(tok)} tokens learned from {counts['documents']:,} documents "
+                      f"({counts['chars']:,} characters) in {time.perf_counter() - start:.1f}s")
         try:
             save_tokenizer(tok, folder)
         except FileExistsError:
@@ -230,6 +243,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "intellect tokenizer",
             return 1
         shutil.rmtree(out)
     start = time.perf_counter()
+    to_stderr()
     try:
         tok = ensure_tokenizer(out, data, vocab, args.max_documents)
     except (ValueError, FileNotFoundError) as e:

@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from intellect.config import ComputeConfig, DataConfig, DispatchConfig, StorageConfig, StrictModel
+from intellect.config import ComputeConfig, DataConfig, DispatchConfig, LoggingConfig, StorageConfig, StrictModel
 from intellect.inference.config import EngineConfig
-from intellect.rl.lag import DEFAULT_ASYNC_LEVEL
+from intellect.rl.lag import DEFAULT_ASYNC_LEVEL, PolicyLag
 from intellect.prompts import PromptConfig
 from intellect.rl.rollout_schema import RolloutLimits
 from intellect.rl.service import ServiceConfig
@@ -197,6 +197,11 @@ class RLRunConfig(StrictModel):
     tasks: TaskPoolConfig = Field(default_factory=TaskPoolConfig)
     steps: int = Field(default=100, ge=1, le=10_000_000, description="RL steps (checkpoints 1..steps are written).")
     async_level: int = Field(default=DEFAULT_ASYNC_LEVEL, ge=0, le=1024, description="Most policy lag of a sample.")
+    policy_lag: PolicyLag = Field(
+        default="newest", description="Which fresh checkpoint generates step n: the newest one (lag 0..async_level, "
+        "set by how fast the trainer ran) or 'fixed', checkpoint n - async_level (what the run learns does not "
+        "depend on the machine's speed; intellect/rl/lag.py).",
+    )
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     submission: SubmissionConfig = Field(default_factory=SubmissionConfig)
     trainer: RLTrainerConfig = Field(default_factory=RLTrainerConfig)
@@ -211,6 +216,7 @@ class RLRunConfig(StrictModel):
         default=None, description="Validator bounds; None: defaults, vocab from the model.",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress lines (progress_seconds).")
     seed: int = Field(default=0, ge=0, description="Seed of the trainer's torch RNG.")
     toploc: ToplocConfig | None = Field(
         default_factory=ToplocConfig,
@@ -234,8 +240,8 @@ class RLRunConfig(StrictModel):
     service: ServiceConfig = Field(
         default_factory=ServiceConfig,
         description="The submission service rl-train starts beside the trainer: the one door of `intellect worker` "
-        "processes into the run (listen address, admission, body caps). Its `ahead` is set from async_level, its "
-        "max_submissions_per_step from workers.max_submissions.",
+        "processes into the run (listen address, admission, body caps). Unless set, its `ahead` is async_level + 1 "
+        "and its max_submissions_per_step workers.max_submissions (service_config()).",
     )
     shardcast: ShardcastConfig | None = Field(
         default=None, description="SHARDCAST weight broadcast: the trainer publishes each signed checkpoint to an "
@@ -255,6 +261,28 @@ class RLRunConfig(StrictModel):
             raise ValueError("toploc is off: set trusted_workers = true to run without TOPLOC proofs "
                              "(only when every inference worker is the operator's own)")
         return self
+
+    @model_validator(mode="after")
+    def _service_admits_the_workers(self) -> "RLRunConfig":
+        svc = self.service
+        if svc.ahead == 0:
+            raise ValueError("service.ahead = 0 admits no step: workers submit for the step after the newest "
+                             "committed one at least")
+        if svc.max_submissions_per_step is not None and svc.max_submissions_per_step < self.workers.max_submissions:
+            raise ValueError(f"service.max_submissions_per_step ({svc.max_submissions_per_step}) is below "
+                             f"workers.max_submissions ({self.workers.max_submissions}): workers would be refused")
+        return self
+
+    def service_config(self) -> ServiceConfig:
+        """``service`` as the run's submission service applies it: ``ahead`` (async_level + 1) and
+        ``max_submissions_per_step`` (workers.max_submissions) from the run where it leaves them unset.
+
+        >>> c = RLRunConfig(async_level=1, service={"ahead": 5}).service_config()
+        >>> c.ahead, c.max_submissions_per_step
+        (5, 4)
+        """
+        run = {"ahead": self.async_level + 1, "max_submissions_per_step": self.workers.max_submissions}
+        return self.service.model_copy(update={k: v for k, v in run.items() if getattr(self.service, k) is None})
 
     def weights_broadcast(self) -> ShardcastConfig:
         """The SHARDCAST settings rl-train's workers get weights with: ``shardcast``, or a local origin
@@ -311,4 +339,4 @@ class FilterRunConfig(StrictModel):
     filter: FilterConfig = Field(default_factory=FilterConfig)
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads (0: torch's default).")
     compute: ComputeConfig = Field(default_factory=ComputeConfig, description="Device and precision of the engine.")
-    engine: Literal["torch"] = Field(default="torch", description="Inference engine (vLLM is its own issue).")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress lines (progress_seconds).")

@@ -20,7 +20,9 @@ from intellect.inference.protocol import Request
 from intellect.inference.sampling import SamplingParams
 from intellect.prompts import uses_chat
 from intellect.rl.setup import heldout_task_file, heldout_tasks
-from intellect.rl.submission import RewardFn, completion_text, math_task_reward, prompt_tokens, task_rewards
+from intellect.rl.submission import (
+    RewardFn, completion_text, math_task_reward, prompt_tokens, task_rewards, torch_engine,
+)
 from intellect.train import evaluate
 
 if TYPE_CHECKING:
@@ -77,8 +79,6 @@ class HeldOut:
     def accuracy(self, model, tokenizer, sub: SubmissionConfig, *, reward_fn: RewardFn | None = None,
                  compute: ComputeConfig | None = None) -> float:
         """Greedy held-out accuracy of ``model`` (module docstring); ``reward_fn`` replaces the pool's."""
-        from intellect.rl.step import torch_engine  # noqa: PLC0415 - step imports the trainer, not needed above
-
         tasks = self.tasks(tokenizer, sub)
         if self.pool.heldout_source == "arithmetic" and not uses_chat(tokenizer, sub.prompt):
             return evaluate(model, tokenizer, tasks).accuracy

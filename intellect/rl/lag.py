@@ -12,13 +12,23 @@ updates (``0`` is the initial model), and training step ``n`` consumes the rollo
 
 A ``policy_step`` above ``step`` names a checkpoint that cannot exist yet when step ``step`` is
 generated, so it is never fresh: it is a forged or mislabelled sample.
+
+Which fresh checkpoint a generator uses is the run's ``policy_lag``:
+
+* ``"newest"``: the newest fresh one it finds. Its samples are as fresh as the trainer's pace allows,
+  so the lag of each step, hence what the run learns, depends on how fast the trainer and the
+  generators ran: a loaded machine gets another run than an idle one.
+* ``"fixed"``: checkpoint ``max(0, n - a)`` itself. Generation still runs ``a`` steps ahead of
+  training, and a step's samples are a function of the checkpoints and the seeds alone, whatever
+  the machine's speed (a reproducible run).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Literal
 
 DEFAULT_ASYNC_LEVEL = 2
+PolicyLag = Literal["newest", "fixed"]
 
 
 def _check_int(name: str, value: object, minimum: int = 0) -> int:
@@ -45,17 +55,25 @@ def is_fresh(step: int, policy_step: int, async_level: int = DEFAULT_ASYNC_LEVEL
     return max(0, step - async_level) <= policy_step <= step
 
 
-def policy_for(step: int, async_level: int, available_steps: Iterable[int]) -> int | None:
-    """The checkpoint a generator should use for rollouts of ``step``: the newest fresh one.
+def policy_for(step: int, async_level: int, available_steps: Iterable[int], lag: PolicyLag = "newest") -> int | None:
+    """The checkpoint a generator should use for rollouts of ``step``: the newest fresh one, or with
+    ``lag="fixed"`` checkpoint ``max(0, step - async_level)`` only (see the module doc).
 
     ``available_steps`` are the complete checkpoints (e.g. ``storage.complete_steps("checkpoints")``).
-    ``None`` means no fresh checkpoint exists yet: wait for ``step - async_level`` to be published.
+    ``None`` means no such checkpoint exists yet: wait for ``step - async_level`` to be published.
 
     >>> policy_for(5, 2, [0, 1, 2, 3]), policy_for(5, 2, [0, 1, 2]), policy_for(5, 0, [4, 5, 6])
     (3, None, 5)
+    >>> policy_for(5, 2, [2, 3, 4, 5], "fixed"), policy_for(1, 2, [0, 1], "fixed"), policy_for(5, 2, [4], "fixed")
+    (3, 0, None)
     """
     _check_int("step", step)
     _check_int("async_level", async_level)
+    if lag not in ("newest", "fixed"):
+        raise ValueError(f"lag must be 'newest' or 'fixed', got {lag!r}")
     fresh = [c for c in available_steps if is_fresh(step, c, async_level)]
+    if lag == "fixed":
+        oldest = max(0, step - async_level)
+        return oldest if oldest in fresh else None
     return max(fresh) if fresh else None
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from intellect.checkpoints import CHECKPOINTS, recorded_steps
+from intellect.progress import Progress
 from intellect.rl.lag import policy_for
 from intellect.rl.rollouts import list_submissions
 from intellect.rl.run import RLRun
@@ -65,7 +66,7 @@ def run_rl_step(
     weights (e.g. the trainer of the previous call), which keeps its optimizer state; otherwise one is
     built from checkpoint ``step``.
     """
-    policy = policy_for(step, cfg.async_level, recorded_steps(storage, ledger))
+    policy = policy_for(step, cfg.async_level, recorded_steps(storage, ledger), cfg.policy_lag)
     if policy is None:
         raise FileNotFoundError(f"no checkpoint within {cfg.async_level} of step {step} in {storage.uri(CHECKPOINTS)}")
     next_uri = storage.uri(storage.step_path(step + 1, CHECKPOINTS))
@@ -73,19 +74,25 @@ def run_rl_step(
         return StepReport(step, policy, list_submissions(storage, step), [], done["accepted"], done["rejected"],
                           done["trained_samples"] or 0, False, next_uri, False, done["loss"])
     # the verdicts go from validate to record inside this call: a secret of its own MACs them
-    with RLRun(cfg, storage=storage, ledger=ledger, tasks=tasks, reward_fn=reward_fn, extra_checks=extra_checks,
-               engine_factory=engine_factory, secret=new_secret()) as run:
+    # silent unless a phase outlasts a progress interval (a benchmark's long step)
+    bar = Progress(f"RL step {step}", unit="", interval=cfg.logging.progress_seconds, heartbeat=True)
+    bar.begin(quiet=True)
+    with bar, RLRun(cfg, storage=storage, ledger=ledger, tasks=tasks, reward_fn=reward_fn, extra_checks=extra_checks,
+                    engine_factory=engine_factory, secret=new_secret()) as run:
         if trainer is not None:
             run.trainer, run.trainer_step = trainer, step
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
+        bar.waiting(f"generating as {', '.join(workers)}")
         generated = run.generate(step, workers)
         timings["generate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        bar.waiting("validating")
         reports = run.validate(step, run.step_files(step))
         run.record(step, [(r.verdicts, r.mac) for r in reports])
         timings["validate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        bar.waiting("training")
         upd = run.update(step, policy)
         timings["train"] = time.perf_counter() - t0
         committed = run.commit(step, timings)

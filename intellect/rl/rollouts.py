@@ -37,6 +37,7 @@ from intellect.rl.rollout_schema import (
     FINISH_REASONS, MAX_ID_CHARS, REASONS, SCHEMA, SCHEMA_VERSION, VERSION_KEY, Reason, Rollout, RolloutLimits,
     RolloutRejected, content_hash, rows_to_table, table_to_rows,
 )
+from intellect.storage import parse_step, step_name
 
 if TYPE_CHECKING:
     from intellect.storage import RunStorage
@@ -67,20 +68,19 @@ _RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 def submission_path(step: int, worker: str, k: int) -> str:
     """``rollouts/step_{step}/{worker}-{k}.parquet`` with the canonical worker id."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 10**18:
         raise ValueError(f"submission index must be an int in [0, 1e18), got {k!r}")
-    return f"{KIND}/step_{step}/{canonical_worker(worker)}-{k}.parquet"
+    return f"{KIND}/{step_name(step)}/{canonical_worker(worker)}-{k}.parquet"
 
 
 def parse_submission_path(rel: str) -> tuple[int, str, int]:
     """``(step, worker, k)`` of a path made by :func:`submission_path`; ``ValueError`` otherwise."""
-    m = re.fullmatch(rf"{KIND}/step_(0|[1-9][0-9]*)/([^/]+)", rel)
-    name = _NAME_RE.fullmatch(m.group(2)) if m else None
-    if m is None or name is None:
+    parts = rel.split("/")
+    step = parse_step(parts[1]) if len(parts) == 3 and parts[0] == KIND else None
+    name = _NAME_RE.fullmatch(parts[2]) if step is not None else None
+    if step is None or name is None:
         raise ValueError(f"{rel!r} is not a rollout file path ({KIND}/step_N/WORKER-K.parquet)")
-    return int(m.group(1)), name["worker"], int(name["k"])
+    return step, name["worker"], int(name["k"])
 
 
 def list_submissions(storage: RunStorage, step: int) -> list[str]:

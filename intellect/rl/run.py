@@ -32,7 +32,8 @@ from intellect.checkpoints import (
 )
 from intellect.launch import Handle, Launcher
 from intellect.ledger import Ledger
-from intellect.rl import step as S
+from intellect.progress import Progress, duration
+from intellect.rl import step as step_phases
 from intellect.rl.lag import policy_for
 from intellect.rl.registry import uploads_settled_at
 from intellect.rl.evaluation import HeldOut
@@ -109,14 +110,14 @@ def generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: Sequence[Task], 
     if (done := read_done_marker(storage, step, worker)) is not None:
         return done, []
     available = storage.complete_steps(CHECKPOINTS) if ledger is None else recorded_steps(storage, ledger)
-    policy = policy_for(step, cfg.async_level, available)
+    policy = policy_for(step, cfg.async_level, available, cfg.policy_lag)
     if policy is None:
         raise FileNotFoundError(f"no checkpoint within {cfg.async_level} of step {step}")
     model, tok = fetch(storage, policy) if ledger is None else fetch_recorded(storage, ledger, policy)
-    engine = (engine_factory or S.worker_engines(cfg))(model, tok)
-    files, written = S.worker_step(cfg, storage, step, worker, tasks, engine, tok, policy,
-                                   limits=cfg.limits or RolloutLimits(vocab_size=len(tok)),
-                                   reward_fn=reward_fn or cfg.tasks.reward_fn())
+    engine = (engine_factory or step_phases.worker_engines(cfg))(model, tok)
+    files, written = step_phases.worker_step(cfg, storage, step, worker, tasks, engine, tok, policy,
+                                             limits=cfg.limits or RolloutLimits(vocab_size=len(tok)),
+                                             reward_fn=reward_fn or cfg.tasks.reward_fn())
     return DoneMarker(files=files, policy_step=policy), written
 
 
@@ -148,7 +149,8 @@ class RLRun:
         self._tasks: list[Task] | None = list(tasks) if tasks is not None else None
         self.reward_fn = reward_fn or cfg.tasks.reward_fn()
         self.extra_checks, self.engine_factory = list(extra_checks), engine_factory
-        self.engines = S.CheckpointEngines(self.storage, self.ledger, keep=cfg.async_level + 2, compute=cfg.compute)
+        self.engines = step_phases.CheckpointEngines(self.storage, self.ledger, keep=cfg.async_level + 2,
+                                                     compute=cfg.compute)
         self.stopping = threading.Event()  # set: waits for workers give up
         self.trainer: GRPOTrainer | None = None  # holding checkpoint `trainer_step`
         self.trainer_step = -1
@@ -266,17 +268,16 @@ class RLRun:
 
     def start_service(self, first_step: int) -> str:
         """The submission service beside the trainer (its records in ``trainer/service`` of the local
-        run folder); its URL. Workers may run ``async_level`` steps past the newest committed one."""
+        run folder); its URL. Workers may run ``async_level`` steps past the newest committed one, unless
+        ``service.ahead`` says otherwise (:meth:`~intellect.rl.config.RLRunConfig.service_config`)."""
         if self.service is None:
             cfg = self.cfg
-            svc_cfg = cfg.service.model_copy(update={"ahead": cfg.async_level + 1,
-                                                     "max_submissions_per_step": cfg.workers.max_submissions})
 
             def run_info() -> dict:
                 return WorkerRunInfo.of(cfg, service.committed, self.relays).model_dump(mode="json")
 
             service = SubmissionService(
-                svc_cfg, run=cfg.run_name, storage=self.storage, state_dir=trainer_dir(cfg) / "service",
+                cfg.service_config(), run=cfg.run_name, storage=self.storage, state_dir=trainer_dir(cfg) / "service",
                 run_info=run_info, tasks=self.tasks, prompts_per_submission=cfg.submission.prompts_per_submission,
                 committed=first_step - 1,
             )
@@ -376,9 +377,9 @@ class RLRun:
         tokenizer, limits = self.tokenizer, self.limits
 
         def one(worker: str) -> ValidationReport:
-            verdicts = S.validate_files(self.cfg, self.storage, step, files[worker], self.tasks, tokenizer,
-                                        limits=limits, engines=self.engines, recorded=recorded,
-                                        reward_fn=self.reward_fn, extra_checks=self.extra_checks)
+            verdicts = step_phases.validate_files(self.cfg, self.storage, step, files[worker], self.tasks,
+                                                  tokenizer, limits=limits, engines=self.engines, recorded=recorded,
+                                                  reward_fn=self.reward_fn, extra_checks=self.extra_checks)
             accepted = sum(v.status == "accepted" for v in verdicts)
             rel, tag = write_verdicts(self.storage, step, worker, verdicts, self.secret)
             return ValidationReport(worker=worker, verdicts=rel, mac=tag, accepted=accepted,
@@ -409,12 +410,13 @@ class RLRun:
             if self.trainer is None or self.trainer_step != step:
                 if self.cfg.trainer_threads:
                     torch.set_num_threads(self.cfg.trainer_threads)
-                self.trainer = S.load_trainer(self.cfg, self.storage, self.ledger, step)
+                self.trainer = step_phases.load_trainer(self.cfg, self.storage, self.ledger, step)
             torch.manual_seed(self.cfg.seed + step)
-            saved = S.train_and_publish(self.storage, self.ledger, step, policy_step, self.trainer, self.limits)
+            saved = step_phases.train_and_publish(self.storage, self.ledger, step, policy_step, self.trainer,
+                                                  self.limits)
             self.trainer_step = step + 1
         else:
-            saved = S.saved_report(self.storage, self.ledger, step)
+            saved = step_phases.saved_report(self.storage, self.ledger, step)
         return update_report(step, saved, trained, uri)
 
     def broadcast(self, step: int) -> str:
@@ -430,7 +432,8 @@ class RLRun:
     def commit(self, step: int, timings: Mapping[str, float]) -> bool:
         """Commit ``step`` (its checkpoint ``step + 1`` recorded) and tell the service; False when it
         was committed already."""
-        committed = S.commit(self.ledger, step, S.saved_report(self.storage, self.ledger, step), dict(timings))
+        saved = step_phases.saved_report(self.storage, self.ledger, step)
+        committed = step_phases.commit(self.ledger, step, saved, dict(timings))
         if self.service is not None:
             self.service.set_committed(step)
         return committed
@@ -438,9 +441,15 @@ class RLRun:
     def evaluate(self, step: int) -> float:
         """Held-out greedy accuracy of recorded checkpoint ``step`` (:mod:`intellect.rl.evaluation`),
         kept in the run's eval record."""
-        model, tok = fetch_recorded(self.storage, self.ledger, step)
-        accuracy = self.heldout.accuracy(model, tok, self.cfg.submission, reward_fn=self.reward_fn,
-                                         compute=self.cfg.compute)
+        bar = Progress(f"held-out eval of checkpoint {step}", unit="", interval=self.cfg.logging.progress_seconds,
+                       heartbeat=True)
+        bar.begin(f"greedy answers to {self.heldout.size} held-out prompts")
+        with bar:
+            bar.waiting("generating and scoring")
+            model, tok = fetch_recorded(self.storage, self.ledger, step)
+            accuracy = self.heldout.accuracy(model, tok, self.cfg.submission, reward_fn=self.reward_fn,
+                                             compute=self.cfg.compute)
+            bar.close(f"accuracy {accuracy:.3f} in {duration(bar.clock() - bar.t0)}")
         add_eval(self.storage, step, accuracy)
         return accuracy
 

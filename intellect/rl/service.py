@@ -27,8 +27,9 @@ anyone but the key's holder costs no body read and holds no upload slot; the bod
 to that digest (``sha256_mismatch``). An upload must declare its Content-Length. At most one
 upload of each key and ``max_uploads_per_address`` of each address are read at once; a worker
 stores at most ``max_worker_step_bytes`` per step; uploads being read hold at most
-``max_spool_bytes`` together and must leave ``min_free_bytes`` on disk. Bodies, connections and
-request heads are held to caps and deadlines by :mod:`intellect.rl.service_http`. So a slow or
+``max_spool_bytes`` together and must leave ``min_free_bytes`` on disk. Bodies are held to caps and
+deadlines by :mod:`intellect.rl.service_http`, connections and request heads by
+:mod:`intellect.http_server`. So a slow or
 flooding client holds nothing for long. Steps are open from the one after the newest committed step
 to ``ahead`` past it: a committed step is ``closed`` to uploads, done records and assignments.
 
@@ -67,6 +68,7 @@ from pydantic import Field, field_validator
 
 from intellect.config import StrictModel
 from intellect.data.loaders import task_row
+from intellect.http_server import ConnectionGuard, ConnectionLimits, Drop, bind, guarded_server, serve_in_thread, url_of
 from intellect.rl.admission import (
     DoneBody, Empty, RateLimiter, Refusal, Request, UploadBody, address_bucket, parse_json, parse_request, precheck,
     query_ints, verify_digest,
@@ -74,9 +76,8 @@ from intellect.rl.admission import (
 from intellect.rl.assignment import assign_prompts
 from intellect.rl.registry import DoneRecord, Registry, SubmissionRecord
 from intellect.rl.rollouts import submission_path
-from intellect.rl.service_http import SPILL, Body, guarded_server, read_body, respond
+from intellect.rl.service_http import SPILL, Body, read_body, respond
 from intellect.rl.service_s3 import Presigner
-from intellect.shardcast.server import bind
 from intellect.trust.keys import VerifyKey
 from intellect.trust.requests import CONTENT_HEADER, AuthError, ReplayGuard, RequestVerifier
 
@@ -138,9 +139,12 @@ class ServiceConfig(StrictModel):
                                             "(2 x request_window); more are refused as busy.")
     request_window: float = Field(default=30.0, ge=1, le=3600,
                                   description="Seconds a signed request's timestamp may be off the service's clock.")
-    max_submissions_per_step: int = Field(default=64, ge=1, le=1 << 16, description="Submissions per worker per step.")
-    ahead: int = Field(default=2, ge=0, le=1 << 20,
-                       description="Steps past the newest committed one a worker may submit for.")
+    max_submissions_per_step: int | None = Field(
+        default=None, ge=1, le=1 << 16, description="Submissions per worker per step; None: an RL run's "
+        "workers.max_submissions (RLRunConfig.service_config), 64 for a service started on its own.")
+    ahead: int | None = Field(
+        default=None, ge=0, le=1 << 20, description="Steps past the newest committed one a worker may submit for; "
+        "None: an RL run's async_level + 1, 2 for a service started on its own.")
     presign_expiry: int = Field(
         default=120, ge=1, le=86400,
         description="Seconds a name's presigned POSTs stay valid, from its declaration (S3). The validator reads "
@@ -161,6 +165,8 @@ class SubmissionService:
         if not 1 <= prompts_per_submission <= len(tasks):
             raise ValueError(f"cannot assign {prompts_per_submission} prompts from {len(tasks)} tasks")
         self.cfg, self.run, self.storage = cfg, run, storage
+        self.ahead = cfg.ahead if cfg.ahead is not None else 2
+        self.per_step = cfg.max_submissions_per_step if cfg.max_submissions_per_step is not None else 64
         self.tasks, self.prompts_per_submission = list(tasks), prompts_per_submission
         self._run_info = run_info
         self.registry = Registry(state_dir)
@@ -179,7 +185,9 @@ class SubmissionService:
         # loop's thread touches these)
         self._reading, self._uploading, self._spooled = 0, set(), 0
         self._uploads_from: collections.Counter[str] = collections.Counter()
-        self._connections: collections.Counter[str] = collections.Counter()
+        self._guard = ConnectionGuard(ConnectionLimits(cfg.header_timeout, per_address=cfg.max_connections_per_address,
+                                                       bucket=address_bucket), self._refused_connection)
+        self._connections = self._guard.open
         self._s3 = Presigner(storage, self.registry, cfg.presign_expiry) if storage.scheme == "s3" else None
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="submission-io")
         self._server: uvicorn.Server | None = None
@@ -200,7 +208,7 @@ class SubmissionService:
 
     def set_committed(self, step: int) -> None:
         """The newest committed step (-1: none): workers may work on steps ``step + 1`` to
-        ``step + cfg.ahead``; ``step`` and those before it are closed."""
+        ``step + ahead``; ``step`` and those before it are closed."""
         self._committed = step
 
     def submissions(self, step: int) -> list[SubmissionRecord]:
@@ -225,21 +233,17 @@ class SubmissionService:
     def start(self, timeout: float = 10.0) -> str:
         """Serve in a daemon thread; returns the base URL once the socket accepts connections."""
         self._sock = bind(self.cfg.host, self.cfg.port)
-        host, port = self._sock.getsockname()[:2]
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        cfg = self.cfg
-        self._server = guarded_server(self.app, max_connections=cfg.max_connections,
-                                      per_address=cfg.max_connections_per_address, header_timeout=cfg.header_timeout,
-                                      open_=self._connections, refuse=self._refused_connection)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
-                                        name=f"submission-service-{port}")
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"submission service did not start on {self.url} within {timeout:.0f} s")
-            time.sleep(0.01)
+        self.url, cfg = url_of(self._sock), self.cfg
+        # more than max_connections open get 503 (uvicorn's limit_concurrency)
+        self._server = guarded_server(self.app, self._guard, keep_alive=min(5, int(cfg.header_timeout) or 1),
+                                      interface="asgi3", limit_concurrency=cfg.max_connections,
+                                      h11_max_incomplete_event_size=32 << 10)
+        try:
+            self._thread = serve_in_thread(self._server, self._sock, f"submission-service-{self._sock.getsockname()[1]}",
+                                           timeout)
+        except RuntimeError:
+            self.stop()
+            raise
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -270,7 +274,9 @@ class SubmissionService:
         log.info("refused %s %s from %s: %s %s (%s)", entry["method"], entry["path"], entry["client"], r.status,
                  r.reason, r.detail)
 
-    def _refused_connection(self, client: str, reason: str, detail: str) -> None:
+    def _refused_connection(self, client: str, reason: Drop, detail: str) -> None:
+        if reason == "idle":  # no request came on it: closed, but nothing was refused
+            return
         self._refusals.append({"time": time.time(), "client": client, "key": "", "method": None, "path": "",
                                "status": 0, "reason": reason, "detail": detail})
         log.info("closed a connection from %s: %s (%s)", client, reason, detail)
@@ -382,15 +388,15 @@ class SubmissionService:
     def _step(self, step: int, closed_ok: bool = False) -> int:
         if step <= self._committed and not closed_ok:
             raise Refusal(409, "closed", f"step {step} is closed: the newest committed step is {self._committed}")
-        if step > self._committed + self.cfg.ahead:
+        if step > self._committed + self.ahead:
             raise Refusal(409, "too_far_ahead", f"step {step}: the newest committed step is {self._committed}, "
-                          f"and workers may be at most {self.cfg.ahead} ahead")
+                          f"and workers may be at most {self.ahead} ahead")
         return step
 
     def _k(self, k: int) -> int:
-        if k >= self.cfg.max_submissions_per_step:
+        if k >= self.per_step:
             raise Refusal(400, "out_of_range", f"submission index {k}: at most "
-                          f"{self.cfg.max_submissions_per_step} per step (0..{self.cfg.max_submissions_per_step - 1})")
+                          f"{self.per_step} per step (0..{self.per_step - 1})")
         return k
 
     # ---------------------------------------------------------------- routes
@@ -481,8 +487,8 @@ class SubmissionService:
         query_ints(req)
         step = self._step(req.args[0])
         got = parse_json(DoneBody, bytes(body.buf))
-        if len(got.files) > self.cfg.max_submissions_per_step or len(set(got.files)) != len(got.files):
-            raise Refusal(400, "bad_request", f"files must be distinct, at most {self.cfg.max_submissions_per_step}")
+        if len(got.files) > self.per_step or len(set(got.files)) != len(got.files):
+            raise Refusal(400, "bad_request", f"files must be distinct, at most {self.per_step}")
         if got.policy_step > step:
             raise Refusal(400, "out_of_range", f"policy step {got.policy_step} is after step {step}")
         rec = DoneRecord(key.id, step, list(got.files), got.policy_step, time.time())

@@ -1,21 +1,18 @@
-"""The submission service's HTTP transport: uvicorn with bounded connections, bodies read under
-caps and deadlines, and JSON answers.
+"""The submission service's HTTP transport: bodies read under caps and deadlines, and JSON answers.
 
 :class:`~intellect.rl.service.SubmissionService` answers routes; what is here keeps a slow or
 flooding client from holding memory, disk or connections for long. Bodies are capped while they
 stream in, hashed as they arrive and kept in memory only up to :data:`SPILL` bytes
 (:class:`Body`), so an upload costs no more memory than that, whatever its size. A body slower
 than ``min_body_rate`` after ``body_grace`` seconds is refused (``too_slow``) and its connection
-closed (:func:`read_body`); a request head must arrive within ``header_timeout``; an address (an
-IPv6 one by its /64, as everywhere here) holds at most ``max_connections_per_address`` connections
-(:func:`guarded_protocol`, served by :func:`guarded_server`). A handler's answer, or its
+closed (:func:`read_body`); connections and request heads are bounded by
+:mod:`intellect.http_server`, under the service's limits. A handler's answer, or its
 :class:`~intellect.rl.admission.Refusal`, becomes a JSON response (:func:`respond`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import json
 import logging
@@ -25,17 +22,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
-import h11
-import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from intellect.rl.admission import Refusal, address_bucket
+from intellect.rl.admission import Refusal
 from intellect.trust.requests import CONTENT_HEADER
 
 if TYPE_CHECKING:
     from intellect.storage import RunStorage
 
-__all__ = ["SPILL", "Body", "guarded_protocol", "guarded_server", "read_body", "respond"]
+__all__ = ["SPILL", "Body", "read_body", "respond"]
 
 log = logging.getLogger("intellect.rl.service.http")
 
@@ -135,71 +128,3 @@ async def read_body(receive, headers: Mapping[str, str], *, cap: int, digest: st
         body.close()
         raise
     return body
-
-
-def guarded_protocol(per_address: int, header_timeout: float, open_: collections.Counter,
-                     refuse: Callable[[str, str, str], None]) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with at most ``per_address`` connections per address bucket (counted
-    in ``open_``) and ``header_timeout`` seconds for each request head; ``refuse(client, reason,
-    detail)`` records a connection it ends. A body is timed by the app, which knows its length."""
-
-    class Guarded(H11Protocol):
-        _bucket: str | None = None
-        _timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            client = (self.client or ("unknown",))[0]
-            bucket = address_bucket(client)
-            if open_[bucket] >= per_address:
-                refuse(client, "busy", f"{per_address} connections from this address are open")
-                transport.close()
-                return
-            open_[bucket] += 1
-            self._bucket = bucket
-            self._arm()
-
-        def connection_lost(self, exc) -> None:
-            if self._bucket is not None:
-                open_[self._bucket] -= 1
-                if open_[self._bucket] <= 0:
-                    del open_[self._bucket]
-                self._bucket = None
-            if self._timer is not None:
-                self._timer.cancel()
-            super().connection_lost(exc)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request head has its own deadline
-
-        def _arm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self.loop.call_later(header_timeout, self._late)
-
-        def _late(self) -> None:
-            self._timer = None
-            waiting = self.cycle is None or self.cycle.response_complete
-            if waiting and not self.transport.is_closing():
-                if self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0]:  # a head began
-                    refuse((self.client or ("unknown",))[0], "too_slow",
-                           f"no complete request head within {header_timeout:g} s")
-                self.transport.close()
-
-    return Guarded
-
-
-def guarded_server(app, *, max_connections: int, per_address: int, header_timeout: float,
-                   open_: collections.Counter, refuse: Callable[[str, str, str], None]) -> uvicorn.Server:
-    """A uvicorn server of ``app`` over :func:`guarded_protocol` (``per_address``, ``header_timeout``,
-    ``open_`` and ``refuse`` are its), with at most ``max_connections`` open connections (more get 503)."""
-    # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any local client as the
-    # client's address, and a flood from 127.0.0.1 could name a fresh address per registration
-    protocol = guarded_protocol(per_address, header_timeout, open_, refuse)
-    config = uvicorn.Config(app, interface="asgi3", http=protocol, loop="asyncio", lifespan="off",
-                            log_level="warning", access_log=False, proxy_headers=False,
-                            timeout_keep_alive=min(5, int(header_timeout) or 1),
-                            limit_concurrency=max_connections, h11_max_incomplete_event_size=32 << 10)
-    return uvicorn.Server(config)

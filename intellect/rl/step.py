@@ -44,7 +44,6 @@ from intellect.checkpoints import (
     recorded_copy, recorded_digest,
 )
 from intellect.config import ComputeConfig
-from intellect.inference.config import EngineConfig
 from intellect.inference.torch_engine import TorchEngine
 from intellect.ledger import StepMetrics
 from intellect.model.checkpoint import load_checkpoint_copy
@@ -53,9 +52,10 @@ from intellect.ids import canonical_worker
 from intellect.rl.rollouts import (
     KIND, RolloutLimits, load_submission, submission_path, write_submission,
 )
-from intellect.rl.submission import RewardFn, generate_submission, math_task_reward
+from intellect.rl.submission import RewardFn, generate_submission, math_task_reward, signal_samples, torch_engine
 from intellect.rl.trainer import GRPOTrainer, Sample, load_accepted
 from intellect.rl.validator import RowCheck, validate_submission
+from intellect.storage import step_name
 from intellect.toploc.check import toploc_check
 
 if TYPE_CHECKING:
@@ -67,14 +67,6 @@ if TYPE_CHECKING:
     from intellect.verdict import Verdict
 
 EngineFactory = Callable[[torch.nn.Module, Any], "InferenceEngine"]
-
-
-def torch_engine(model: torch.nn.Module, tokenizer, capture_hidden: bool = False,
-                 compute: ComputeConfig | None = None, engine: EngineConfig | None = None) -> InferenceEngine:
-    """The worker's engine, on ``compute``'s device and in its precision (None: the model as it is),
-    batching as ``engine`` says (None: the defaults); hidden states are captured only when TOPLOC
-    proofs are built from them."""
-    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden, compute=compute, config=engine)
 
 
 def worker_engines(cfg: RLRunConfig) -> EngineFactory:
@@ -135,7 +127,7 @@ def _signal_rows(rows: list[dict]) -> list[dict]:
 
 def done_marker(step: int, worker: str) -> str:
     """Where a worker says it has written all its submissions of ``step`` (a :class:`DoneMarker`)."""
-    return f"{KIND}/step_{step}/{canonical_worker(worker)}.done"
+    return f"{KIND}/{step_name(step)}/{canonical_worker(worker)}.done"
 
 
 class DoneMarker(BaseModel):
@@ -154,15 +146,6 @@ def read_done_marker(storage: RunStorage, step: int, worker: str) -> DoneMarker 
     if not storage.exists(rel):
         return None
     return DoneMarker.model_validate_json(storage.read_text(rel))
-
-
-def _signal_samples(rows: Sequence) -> int:
-    """Samples of ``rows`` (one submission) in groups whose claimed rewards differ."""
-    if not rows:
-        return 0
-    keep = nonzero_signal(torch.tensor([r.reward for r in rows], dtype=torch.float64),
-                          torch.tensor([r.group_id for r in rows]))
-    return int(keep.sum())
 
 
 def worker_step(
@@ -193,7 +176,7 @@ def worker_step(
             write_submission(storage, step, worker, k, rows, limits=limits)
             written.append(rel)
         files.append(rel)
-        signal += _signal_samples(rows)
+        signal += signal_samples(rows)
         if signal >= cfg.workers.min_signal_samples:
             break
     storage.write_text(done_marker(step, worker), DoneMarker(files=files, policy_step=policy).model_dump_json())

@@ -25,18 +25,19 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from pydantic import Field
 
-from intellect.config import StrictModel
+from intellect.config import ComputeConfig, StrictModel
 from intellect.ids import canonical_worker
+from intellect.inference.config import EngineConfig
 from intellect.inference.protocol import Request
 from intellect.inference.sampling import MAX_SEED, SamplingParams
-from intellect.rl.advantages import group_advantages
+from intellect.inference.torch_engine import TorchEngine
+from intellect.rl.advantages import group_advantages, nonzero_signal
 from intellect.rl.assignment import assign_prompts, assignment_seed
 from intellect.prompts import PromptConfig, render_prompt
 from intellect.rl.rewards.code import CodeRewardConfig, code_reward, code_rewards
 from intellect.rl.rewards.math import math_reward, math_rewards
 from intellect.rl.rollout_schema import Rollout
-from intellect.toploc.check import completion_proofs
-from intellect.toploc.proofs import ToplocConfig
+from intellect.toploc.proofs import ToplocConfig, completion_proofs
 
 if TYPE_CHECKING:
     from intellect.data.loaders import CodeTask, MathTask, Task, TaskKind
@@ -125,6 +126,24 @@ def advantages_of(rewards: Sequence[float], group_ids: Sequence[int]) -> list[fl
         return []
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_ids))
     return adv.tolist()
+
+
+def torch_engine(model: torch.nn.Module, tokenizer, capture_hidden: bool = False,
+                 compute: ComputeConfig | None = None, engine: EngineConfig | None = None) -> InferenceEngine:
+    """The worker's engine, on ``compute``'s device and in its precision (None: the model as it is),
+    batching as ``engine`` says (None: the defaults); hidden states are captured only when TOPLOC
+    proofs are built from them."""
+    return TorchEngine.for_tokenizer(model, tokenizer, capture_hidden=capture_hidden, compute=compute, config=engine)
+
+
+def signal_samples(rows: Sequence[Rollout]) -> int:
+    """Samples of ``rows`` (one submission) in groups whose claimed rewards differ: what the online
+    filter counts until a worker holds enough."""
+    if not rows:
+        return 0
+    keep = nonzero_signal(torch.tensor([r.reward for r in rows], dtype=torch.float64),
+                          torch.tensor([r.group_id for r in rows]))
+    return int(keep.sum())
 
 
 def generate_submission(

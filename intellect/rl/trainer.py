@@ -47,7 +47,7 @@ from pydantic import Field
 
 from intellect import checkpoints
 from intellect.config import ComputeConfig, StrictModel, TrainConfig
-from intellect.device import Precision, autocast, pin, prepare_model, resolve_device
+from intellect.device import Precision, autocast, pin, prepare_model, resolve_device, resolve_precision
 from intellect.rl.logprobs import DEFAULT_CHUNK_TOKENS, packing_isolates, row_logprobs, split_causal_lm
 from intellect.rl.loss import GRPOLossConfig, grpo_loss
 from intellect.rl.packing import PackedRow, output_mask, pack, unpack
@@ -261,7 +261,8 @@ class GRPOTrainer:
         if compute is None:
             self.device = next(model.parameters()).device
         else:
-            self.device, self.precision = resolve_device(compute.device), compute.precision
+            self.device = resolve_device(compute.device)
+            self.precision = resolve_precision(compute.precision, self.device)
             # the log-probs run the base model, not the causal LM's forward: the base is what is compiled
             prepare_model(model, compute.model_copy(update={"compile": False}), self.device, train=True)
             if ref_model is not None:

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from intellect.ids import canonical_worker
-from intellect.storage import parse_step
+from intellect.storage import parse_step, step_name
 from intellect.trust import mac
 from intellect.verdict import VERDICT_SCHEMA, verdict_table
 
@@ -65,7 +65,7 @@ def _tag(secret: bytes, rel: str, data: bytes) -> bytes:
 
 def verdict_path(step: int, name: str) -> str:
     """``verdicts/step_{step}/{name}.parquet`` (``name`` canonical, as worker ids are)."""
-    return f"{KIND}/step_{step}/{canonical_worker(name)}.parquet"
+    return f"{KIND}/{step_name(step)}/{canonical_worker(name)}.parquet"
 
 
 def write_verdicts(storage: RunStorage, step: int, name: str, verdicts: Iterable[Verdict], secret: bytes

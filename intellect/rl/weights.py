@@ -1,12 +1,10 @@
-"""Where inference workers get policy weights: run storage, or SHARDCAST relays.
+"""Policy weights over SHARDCAST: the trainer publishes them, inference workers download them.
 
-Both sources answer the two questions a worker asks (:func:`~intellect.rl.worker.run_worker`):
-which checkpoints are complete, and the model of one of them. With SHARDCAST the trainer publishes
-each checkpoint's :func:`~intellect.checkpoints.inference_files` (never a trainer-only sidecar) to
-the origin (:func:`publish_to_origin`), signed with the trainer's key; relays mirror it, and a
-worker downloads a version into its own cache folder, keeping only the newest few. Relays and
-workers pin the trainer's public key and use nothing it did not sign
-(:mod:`intellect.shardcast.signing`).
+The trainer publishes each checkpoint's :func:`~intellect.checkpoints.inference_files` (never a
+trainer-only sidecar) to the origin (:func:`publish_to_origin`), signed with the trainer's key;
+relays mirror it, and a worker (:func:`~intellect.rl.worker.run_worker`) downloads a version into
+its own cache folder, keeping only the newest few (:class:`ShardcastWeights`). Relays and workers
+pin the trainer's public key and use nothing it did not sign (:mod:`intellect.shardcast.signing`).
 """
 
 from __future__ import annotations
@@ -15,45 +13,23 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
-from intellect.checkpoints import CHECKPOINTS, fetch, inference_files
+from intellect.checkpoints import CHECKPOINTS, inference_files
 from intellect.model.checkpoint import load_checkpoint_copy
-from intellect.rl.config import RLRunConfig
-from intellect.shardcast.client import ShardcastClient
-from intellect.shardcast.config import ClientConfig
-from intellect.shardcast.manifest import Manifest, verify_header
+from intellect.shardcast.manifest import Manifest
 from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import VersionStore
 from intellect.shardcast.writer import publish_folder
-from intellect.storage import RunStorage
+from intellect.storage import parse_step, step_name
 from intellect.trust.keys import SigningKey, VerifyKey
 
+if TYPE_CHECKING:
+    from intellect.rl.config import RLRunConfig
+    from intellect.shardcast.client import ShardcastClient
+    from intellect.storage import RunStorage
+
 log = logging.getLogger("intellect.rl.weights")
-
-
-class WeightSource(Protocol):
-    def complete_steps(self) -> list[int]: ...
-
-    def load(self, step: int) -> tuple[Any, Any]: ...  # (model, tokenizer)
-
-    def close(self) -> None: ...
-
-
-class StorageWeights:
-    """Checkpoints straight from run storage (``STABLE`` marks the complete ones)."""
-
-    def __init__(self, storage: RunStorage):
-        self.storage = storage
-
-    def complete_steps(self) -> list[int]:
-        return self.storage.complete_steps(CHECKPOINTS)
-
-    def load(self, step: int):
-        return fetch(self.storage, step)
-
-    def close(self) -> None:
-        pass
 
 
 class ShardcastWeights:
@@ -67,14 +43,14 @@ class ShardcastWeights:
         return self.client.complete_versions()
 
     def load(self, step: int):
-        dest = self.cache / f"step_{step}"
+        dest = self.cache / step_name(step)
         self.client.fetch(step, dest)
         model, tok = load_checkpoint_copy(dest)  # the folder may be pruned later
         self._prune()
         return model, tok
 
     def _prune(self) -> None:
-        held = sorted((int(p.name[5:]), p) for p in self.cache.glob("step_*") if p.name[5:].isdigit())
+        held = sorted((n, p) for p in self.cache.iterdir() if (n := parse_step(p.name)) is not None)
         for _, p in held[:-self.keep]:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -82,28 +58,12 @@ class ShardcastWeights:
         self.client.close()
 
 
-def weight_source(cfg: RLRunConfig, storage: RunStorage, cache: str | Path,
-                  trainer_key: VerifyKey | str | None = None) -> WeightSource:
-    """The source ``cfg`` asks for: SHARDCAST when ``cfg.shardcast`` is set (its relays must be resolved,
-    and ``trainer_key``, the trainer's public key or its hex, given: only versions it signed are used)."""
-    sc = cfg.shardcast
-    if sc is None:
-        return StorageWeights(storage)
-    if not sc.relays:
-        raise ValueError("shardcast.relays is empty: the run resolves it when it starts its relays")
-    if trainer_key is None:
-        raise ValueError("SHARDCAST needs the trainer's public key (trainer_key): there is no unsigned mode")
-    key = trainer_key.hex if isinstance(trainer_key, VerifyKey) else VerifyKey.from_hex(trainer_key).hex
-    client = ShardcastClient(sc.relays, ClientConfig(**sc.client.model_dump(), trainer_key=key))
-    return ShardcastWeights(client, cache, keep=cfg.async_level + 2)
-
-
 def _signed(m: Manifest, key: VerifyKey) -> bool:
     """Whether every header and shard of ``m`` carries ``key``'s signature: a version the origin holds from
     before (another key, or none) would get the origin marked bad by every relay, so it is written anew."""
     verifier = Verifier(key)
     try:
-        verify_header(verifier, m)
+        verifier.verify(m)
         for s in m.shards:
             verifier.shard(m.version, m.publication, s)
     except Untrusted:

@@ -44,14 +44,15 @@ from pydantic import Field
 
 from intellect.config import ComputeConfig, StrictModel
 from intellect.data.loaders import TaskKind, task_of_row
-from intellect.device import DeviceError, resolve_device
+from intellect.device import DeviceError, Precision, resolve_device, resolve_precision
 from intellect.inference.config import EngineConfig
-from intellect.rl.lag import policy_for
+from intellect.rl.lag import PolicyLag, policy_for
 from intellect.rl.rollouts import RolloutLimits, encode_submission, submission_path
 from intellect.rl.service_client import ServiceClient, ServiceError
-from intellect.rl.step import _signal_samples, torch_engine
 from intellect.rl.rewards.code import CodeRewardConfig
-from intellect.rl.submission import RewardFn, SubmissionConfig, generate_assigned, task_reward_fn
+from intellect.rl.submission import (
+    RewardFn, SubmissionConfig, generate_assigned, signal_samples, task_reward_fn, torch_engine,
+)
 from intellect.rl.weights import ShardcastWeights
 from intellect.shardcast.client import ShardcastClient, ShardcastError
 from intellect.shardcast.config import ClientConfig, ClientTuning
@@ -74,6 +75,11 @@ class CheckpointTimeout(TimeoutError):
     pass
 
 
+def validator_precision(cfg: RLRunConfig) -> Precision:
+    """The precision the run's validator prefills in, as its own device decides ``compute.precision``."""
+    return resolve_precision(cfg.compute.precision, resolve_device(cfg.compute.device))
+
+
 class WorkerRunInfo(StrictModel):
     """What the submission service tells a worker about the run (``GET /v1/run``): nothing secret."""
 
@@ -81,11 +87,13 @@ class WorkerRunInfo(StrictModel):
     steps: int = Field(ge=1, description="RL steps of the run (0 .. steps - 1 are generated).")
     committed: int = Field(ge=-1, description="The newest committed step (-1: none); a worker starts after it.")
     async_level: int = Field(ge=0, description="Most policy lag of a sample.")
+    policy_lag: PolicyLag = Field(default="newest", description="Which fresh checkpoint to generate with (lag.py).")
     submission: SubmissionConfig
     toploc: ToplocConfig | None = Field(description="TOPLOC proofs the validator checks (None: off).")
     precision: Literal["fp32", "bf16-mixed", "bf16"] = Field(
-        default="fp32", description="The precision the validator prefills in (the run's compute.precision): "
-        "a worker's engine generates in it.",
+        default="fp32", description="The precision the validator prefills in (the run's compute.precision as "
+        "the validator's device decides it: never auto, which a worker's device could decide otherwise): a "
+        "worker's engine generates in it.",
     )
     limits: RolloutLimits | None = Field(description="Bounds the validator applies; None: defaults.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="How the engine batches (workers.engine).")
@@ -104,8 +112,8 @@ class WorkerRunInfo(StrictModel):
     def of(cls, cfg: RLRunConfig, committed: int, relays: list[str]) -> WorkerRunInfo:
         """What a run of ``cfg`` tells its workers, ``committed`` its newest committed step."""
         return cls(
-            run=cfg.run_name, steps=cfg.steps, committed=committed, async_level=cfg.async_level,
-            submission=cfg.submission, toploc=cfg.toploc, precision=cfg.compute.precision, limits=cfg.limits,
+            run=cfg.run_name, steps=cfg.steps, committed=committed, async_level=cfg.async_level, policy_lag=cfg.policy_lag,
+            submission=cfg.submission, toploc=cfg.toploc, precision=validator_precision(cfg), limits=cfg.limits,
             task_kind=cfg.tasks.kind, code_reward=cfg.tasks.code, engine=cfg.workers.engine,
             min_signal_samples=cfg.workers.min_signal_samples, max_submissions=cfg.workers.max_submissions,
             relays=relays, client=cfg.weights_broadcast().client, poll_interval=cfg.workers.poll_interval,
@@ -122,11 +130,11 @@ def _tasks(rows: list[dict], kind: TaskKind) -> list:
 
 
 def wait_for_policy(complete_steps: Callable[[], list[int]], step: int, async_level: int, timeout: float,
-                    poll: float, stop: Callable[[], bool] = lambda: False) -> int | None:
+                    poll: float, stop: Callable[[], bool] = lambda: False, lag: PolicyLag = "newest") -> int | None:
     """The checkpoint to generate ``step`` with, once one is complete (None when ``stop()`` says so)."""
     deadline = time.monotonic() + timeout
     while True:
-        policy = policy_for(step, async_level, complete_steps())
+        policy = policy_for(step, async_level, complete_steps(), lag)
         if policy is not None:
             return policy
         if stop():
@@ -210,7 +218,7 @@ def run_worker(
                     continue
                 t0 = time.perf_counter()
                 policy = wait_for_policy(weights.complete_steps, step, info.async_level, info.checkpoint_timeout,
-                                         info.poll_interval, stop)
+                                         info.poll_interval, stop, info.policy_lag)
                 if policy is None:
                     break
                 if engine is None or policy != held:
@@ -230,7 +238,7 @@ def run_worker(
                     rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,
                                 poll=info.poll_interval)
                     files.append(rec.path)
-                    signal += _signal_samples(rows)
+                    signal += signal_samples(rows)
                     if signal >= info.min_signal_samples:
                         break
                 _call(client.finish, step, files, policy, deadline=wait, poll=info.poll_interval)

@@ -44,7 +44,8 @@ _COPY_HELP = ("Copy the files into the origin's folder. By default they are hard
 
 
 def _serve(args, store: VersionStore, relay: Relay | None = None) -> int:
-    from intellect.shardcast.server import Server, bind, write_port_file  # noqa: PLC0415 - each role imports only what it runs
+    from intellect.http_server import bind  # noqa: PLC0415 - each role imports only what it runs
+    from intellect.shardcast.server import Server, write_port_file  # noqa: PLC0415 - each role imports only what it runs
 
     server = Server(store, bind(args.host, args.port))
     stop = threading.Event()

@@ -27,44 +27,17 @@ the trainer's, signed.
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_left, insort
 from typing import Iterator
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from intellect.shardcast.chain import INITIAL
-from intellect.shardcast.signing import PUBLICATION, SIGNATURE_FIELD, Untrusted, Verifier
+from intellect.shardcast.header import FileEntry, ShardEntry, SignedHeader, Strict
+from intellect.shardcast.signing import Untrusted, Verifier
 
-SHA256_HEX = r"^[0-9a-f]{64}$"
-# A file name of a version: one path component, no hidden or temporary names, so a client can
-# never be steered into writing outside its target folder.
-FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FileEntry(_Strict):
-    name: str = Field(pattern=FILE_NAME.pattern, description="File name inside the checkpoint folder.")
-    offset: int = Field(ge=0, description="Offset of the file's first byte in the blob.")
-    size: int | None = Field(default=None, ge=0, description="Bytes; None while the origin is still writing it.")
-
-
-class ShardEntry(_Strict):
-    index: int = Field(ge=0, le=10_000_000)
-    offset: int = Field(ge=0)
-    size: int = Field(ge=1)
-    sha256: str = Field(pattern=SHA256_HEX)
-    chain: str | None = Field(
-        default=None, pattern=SHA256_HEX, description="SHA-256 chaining value of the blob right after this shard "
-        "(:mod:`~intellect.shardcast.chain`): with the previous shard's, it checks this shard and, shard by "
-        "shard, the whole blob in one pass. None where the shard ends mid-block or the origin had no way to "
-        "compute it.")
-    signature: str | None = Field(
-        default=None, pattern=SIGNATURE_FIELD, description="The trainer's Ed25519 signature of this shard "
-        "(:func:`~intellect.shardcast.signing.shard_message`), passed on unchanged by relays.")
+__all__ = ["FileEntry", "ListedVersion", "Manifest", "ManifestDelta", "ManifestView", "ShardEntry", "VersionList",
+           "chain_before", "shard_count"]
 
 
 def _check_fits(s: ShardEntry, shard_size: int) -> None:
@@ -74,18 +47,13 @@ def _check_fits(s: ShardEntry, shard_size: int) -> None:
         raise ValueError(f"shard {s.index} ends mid-block ({s.offset + s.size}) but has a chaining value")
 
 
-class Manifest(_Strict):
-    version: int = Field(ge=0, description="The checkpoint's step.")
-    files: list[FileEntry] = Field(default_factory=list)
-    shards: list[ShardEntry] = Field(default_factory=list)
+class Manifest(SignedHeader):
+    """A version's signed header with the shards listed (see the module docstring)."""
+
+    # the header's field with a default, for a manifest built in code; a message from a server names it
     shard_size: int = Field(default=16 << 20, ge=1, description="Bytes per shard (the last one may be shorter).")
-    total_size: int | None = Field(default=None, ge=0, description="Blob bytes, once complete.")
-    sha256: str | None = Field(default=None, pattern=SHA256_HEX, description="SHA-256 of the blob, once complete.")
+    shards: list[ShardEntry] = Field(default_factory=list)
     complete: bool = False
-    publication: str | None = Field(default=None, pattern=PUBLICATION, description="Id of this writing of the version.")
-    signature: str | None = Field(
-        default=None, pattern=SIGNATURE_FIELD, description="The trainer's signature of the header: version, publication, "
-        "shard size, files, total size and SHA-256 (:func:`~intellect.shardcast.signing.header_message`).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -166,7 +134,7 @@ def chain_before(m: "Manifest | ManifestView", entry: ShardEntry) -> str | None:
     return prev.chain if prev is not None else None
 
 
-class ManifestDelta(_Strict):
+class ManifestDelta(SignedHeader):
     """A server's listing of a version from position ``since`` on, with the version's header: what a
     manifest long poll answers, so each answer costs the shards new to the asker, not the whole list.
 
@@ -184,14 +152,7 @@ class ManifestDelta(_Strict):
     (3, False)
     """
 
-    version: int = Field(ge=0)
-    files: list[FileEntry] = Field(default_factory=list)
-    shard_size: int = Field(ge=1)
-    total_size: int | None = Field(default=None, ge=0)
-    sha256: str | None = Field(default=None, pattern=SHA256_HEX)
     complete: bool = False
-    publication: str | None = Field(default=None, pattern=PUBLICATION)
-    signature: str | None = Field(default=None, pattern=SIGNATURE_FIELD, description="The trainer's, over the header.")
     listing: str = Field(default="", pattern=r"^[0-9a-f]{0,32}$", description="Name of the server's listing.")
     since: int = Field(default=0, ge=0, description="Listing position of the first shard here.")
     shards: list[ShardEntry] = Field(default_factory=list, description="In listing order.")
@@ -210,41 +171,27 @@ class ManifestDelta(_Strict):
         return self.since + len(self.shards)
 
 
-class ListedVersion(_Strict):
+class ListedVersion(SignedHeader):
     """One version in a server's ``/versions`` answer, with its signed header: a reader counts a version
     only once the trainer's signature on its header verifies, and a version as complete only when
     that header is sealed (its total size and SHA-256 signed), so no server can make readers chase a
     version the trainer never wrote."""
 
-    version: int = Field(ge=0)
     complete: bool = Field(description="The server holds every shard.")
     shards: int = Field(ge=0, description="Shards the server lists.")
-    files: list[FileEntry] = Field(default_factory=list, max_length=100_000)
-    shard_size: int = Field(ge=1)
-    total_size: int | None = Field(default=None, ge=0)
-    sha256: str | None = Field(default=None, pattern=SHA256_HEX)
-    publication: str | None = Field(default=None, pattern=PUBLICATION)
-    signature: str | None = Field(default=None, pattern=SIGNATURE_FIELD)
 
     @classmethod
     def of(cls, m: Manifest, shards: int) -> "ListedVersion":
-        return cls.model_construct(version=m.version, complete=m.complete, shards=shards, files=m.files,
-                                   shard_size=m.shard_size, total_size=m.total_size, sha256=m.sha256,
-                                   publication=m.publication, signature=m.signature)
+        return cls.model_construct(**m.header_fields(), complete=m.complete, shards=shards)
 
 
-class VersionList(_Strict):
+class VersionList(Strict):
     versions: list[ListedVersion] = Field(default_factory=list, max_length=100_000)
 
 
 def _header_rank(h: ManifestDelta | Manifest) -> tuple[bool, bool, int, bool]:
     # the newest header of one version: complete, sealed, then more files begun, then the last one's size known
     return h.complete, h.sha256 is not None, len(h.files), bool(h.files) and h.files[-1].size is not None
-
-
-def verify_header(verifier: Verifier, h: ManifestDelta | Manifest | ListedVersion) -> None:
-    """Raise :class:`~intellect.shardcast.signing.Untrusted` unless ``h``'s header is the trainer's."""
-    verifier.header(h.version, h.publication, h.shard_size, h.files, h.total_size, h.sha256, h.signature)
 
 
 class ManifestView:
@@ -340,7 +287,7 @@ class ManifestView:
             raise Untrusted("rollback" if d.version < self.version else "wrong_version",
                             f"manifest of version {d.version} served for {self.version}")
         try:
-            verify_header(self.verifier, d)
+            self.verifier.verify(d)
         except Untrusted:
             self.drop(server)
             raise
@@ -432,9 +379,7 @@ class ManifestView:
 
 
 def _header_fields(d: ManifestDelta, shards: list[ShardEntry]) -> dict:
-    return {"version": d.version, "files": d.files, "shard_size": d.shard_size, "total_size": d.total_size,
-            "sha256": d.sha256, "complete": d.complete, "publication": d.publication, "signature": d.signature,
-            "shards": shards}
+    return {**d.header_fields(), "complete": d.complete, "shards": shards}
 
 
 _COMPLETE = "complete"  # a server's position once it listed the whole version

@@ -37,7 +37,7 @@ from typing import TypeGuard, TypeVar
 
 from intellect.shardcast.choice import Scheduler, Try
 from intellect.shardcast.config import ClientTuning, RelayConfig
-from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before, verify_header
+from intellect.shardcast.manifest import Manifest, ManifestView, ShardEntry, chain_before
 from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.store import VersionStore
 from intellect.shardcast.wire import (DeadlineMissed, ShardConnections, ShardError, WireError, answer_budget,
@@ -75,7 +75,7 @@ class Relay:
             if m is None:  # dropped since it was listed
                 continue
             try:  # what it holds from before (another trainer key, or none) is not served as signed data
-                verify_header(self.verifier, m)
+                self.verifier.verify(m)
                 for s in m.shards:
                     self.verifier.shard(v, m.publication, s)
             except Untrusted as e:

@@ -46,6 +46,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
+from intellect.http_server import url_of
 from intellect.shardcast.manifest import ListedVersion, ManifestDelta, VersionList
 from intellect.shardcast.store import SourceChanged, VersionStore
 
@@ -341,20 +342,6 @@ def create_app(store: VersionStore) -> Starlette:
     ])
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: a free one), bound before uvicorn starts so the port is known."""
-    # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
-    # without it every answer sent in two writes (h11: head, then body; a shard's last partial
-    # segment after sendfile) waits for the client's delayed ACK on a kept-alive connection
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it (Linux)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def write_port_file(path: str | os.PathLike, host: str, port: int) -> None:
     p = Path(path)
     tmp = p.with_name(f".tmp-{p.name}")
@@ -367,8 +354,7 @@ class Server:
 
     def __init__(self, store: VersionStore, sock: socket.socket, idle_timeout: float = 30.0, zero_copy: bool = True):
         self.sock = sock
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.url = url_of(sock)
         # h11 (with sendfile unless told otherwise) and the stdlib loop, named: uvicorn's "auto" would
         # pick httptools/uvloop wherever they happen to be installed, and a server must behave the same
         # on every install.

@@ -23,6 +23,9 @@ whole listing again per delta. What a relay cannot do:
   chaining value binds it to every byte before it (a shard checked from the previous shard's signed
   chaining value to its own is exactly the trainer's bytes, :mod:`~intellect.shardcast.chain`).
 
+What a header and a shard entry are, and the exact bytes signed of each, are
+:mod:`~intellect.shardcast.header`'s.
+
 Anything that does not verify raises :class:`Untrusted` with a reason; the client and relays mark
 the server that sent it bad (:mod:`~intellect.shardcast.client`, :mod:`~intellect.shardcast.relay`).
 
@@ -45,53 +48,15 @@ bad_signature
 from __future__ import annotations
 
 import secrets
-from typing import Literal, Protocol, Self, Sequence, TypeVar
+from typing import Callable, Literal, Sequence
 
-from intellect.trust.canonical import canonical
-from intellect.trust.keys import SIGNATURE_BYTES, SigningKey, VerifyKey
+from intellect.shardcast.header import (
+    PUBLICATION_HEX, SIGNATURE_HEX, FileEntry, ShardEntry, SignedHeader, header_message, shard_message,
+)
+from intellect.trust.keys import SigningKey, VerifyKey
 
+__all__ = ["Reason", "Untrusted", "Verifier", "VersionSigner", "header_message", "new_publication", "shard_message"]
 
-class FileEntry(Protocol):
-    """What a header signs of each file (:class:`intellect.shardcast.manifest.FileEntry`): declared
-    here as a protocol because the manifest module imports this one."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def size(self) -> int | None: ...
-
-
-class ShardEntry(Protocol):
-    """What a shard signature covers (:class:`intellect.shardcast.manifest.ShardEntry`)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def sha256(self) -> str: ...
-    @property
-    def chain(self) -> str | None: ...
-    @property
-    def signature(self) -> str | None: ...
-
-    def model_copy(self, *, update: dict) -> Self: ...
-
-
-S = TypeVar("S", bound=ShardEntry)
-
-HEADER_DOMAIN = "intellect/shardcast/header/v1"
-SHARD_DOMAIN = "intellect/shardcast/shard/v1"
-SIGNATURE_HEX = 2 * SIGNATURE_BYTES
-PUBLICATION_HEX = 32
-PUBLICATION = rf"^[0-9a-f]{{{PUBLICATION_HEX}}}$"
-# Signature fields accept any hex up to a whole signature, so that a short one is refused here with
-# its own reason (``truncated_signature``), not as a schema error.
-SIGNATURE_FIELD = rf"^[0-9a-f]{{0,{SIGNATURE_HEX}}}$"
 _CACHE = 4096  # header messages remembered as verified (a version has one per file begun, and its seal)
 
 Reason = Literal["unsigned", "truncated_signature", "bad_signature", "rollback", "wrong_version", "malformed",
@@ -105,20 +70,6 @@ class Untrusted(ValueError):
     def __init__(self, reason: Reason, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
-
-
-def header_message(version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
-                   total_size: int | None, sha256: str | None) -> bytes:
-    """The bytes a header's signature covers (see the module docstring)."""
-    fields: list = [version, publication, shard_size, total_size, sha256, len(files)]
-    for f in files:
-        fields += [f.name, f.offset, f.size]
-    return canonical(HEADER_DOMAIN, *fields)
-
-
-def shard_message(version: int, publication: str | None, e: ShardEntry) -> bytes:
-    """The bytes a shard's signature covers (see the module docstring)."""
-    return canonical(SHARD_DOMAIN, version, publication, e.index, e.offset, e.size, e.sha256, e.chain)
 
 
 def new_publication() -> str:
@@ -138,7 +89,7 @@ class VersionSigner:
         return self.key.sign(header_message(self.version, self.publication, shard_size, files, total_size,
                                             sha256)).hex()
 
-    def shard(self, entry: S) -> S:
+    def shard(self, entry: ShardEntry) -> ShardEntry:
         """``entry`` with its signature."""
         sig = self.key.sign(shard_message(self.version, self.publication, entry)).hex()
         return entry.model_copy(update={"signature": sig})
@@ -167,10 +118,19 @@ class Verifier:
     def header(self, version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
                total_size: int | None, sha256: str | None, signature: str | None) -> None:
         """Raise :class:`Untrusted` unless ``signature`` is the trainer's over this header."""
+        self._header(version, publication, signature,
+                     lambda: header_message(version, publication, shard_size, files, total_size, sha256))
+
+    def verify(self, h: SignedHeader) -> None:
+        """Raise :class:`Untrusted` unless ``h``'s header is the trainer's."""
+        self._header(h.version, h.publication, h.signature, h.message)
+
+    def _header(self, version: int, publication: str | None, signature: str | None,
+                message: Callable[[], bytes]) -> None:
         sig = _signature(signature, f"the header of version {version}")
         if publication is None:
             raise Untrusted("unsigned", f"the header of version {version} names no publication")
-        msg = header_message(version, publication, shard_size, files, total_size, sha256)
+        msg = message()
         if (msg, sig) in self._verified:
             return
         if not self.key.verify(sig, msg):

@@ -211,8 +211,7 @@ class VersionStore:
         head, listed, count, name = self._state(version)
         if head is None:
             return None
-        fields = {k: getattr(head, k) for k in ("version", "files", "shard_size", "total_size", "sha256", "complete",
-                                                "publication", "signature")}
+        fields = {**head.header_fields(), "complete": head.complete}
         if head.complete:
             return ManifestDelta.model_construct(**fields, listing="", since=0, shards=head.shards)
         total = len(head.shards) + count

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from intellect.shardcast import chain
-from intellect.shardcast.manifest import ManifestDelta, ShardEntry, VersionList, verify_header
+from intellect.shardcast.manifest import ManifestDelta, ShardEntry, VersionList
 from intellect.shardcast.signing import Untrusted, Verifier
 
 
@@ -352,7 +352,7 @@ def list_versions(conns: ShardConnections, base: str, verifier: Verifier, limit:
     except ValidationError as e:
         raise Untrusted("malformed", f"{base}/versions: {str(e).splitlines()[0]}") from None
     for v in listed:
-        verify_header(verifier, v)
+        verifier.verify(v)
         if v.complete and v.sha256 is None:
             raise Untrusted("unsigned", f"{base}/versions: version {v.version} listed complete, but not sealed")
     return [(v.version, v.complete) for v in listed]

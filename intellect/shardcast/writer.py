@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from intellect.shardcast.chain import whole_hasher
-from intellect.shardcast.manifest import FILE_NAME, FileEntry, Manifest, ShardEntry
+from intellect.shardcast.header import FILE_NAME
+from intellect.shardcast.manifest import FileEntry, Manifest, ShardEntry
 from intellect.shardcast.signing import VersionSigner
 from intellect.shardcast.store import LINKED, LINKED_STAT, SourceChanged, VersionStore, atomic_write
 from intellect.storage import STABLE

@@ -2,8 +2,9 @@
 one prefill per policy checkpoint.
 
 A worker's engine captures the final hidden state of every generated token
-(:class:`~intellect.inference.protocol.Completion`); :func:`completion_proofs` turns a batch of
-completions into one proof blob each. The validator's :func:`toploc_check` is a
+(:class:`~intellect.inference.protocol.Completion`);
+:func:`~intellect.toploc.proofs.completion_proofs` turns a batch of completions into one proof blob
+each. The validator's :func:`toploc_check` is a
 :data:`~intellect.rl.validator.RowCheck`: it groups a submission's rows by the checkpoint they
 claim, prefills ``prompt + output`` once with that checkpoint
 (:meth:`~intellect.inference.torch_engine.TorchEngine.prefill`, or :func:`right_padded_prefill`),
@@ -70,10 +71,10 @@ from intellect.device import autocast
 from intellect.inference.protocol import Request, Scored
 from intellect.inference.sampling import LowProb, low_prob_draws, sampling_probs
 from intellect.inference.torch_engine import lm_head, scored_rows
-from intellect.toploc.proofs import ToplocConfig, build_proofs_many, check_many
+from intellect.toploc.proofs import ToplocConfig, check_many
 
 if TYPE_CHECKING:
-    from intellect.inference.protocol import Completion, Scorer
+    from intellect.inference.protocol import Scorer
     from intellect.inference.sampling import SamplingParams
     from intellect.inference.torch_engine import TorchEngine
     from intellect.rl.rollouts import Rollout
@@ -87,16 +88,8 @@ EngineFor = Callable[[int], "Scorer"]
 Prefill = Callable[["Scorer", Sequence[Request], Sequence[Sequence[int]], "SamplingParams",
                     "LowProb | None"], "list[Scored]"]
 
-__all__ = ["Draws", "EngineFor", "Prefill", "completion_proofs", "engine_prefill", "low_prob_draws",
-           "low_prob_surprise", "right_padded_prefill", "sampling_detail", "sampling_probs", "toploc_check"]
-
-
-def completion_proofs(completions: Sequence[Completion], cfg: ToplocConfig) -> list[bytes]:
-    """The proof blob of each completion (its engine must capture hidden states)."""
-    states = [c.hidden_states for c in completions if c.hidden_states is not None]
-    if len(states) != len(completions):
-        raise ValueError("TOPLOC proofs need hidden states: build the engine with capture_hidden=True")
-    return build_proofs_many(states, cfg.chunk, cfg.k)
+__all__ = ["Draws", "EngineFor", "Prefill", "engine_prefill", "low_prob_draws", "low_prob_surprise",
+           "right_padded_prefill", "sampling_detail", "sampling_probs", "toploc_check"]
 
 
 # ---------------------------------------------------------------- distribution statistic (pure)

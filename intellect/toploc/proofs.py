@@ -29,6 +29,7 @@ the reference's check). Malformed proofs are verdicts, never exceptions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ from pydantic import Field
 
 from intellect.config import StrictModel
 from intellect.toploc.field import MOD, evaluate, interpolate
+
+if TYPE_CHECKING:
+    from intellect.inference.protocol import Completion
 
 
 class ToplocConfig(StrictModel):
@@ -226,6 +230,14 @@ def build_proofs_many(acts_list: list[torch.Tensor], chunk: int = 32, k: int = 1
         for r, (i, j) in enumerate(members):
             rows[i][j] = encoded[r * size:(r + 1) * size]
     return [b"".join(r[j] for j in range(len(r))) for r in rows]
+
+
+def completion_proofs(completions: Sequence[Completion], cfg: ToplocConfig) -> list[bytes]:
+    """The proof blob of each of a worker's completions (its engine must capture hidden states)."""
+    states = [c.hidden_states for c in completions if c.hidden_states is not None]
+    if len(states) != len(completions):
+        raise ValueError("TOPLOC proofs need hidden states: build the engine with capture_hidden=True")
+    return build_proofs_many(states, cfg.chunk, cfg.k)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Shared integration fixtures: a real S3 API served by moto on 127.0.0.1."""
+"""Shared integration fixtures: a real S3 API served by moto on 127.0.0.1, a bucket on it, a run folder in it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import Iterator
 
 import boto3
 import pytest
+
+from intellect.storage import RunStorage
 
 
 def _free_port() -> int:
@@ -105,3 +107,9 @@ def bucket(s3_env: str) -> str:
     name = f"test-{uuid.uuid4().hex[:16]}"
     boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def s3_storage(bucket: str) -> RunStorage:
+    """A run folder in a fresh bucket of the moto server."""
+    return RunStorage(f"s3://{bucket}/runs/test")

@@ -12,10 +12,8 @@ import hashlib
 import math
 import os
 import socket
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +24,7 @@ from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
 from intellect.diloco.plan import chunk_bounds, payload_bytes
 from intellect.diloco.quantize import wire_nbytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import prime_allreduce  # noqa: E402  (PRIME's baseline lives with the benchmarks)
+from benchmarks import prime_allreduce  # PRIME's baseline lives with the benchmarks (pythonpath: pyproject)
 
 # (37, 29) and (1000,): several chunks per rank; (5,): chunks of 1-2 values; (0,): no chunk;
 # scales spread over 1e-3..1e1, so a shared codebook would fail the error bound.

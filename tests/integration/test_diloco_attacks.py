@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diloco_faults import FaultPlan, faulty_launcher
-from test_diloco_elastic import digests, logs, run_cfg
+from diloco_runs import digests, logs, run_cfg
 
 from intellect.checkpoints import fetch
 from intellect.data.arithmetic import heldout_problems

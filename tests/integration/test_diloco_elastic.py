@@ -17,37 +17,15 @@ import time
 import pytest
 import torch
 from diloco_faults import FaultPlan, faulty_launcher, stall_marker
+from diloco_runs import digests, logs, run_cfg
 
 from intellect.checkpoints import fetch
-from intellect.config import load_config
 from intellect.diloco import worker_state
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher
 from intellect.storage import RunStorage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def run_cfg(tmp_path, **over) -> DilocoRunConfig:
-    base = {
-        "storage.url": f"file://{tmp_path}/runs",
-        "model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 2,
-        "model.intermediate_size": 64, "train.batch_size": 8, "train.warmup_steps": 2,
-        "diloco.workers": 2, "diloco.inner_steps": 4, "diloco.outer_steps": 3,
-        "diloco.heartbeat_interval": 0.3, "diloco.heartbeat_timeout": 2.5,
-        "diloco.collective_timeout": 6, "diloco.boundary_timeout": 30,
-    }
-    base.update(over)
-    return load_config(DilocoRunConfig, overrides=[f"{k}={v}" for k, v in base.items()], environ={})
-
-
-def digests(coord: Coordinator, step: int) -> dict[str, str]:
-    out = {}
-    for w in coord.handles:
-        key = f"digest/{step}/{w}"
-        if coord.store.check([key]):
-            out[w] = coord.store.get(key).decode()
-    return out
 
 
 def assert_identical_replicas(coord: Coordinator, steps: range) -> None:
@@ -77,10 +55,6 @@ def coordinator(tmp_path):
     yield make
     for c in made:
         c.close()
-
-
-def logs(tmp_path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
 
 
 def test_two_workers_commit_identical_replicas_and_checkpoints(tmp_path, coordinator):

@@ -63,6 +63,9 @@ def test_the_auth_string_is_made_once_private_and_reused(tmp_path):
         cluster.auth_string(state)
 
 
+# Resolving a template asks the API: the session's test server answers, where without it each worker
+# process would start an ephemeral Prefect server of its own.
+@pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.parametrize("path", POOL_FILES, ids=[p.stem for p in POOL_FILES])
 def test_a_pool_template_has_no_command_for_job_variables_to_replace(path, tmp_path):
     """The server refuses a ``command`` job variable (the schema allows no unknown variable), and

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from test_diloco_elastic import run_cfg
+from diloco_runs import run_cfg
 
 from intellect.diloco.coordinator import (ALLREDUCE_KEY_ENV, PEER_KEY_ENV, SECRET_ENV, Coordinator, load_credentials,
                                           worker_args, worker_credentials, worker_launcher)

@@ -16,12 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from intellect.http_server import bind
 from intellect.shardcast.client import ShardcastClient, ShardcastError
 from intellect.shardcast.config import ClientConfig, RelayConfig, ShardcastConfig
 from intellect.shardcast.local import ServerProcess, start_local
 from intellect.shardcast.manifest import ShardEntry
 from intellect.shardcast.relay import Relay
-from intellect.shardcast.server import Server, bind
+from intellect.shardcast.server import Server
 from intellect.shardcast.signing import Verifier, VersionSigner
 from intellect.shardcast.store import VersionStore
 from intellect.shardcast.wire import DeadlineMissed, ShardConnections, ShardError, download_shard, list_versions

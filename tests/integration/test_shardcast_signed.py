@@ -24,11 +24,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from intellect.http_server import bind
 from intellect.shardcast.client import ShardcastClient, ShardcastError
 from intellect.shardcast.config import ClientConfig, RelayConfig
 from intellect.shardcast.local import ServerProcess
 from intellect.shardcast.relay import Relay
-from intellect.shardcast.server import Server, bind
+from intellect.shardcast.server import Server
 from intellect.shardcast.store import VersionStore
 from intellect.shardcast.writer import publish_folder
 from intellect.trust.keys import SigningKey

@@ -1,39 +1,32 @@
 """RunStorage against a real S3 API (a moto server on 127.0.0.1, see conftest.py).
 
-The backend-independent contract is ``StorageContract`` from tests/unit/test_storage_local.py,
-rerun here unchanged with an S3 ``store`` fixture.
+The backend-independent contracts of tests/storage_contract.py run here unchanged with an S3
+``store`` fixture.
 """
 
 from __future__ import annotations
 
 import socket
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import boto3
 import pytest
+from storage_contract import CrashContract, StorageContract
 
 from intellect.config import StorageConfig
 from intellect.storage import RunStorage
-
-
-# The contract lives with the local tests; importing it by name (not from a file path) lets
-# pytest's assertion rewriting apply to it here too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_storage_local import StorageContract  # noqa: E402
 
 # ~10 s in all: a moto server, a fresh S3 client per test, a writer subprocess
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def store(bucket: str) -> RunStorage:
-    return RunStorage(f"s3://{bucket}/runs/test")
+def store(s3_storage: RunStorage) -> RunStorage:
+    return s3_storage
 
 
-class TestS3Contract(StorageContract):
+class TestS3Contract(StorageContract, CrashContract):
     pass
 
 

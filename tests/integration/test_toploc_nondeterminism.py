@@ -20,13 +20,12 @@ from intellect.rl.rollouts import Rollout
 from intellect.inference.sampling import LowProb
 from intellect.toploc.check import (
     Draws,
-    completion_proofs,
     engine_prefill,
     low_prob_surprise,
     right_padded_prefill,
     toploc_check,
 )
-from intellect.toploc.proofs import ToplocConfig
+from intellect.toploc.proofs import ToplocConfig, completion_proofs
 
 pytestmark = pytest.mark.slow
 

@@ -1,36 +1,94 @@
-"""Unit-test fixtures: a run on a real S3 API (the integration suite's moto server)."""
+"""Unit tests start no process, server or socket: a test here that does fails, with what it started.
 
-import importlib.util
+The guard wraps each phase of a unit test (setup, call, teardown, so module fixtures are covered too)
+and replaces, for that phase only, every way this codebase could start a process or reach a network:
+
+- processes: ``subprocess.Popen`` (asyncio's subprocesses too), ``os.fork``/``forkpty``/``posix_spawn[p]``/
+  ``system``, ``_posixsubprocess.fork_exec`` (multiprocessing's spawn and forkserver) and, for a clearer
+  message, multiprocessing's ``Process.start``;
+- sockets: ``bind``, ``connect``, ``connect_ex`` and ``sendto`` on Python sockets (urllib, httpx, boto3,
+  uvicorn and asyncio's transports all use them);
+- gloo and TCPStore, which open their sockets in C++ where the Python socket patch cannot see them.
+
+Allowed: ``socket.socketpair()`` (asyncio's event loop wakes itself through one; on Linux it binds and
+connects nothing, and a pair reaches no other process) and threads (they start no process).
+
+A violation raises where it happens and is recorded too, so code that swallows the error (a retry
+loop, a worker thread) still fails the test when the phase ends. Such a test belongs in
+tests/integration/.
+"""
+
+from __future__ import annotations
+
+import _posixsubprocess
+import multiprocessing.process
 import os
-import uuid
-from pathlib import Path
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
-import boto3
 import pytest
+import torch.distributed as dist
 
-from intellect.storage import RunStorage
+_MOVE = "a unit test starts no process, server or socket; move this test to tests/integration/"
 
 
-@pytest.fixture(scope="module")
-def s3_storage(tmp_path_factory):
-    """A run on a real S3 API: the integration suite's moto server on 127.0.0.1, stopped by PID."""
-    path = Path(__file__).resolve().parents[1] / "integration" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("integration_conftest", path)
-    assert spec is not None and spec.loader is not None
-    moto = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moto)
-    proc, url = moto._start_moto(tmp_path_factory.mktemp("moto") / "server.log", timeout=30)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        bucket = f"test-{uuid.uuid4().hex[:16]}"
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=bucket)
-        yield RunStorage(f"s3://{bucket}/runs/test", endpoint_url=url)
-    finally:
-        moto._stop(proc)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _forbidding(what: str, seen: list[str], method: bool = False) -> Callable[..., Any]:
+    """A stand-in that records and refuses the call; a method's ``self`` is left out of the message."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        shown = args[1:3] if method else args[:2]
+        detail = f"{what}({', '.join([*map(repr, shown), *(f'{k}=...' for k in kwargs)])[:200]})"
+        seen.append(detail)
+        raise RuntimeError(f"{detail}: {_MOVE}")
+
+    return refuse
+
+
+@contextmanager
+def forbid_processes_and_sockets(seen: list[str]) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                mp.setattr(os, name, _forbidding(f"os.{name}", seen))
+        mp.setattr(subprocess.Popen, "_execute_child", _forbidding("subprocess.Popen", seen, method=True))
+        mp.setattr(_posixsubprocess, "fork_exec", _forbidding("fork_exec (multiprocessing)", seen))
+        mp.setattr(multiprocessing.process.BaseProcess, "start", _forbidding("multiprocessing Process.start", seen))
+        for name in ("bind", "connect", "connect_ex", "sendto"):
+            mp.setattr(socket.socket, name, _forbidding(f"socket.{name}", seen, method=True))
+        if dist.is_available():
+            store = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]  (public, re-exported from torch._C)
+            mp.setattr(store, "__init__", _forbidding("torch.distributed.TCPStore", seen, method=True))
+            mp.setattr(dist, "init_process_group", _forbidding("torch.distributed.init_process_group", seen))
+            if dist.is_gloo_available():
+                gloo = _forbidding("torch.distributed.ProcessGroupGloo", seen, method=True)
+                mp.setattr(dist.ProcessGroupGloo, "__init__", gloo)
+        yield
+
+
+def _guarded_phase(phase: str) -> Iterator[None]:
+    seen: list[str] = []
+    with forbid_processes_and_sockets(seen):
+        result = yield
+    if seen:
+        raise pytest.fail.Exception(f"{phase} of a unit test started {'; '.join(seen)}: {_MOVE}", pytrace=False)
+    return result
+
+
+# Per-phase hooks (not a fixture): they cover module- and session-scoped fixtures too, and, being in this
+# conftest, apply to the items under tests/unit/ only.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup() -> Iterator[None]:  # pluggy passes only the arguments named
+    return (yield from _guarded_phase("setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call() -> Iterator[None]:  # pluggy passes only the arguments named
+    return (yield from _guarded_phase("the call"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown() -> Iterator[None]:  # pluggy passes only the arguments named
+    return (yield from _guarded_phase("teardown"))

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from intellect.config import MODEL_PRESETS, ModelConfig
@@ -12,19 +12,9 @@ from intellect.model.arch import ArchError, meta_model, model_config, supported_
 from intellect.model.checkpoint import build_model, load_checkpoint, parameter_count, save_checkpoint
 from intellect.model.generate import generate
 from intellect.model.tokenizer import build_tokenizer
+from word_tokenizer import word_tokenizer
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
-
-
-def word_tokenizer(vocab_size: int, *, pad: bool) -> PreTrainedTokenizerFast:
-    """A real word-level tokenizer of ``vocab_size`` ids: ``<s>``, ``</s>`` (and ``<pad>``), then words."""
-    specials = ["<s>", "</s>"] + (["<pad>"] if pad else [])
-    vocab = {t: i for i, t in enumerate(specials)}
-    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    extra = {"pad_token": "<pad>"} if pad else {}
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", **extra)
 
 
 def state_digest(model: torch.nn.Module) -> str:

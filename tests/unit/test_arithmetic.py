@@ -6,8 +6,6 @@ import doctest
 import hashlib
 import itertools
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -191,15 +189,6 @@ def test_different_seed_different_stream():
     b = take(train_stream(DataConfig(seed=2)), 200)
     assert a != b
     assert take(train_stream(DataConfig(seed=1), seed=2), 200) == b
-
-
-def test_stream_is_stable_across_processes():
-    code = (
-        "from intellect.config import DataConfig; from intellect.data import train_stream, batch_texts;"
-        "print(batch_texts(train_stream(DataConfig(seed=5)), 20))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(batch_texts(train_stream(DataConfig(seed=5)), 20))
 
 
 # --------------------------------------------------------------------- the held-out split

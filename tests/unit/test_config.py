@@ -117,3 +117,21 @@ def test_diloco_outer_momentum_follows_the_start_unless_set():
     assert shared.outer_momentum == 0.5  # the caller's object is left as it was
     assert C.load_config(DC.DilocoRunConfig, environ={"INTELLECT_DILOCO__OUTER_MOMENTUM": "0.9",
                                                       "INTELLECT_MODEL__PRETRAINED": "/ckpt"}).diloco.outer_momentum == 0.9
+
+
+def test_the_submission_service_follows_the_run_unless_set():
+    """``service.ahead`` and ``service.max_submissions_per_step`` come from async_level and
+    workers.max_submissions when left unset, and a value the run sets is what the service gets, also
+    after the dump a deployment run receives."""
+    derived = RLRunConfig(async_level=3, workers={"max_submissions": 6})
+    svc = RLRunConfig.model_validate_json(derived.model_dump_json()).service_config()
+    assert (svc.ahead, svc.max_submissions_per_step) == (4, 6)
+    chosen = C.load_config(RLRunConfig, overrides=["async_level=3", "service.ahead=1",
+                                                   "service.max_submissions_per_step=9"], environ={})
+    svc = RLRunConfig.model_validate_json(chosen.model_dump_json()).service_config()
+    assert (svc.ahead, svc.max_submissions_per_step) == (1, 9)
+    assert chosen.service.ahead == 1 and RLRunConfig().service.ahead is None  # the run's own config is left as is
+    with pytest.raises(ValueError, match="admits no step"):
+        RLRunConfig(service={"ahead": 0})
+    with pytest.raises(ValueError, match="workers would be refused"):
+        RLRunConfig(workers={"max_submissions": 8}, service={"max_submissions_per_step": 4})

@@ -234,3 +234,59 @@ def test_no_import_cycles_between_components():
     found = cycles((component(e.src), component(e.dst)) for e in edges)
     assert found == [], "import cycles between components:\n" + "\n".join(
         f"{c}:\n  {_explain(c, edges, component)}" for c in found)
+
+
+# ---------------------------------------------------------------------------- the untrusted worker
+
+#: What a permissionless inference worker's process must never load: it runs on machines nobody here
+#: owns, and needs none of the trainer's, the ledger's or the validator's code.
+NOT_IN_A_WORKER = ("intellect.rl.trainer", "intellect.rl.loss", "intellect.ledger", "duckdb", "intellect.rl.validator",
+                   "intellect.toploc.check")
+CLI = PKG.parent / "flows" / "cli.py"
+
+
+def loaded_by(roots: Iterable[str], edges: Iterable[Edge]) -> dict[str, Edge | None]:
+    """Every module importing ``roots`` loads, with the edge it was first reached by (None: a root).
+    Module-level imports only (what an import runs), typing-only ones left out, each package's
+    ``__init__`` included.
+
+    >>> sorted(loaded_by(["intellect.a.b"], [Edge("intellect.a.b", "c", 1, "module"),
+    ...                                       Edge("c", "d", 2, "typing")]))
+    ['c', 'intellect', 'intellect.a', 'intellect.a.b']
+    """
+    graph: dict[str, list[Edge]] = {}
+    for e in edges:
+        if e.kind == "module":
+            graph.setdefault(e.src, []).append(e)
+    seen: dict[str, Edge | None] = {}
+    todo: list[tuple[str, Edge | None]] = [(r, None) for r in roots]
+    while todo:
+        module, via = todo.pop()
+        if module in seen:
+            continue
+        seen[module] = via
+        parent = module.rpartition(".")[0]
+        if parent:
+            todo.append((parent, Edge(module, parent, 0, "module")))
+        todo += [(e.dst, e) for e in graph.get(module, [])]
+    return seen
+
+
+def _chain(seen: dict[str, Edge | None], module: str) -> str:
+    links = []
+    while (e := seen.get(module)) is not None:
+        links.append(str(e))
+        module = e.src
+    return "\n  ".join(reversed(links))
+
+
+def test_the_untrusted_worker_loads_no_trainer_ledger_or_validator_code():
+    """``intellect worker`` (flows/cli.py, which imports intellect.rl.worker when the command is
+    ``worker``) and the worker module itself: the whole module-level closure of each."""
+    cli_edges = [e for e in imports_of("flows.cli", CLI.read_text()) if e.kind == "module"]
+    assert ("flows.cli", "intellect.rl.worker") in {(e.src, e.dst) for e in imports_of("flows.cli", CLI.read_text())}
+    for roots in (["intellect.rl.worker"], ["intellect.rl.worker", *{e.dst for e in cli_edges}]):
+        seen = loaded_by(roots, EDGES)
+        assert len(seen) > 20  # the scan follows imports at all
+        bad = {m: _chain(seen, m) for m in NOT_IN_A_WORKER if m in seen}
+        assert bad == {}, "\n".join(f"{roots[-1]} loads {m}:\n  {chain}" for m, chain in bad.items())

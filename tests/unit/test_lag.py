@@ -69,3 +69,35 @@ def test_generation_horizon_agrees_with_freshness(async_level):
         assert not is_fresh(horizon + 1, latest, async_level)
         assert policy_for(horizon, async_level, range(latest + 1)) == latest
         assert policy_for(horizon + 1, async_level, range(latest + 1)) is None
+
+
+def test_fixed_lag_uses_exactly_the_oldest_fresh_checkpoint():
+    # the same checkpoint whatever else has been published: a step's samples do not depend on the pace
+    for available in ([3], [0, 1, 2, 3], [3, 4], [3, 4, 5, 6]):
+        assert policy_for(5, 2, available, "fixed") == 3
+    assert policy_for(5, 2, [4, 5], "fixed") is None  # checkpoint 3 is not there (yet, or any more)
+    assert policy_for(1, 2, [0, 1], "fixed") == 0 and policy_for(5, 0, [4, 5], "fixed") == 5
+    with pytest.raises(ValueError):
+        policy_for(5, 2, [3], "oldest")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("async_level", [0, 1, 2, 5])
+def test_fixed_lag_never_waits_longer_than_the_generation_horizon(async_level):
+    # a generator allowed to reach step latest + async_level finds its fixed checkpoint already there
+    for latest in range(6):
+        horizon = latest + async_level
+        assert policy_for(horizon, async_level, range(latest + 1), "fixed") == max(0, horizon - async_level)
+        assert policy_for(horizon + 1, async_level, range(latest + 1), "fixed") is None
+
+
+def test_the_runs_policy_lag_reaches_its_workers():
+    from intellect.rl.config import RLRunConfig  # noqa: PLC0415 - only this test needs the run config
+    from intellect.rl.worker import WorkerRunInfo, wait_for_policy  # noqa: PLC0415
+
+    relays = ["http://127.0.0.1:1"]
+    info = WorkerRunInfo.of(RLRunConfig(policy_lag="fixed"), committed=-1, relays=relays)
+    assert WorkerRunInfo.model_validate(info.model_dump(mode="json")).policy_lag == "fixed"
+    assert WorkerRunInfo.of(RLRunConfig(), committed=-1, relays=relays).policy_lag == "newest"
+    published = [0, 1, 2, 3, 4]
+    assert wait_for_policy(lambda: published, 5, 2, timeout=1, poll=0.01, lag=info.policy_lag) == 3
+    assert wait_for_policy(lambda: published, 5, 2, timeout=1, poll=0.01) == 4

@@ -1,63 +1,22 @@
-"""The DuckDB ledger: idempotent verdicts, duplicate rule, atomic steps, crash safety."""
+"""The DuckDB ledger: idempotent verdicts, duplicate rule, atomic steps. Crash safety across processes:
+tests/integration/test_ledger_processes.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 
 import duckdb
 import pytest
+from ledger_rows import accepted_elsewhere, counts, rollout, verdicts, worker_rows
 
 from intellect.ledger import LEDGER_SCHEMA_VERSION, Ledger, RecordResult, StepMetrics
-from intellect.rl.rollouts import Rollout
 from intellect.verdict import LedgerError, Verdict, verdict_table
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def rollout(i, step=1, worker="w1", k=0, seed=None, output=None):
-    return Rollout(run="r", step=step, policy_step=step, worker=worker, submission=k,
-                   seed=i if seed is None else seed, prompt_id=f"p{i // 2}", group_id=i // 2,
-                   prompt_tokens=(1, 2), output_tokens=output or (3, i % 5 + 4), finish_reason="stop",
-                   reward=float(i % 2), task_reward=float(i % 2), length_penalty=0.0, advantage=0.5)
-
-
-def verdicts(n=4, step=1, worker="w1", k=0, reject=(), seed0=0):
-    file = f"rollouts/step_{step}/{worker}-{k}.parquet"
-    return [Verdict.of(rollout(i, step, worker, k, seed=seed0 + i), file, i, "toploc" if i in reject else None)
-            for i in range(n)]
 
 
 @pytest.fixture
 def ledger(tmp_path):
     with Ledger(tmp_path / "run" / "ledger.duckdb") as ledger:
         yield ledger
-
-
-def counts(ledger):
-    return [(r["step"], r["status"], r["reason"], r["n"]) for r in ledger.summary()]
-
-
-def worker_rows(ledger):
-    """The ``workers`` table that ``record_verdicts`` keeps, with each worker's sample counts."""
-    return ledger._query(
-        "SELECT w.worker, w.first_seen, w.last_seen, w.info, "
-        "count(r.file) FILTER (WHERE r.status = 'accepted') AS accepted, "
-        "count(r.file) FILTER (WHERE r.status = 'rejected') AS rejected "
-        "FROM workers w LEFT JOIN rollouts r USING (worker) GROUP BY ALL ORDER BY w.worker"
-    )
-
-
-def accepted_elsewhere(ledger, content_hash, file=None, row=None):
-    """Whether ``content_hash`` is accepted other than at ``(file, row)``: the ledger's duplicate rule."""
-    return bool(ledger._query(
-        "SELECT 1 FROM rollouts WHERE content_hash = ? AND status = 'accepted' "
-        "AND NOT (file IS NOT DISTINCT FROM ? AND row_index IS NOT DISTINCT FROM ?) LIMIT 1",
-        [content_hash, file, row],
-    ))
 
 
 def test_schema_is_versioned(tmp_path):
@@ -156,29 +115,6 @@ def test_interrupted_transaction_leaves_nothing(ledger, monkeypatch):
     assert ledger.record_verdicts(1, verdicts(4)).inserted == 4
 
 
-_KILLED_WRITER = r"""
-import os, sys
-sys.path.insert(0, sys.argv[2])
-from test_ledger import verdicts
-from intellect.ledger import Ledger
-ledger = Ledger(sys.argv[1])
-ledger.record_verdicts(1, verdicts(2))
-def die(con, now):
-    os._exit(3)  # the process dies inside the transaction, after the rollouts insert
-Ledger._touch_workers = staticmethod(die)
-ledger.record_verdicts(1, verdicts(4, worker="w2", seed0=10))
-"""
-
-
-def test_killed_process_leaves_only_committed_steps(tmp_path):
-    path = tmp_path / "l.duckdb"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path), str(Path(__file__).parent)], cwd=REPO)
-    assert proc.returncode == 3
-    ledger = Ledger(path)
-    assert counts(ledger) == [(1, "accepted", None, 2)]
-    assert ledger.record_verdicts(1, verdicts(4, worker="w2", seed0=10)).inserted == 4
-
-
 def test_commit_step_once(ledger):
     ledger.record_verdicts(1, verdicts(4, reject={3}))
     m = StepMetrics(loss=0.25, clip_fraction=0.1, trained_samples=3, timings={"train": 1.5})
@@ -246,32 +182,6 @@ def test_recording_verdicts_registers_their_workers(ledger):
     assert (ws["w1"]["info"], ws["w1"]["accepted"], ws["w1"]["rejected"]) == (None, 6, 1)
     assert ws["w1"]["first_seen"] == first["first_seen"] and ws["w1"]["last_seen"] >= first["last_seen"]
     assert ws["w2"]["info"] is None and ws["w2"]["accepted"] == 1
-
-
-_LOCK_HOLDER = r"""
-import sys, time, duckdb
-con = duckdb.connect(sys.argv[1])
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-con.close()
-"""
-
-
-def test_waits_for_another_process_holding_the_file(tmp_path):
-    path = tmp_path / "l.duckdb"
-    with Ledger(path) as ledger:
-        ledger.record_verdicts(1, verdicts(1))
-    holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(path), "0.7"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(duckdb.IOException):
-            Ledger(path, lock_timeout=0.1)
-        t0 = time.monotonic()
-        assert ledger.record_verdicts(1, verdicts(3)).inserted == 2  # reopened once the holder let go
-        assert time.monotonic() - t0 > 0.2
-    finally:
-        holder.wait(timeout=10)
-    ledger.close()
 
 
 def test_many_instances_in_one_process_share_the_file(tmp_path):

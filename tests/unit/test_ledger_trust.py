@@ -15,7 +15,7 @@ import intellect.verdict as verdict_mod
 from intellect.ledger import Ledger, RecordResult
 from intellect.rl.submission import advantages_of
 from intellect.verdict import MAX_ABS_ADVANTAGE, MAX_GROUP_SIZE, BadVerdictTable, LedgerError, Verdict, verdict_table
-from test_ledger import accepted_elsewhere, counts, verdicts, worker_rows
+from ledger_rows import accepted_elsewhere, counts, verdicts, worker_rows
 
 
 @pytest.fixture

@@ -1,7 +1,10 @@
-"""FLOPs per token, peak FLOP/s, MFU, and the JSONL (+ TensorBoard) metrics log, local and on S3."""
+"""FLOPs per token, peak FLOP/s, MFU (never above 1), and the local JSONL (+ TensorBoard) metrics log (on S3:
+tests/integration/test_metrics_s3.py)."""
 
+import doctest
 import importlib.util
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -10,13 +13,18 @@ import duckdb
 import pytest
 import torch
 
-from intellect.config import LoggingConfig, ModelConfig
-from intellect.metrics import (TENSORBOARD_EXTRA, MetricsLog, flops_per_token, gpu_peak_flops, measure_matmul_flops,
-                               mfu, peak_flops)
+from intellect import metrics as metrics_mod
+from intellect.config import ComputeConfig, DataConfig, LoggingConfig, ModelConfig, TrainConfig
+from intellect.data.arithmetic import train_stream
+from intellect.device import prepare_model
+from intellect.metrics import (TENSORBOARD_EXTRA, MetricsLog, Peak, flops_per_token, gpu_peak_flops,
+                               measure_matmul_flops, mfu, peak_flops)
+from intellect.train import Trainer, encode_texts
 from intellect.model.arch import model_config
 from intellect.model.checkpoint import build_model, parameter_count
 from intellect.storage import RunStorage
-from test_arch import word_tokenizer
+from mfu_rows import mfu_above_one
+from word_tokenizer import word_tokenizer
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -75,21 +83,76 @@ def test_cpu_peak_is_a_matmul_benchmark_measured_once():
     assert measure_matmul_flops(cpu, torch.float32, 256, 0.05) is first  # cached, not measured again
     bf16 = measure_matmul_flops(cpu, torch.bfloat16, 256, 0.05)
     assert bf16 > 0 and bf16 != first
-    peak = peak_flops(cpu, "bf16-mixed")  # runs in bf16 under autocast
-    assert peak == measure_matmul_flops(cpu, torch.bfloat16, 2048) and peak_flops(cpu, "bf16") is peak
+    peak = peak_flops(cpu, "bf16-mixed")  # runs in bf16 under autocast: the best of several sizes
+    assert peak >= measure_matmul_flops(cpu, torch.bfloat16, 256, 0.25) and peak_flops(cpu, "bf16") == peak
     with pytest.raises(ValueError):
         measure_matmul_flops(cpu, torch.float32, 0, 1.0)
-    # a re-measurement can only raise the peak (one taken while the cores were busy is too low), and
-    # leaves the cached first measurement as it was
+    # a re-measurement can only raise the peak (one taken while the cores were busy is too low)
     again = peak_flops(cpu, "bf16-mixed", remeasure=True)
-    assert again >= peak and peak_flops(cpu, "bf16-mixed") is peak
+    assert again >= peak and peak_flops(cpu, "bf16-mixed") == again
     assert peak_flops(cpu, "fp32", configured_tflops=2.5, remeasure=True) == 2.5e12
+
+
+def test_the_cpu_peak_skips_sizes_whose_one_matmul_would_take_over_a_second(monkeypatch):
+    sizes = []
+
+    def measure(_device, _dtype, size, _seconds):  # an emulated-bf16 CPU: about 1 GFLOP/s at any size
+        sizes.append(size)
+        return 1e9
+
+    monkeypatch.setattr(metrics_mod, "measure_matmul_flops", measure)
+    assert metrics_mod._measure_peak(torch.device("cpu"), torch.bfloat16) == 1e9
+    assert sizes == [256, 512]  # a 1024 matmul is 2.1 GFLOP: over a second at that rate
+
+
+# --------------------------------------------------------------------- MFU, never above 1
+
+
+def test_docstring_examples():
+    assert doctest.testmod(metrics_mod).failed == 0
 
 
 def test_mfu():
     assert mfu(2000.0, 5e8, 1e13) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="peak"):
         mfu(1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="peak"):
+        Peak(0.0)
+
+
+def train_a_known_model(steps: int = 4) -> list[tuple[float, float]]:
+    """(tokens/s, FLOPs per token) of a few real training steps of a small Llama on arithmetic text."""
+    model, tok = build_model(ModelConfig(num_layers=2, hidden_size=128, intermediate_size=256))
+    prepare_model(model, ComputeConfig(device="cpu"), torch.device("cpu"))
+    trainer = Trainer(model, tok, TrainConfig(batch_size=16, warmup_steps=0))
+    stream = train_stream(DataConfig())
+    out = []
+    for _ in range(steps):
+        batch = encode_texts(tok, [next(stream).text for _ in range(16)], 32)
+        log = trainer.train_step(batch)
+        seq = batch["input_ids"].shape[1]
+        out.append((log["tokens"] / log["seconds"], flops_per_token(model.config, seq)))
+    return out
+
+
+def test_mfu_of_a_real_model_at_a_known_flop_count_is_in_0_1():
+    peak = Peak.of(torch.device("cpu"), "fp32")
+    for tps, per_token in train_a_known_model():
+        assert 0 < peak.mfu(tps, per_token) <= 1
+
+
+def test_a_peak_below_the_achieved_rate_is_a_logged_measurement_error_and_replaced(caplog):
+    steps = train_a_known_model()
+    low = min(tps * per_token for tps, per_token in steps) / 10  # a tenth of what any step achieved
+    for peak in (Peak(low, torch.device("cpu"), "fp32"), Peak(low, torch.device("cpu"), "fp32", configured=True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="intellect.metrics"):
+            utilizations = [peak.mfu(tps, per_token) for tps, per_token in steps]
+        assert all(0 < u <= 1 for u in utilizations), utilizations
+        assert peak.flops >= max(tps * per_token for tps, per_token in steps)
+        errors = [r.getMessage() for r in caplog.records]
+        assert len(errors) == 1 and "measurement error" in errors[0], errors  # said once, not every step
+        assert ("compute.peak_tflops is too low" in errors[0]) is peak.configured
 
 
 # --------------------------------------------------------------------- the log
@@ -174,21 +237,10 @@ def test_tensorboard_event_files_hold_the_numeric_metrics(tmp_path):
         MetricsLog(RunStorage("s3://bucket/run"), "m.jsonl", LoggingConfig(tensorboard=True))
 
 
-@pytest.mark.slow
-def test_on_s3_the_series_is_rewritten_whole_every_flush(s3_storage, tmp_path):
-    name = "metrics/diloco/w1.jsonl"
-
-    def stored() -> list[tuple]:
-        local = tmp_path / "copy.jsonl"
-        local.write_bytes(s3_storage.read_bytes(name))
-        return query(local, "select step, loss from LOG order by step")
-
-    with MetricsLog(s3_storage, name, flush_every=3) as log:
-        for step in range(4):
-            log.log(step, {"loss": float(step)})
-        assert stored() == [(0, 0.0), (1, 1.0), (2, 2.0)]  # one flush so far; step 3 waits for the next
-    assert stored() == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
-    with MetricsLog(s3_storage, name, flush_every=3) as log:  # resumed at step 2
-        log.log(2, {"loss": 20.0})
-    assert stored() == [(0, 0.0), (1, 1.0), (2, 20.0)]
-    assert s3_storage.listdir("metrics/diloco") == ["w1.jsonl"]
+def test_the_suite_wide_check_finds_rows_with_mfu_above_one(tmp_path):
+    with MetricsLog(RunStorage(str(tmp_path)), "metrics/pretrain.jsonl") as log:
+        for step, util in enumerate([0.3, 1.0, 0.99]):
+            log.log(step, {"loss": 1.0, "mfu": util})
+    assert mfu_above_one(tmp_path) == []
+    (tmp_path / "metrics" / "w1.jsonl").write_text('{"step": 1, "mfu": 14.4}\nnot json\n{"step": 2}\n')
+    assert mfu_above_one(tmp_path) == [f"{tmp_path / 'metrics' / 'w1.jsonl'}:1 mfu=14.4"]

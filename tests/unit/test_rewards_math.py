@@ -1,10 +1,10 @@
-"""Math reward: answer extraction, exact and symbolic comparison, the parser allowlist, the time limit."""
+"""Math reward: answer extraction, exact comparison and the parser allowlist. The symbolic comparison and its
+time limit run in checker processes: tests/integration/test_rewards_math_checker.py."""
 
 from __future__ import annotations
 
 import doctest
 import random
-import time
 
 import pytest
 from pydantic import ValidationError
@@ -25,9 +25,9 @@ from intellect.rl.rewards import (
 
 
 def test_docstring_examples_hold():
-    for mod in (base, math_reward_mod):
-        result = doctest.testmod(mod)
-        assert result.attempted > 0 and result.failed == 0, mod.__name__
+    # the math module's examples call the symbolic checker, a process: tests/integration/test_rewards_math_checker.py
+    result = doctest.testmod(base)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize(
@@ -71,18 +71,8 @@ def test_empty_answer_is_no_answer(completion):
         ("1/2", "0.5", "ok"),
         ("0.5", "1/2", "ok"),
         ("-3/4", "-0.75", "ok"),
-        ("\\frac{3}{4}", "0.75", "ok"),
         ("0.333", "1/3", "mismatch"),
         ("2/4", "1/2", "ok"),
-        # expressions, symbolically
-        ("sqrt(8)", "2*sqrt(2)", "ok"),
-        ("1/sqrt(2)", "sqrt(2)/2", "ok"),
-        ("2^(1/2)", "sqrt(2)", "ok"),
-        ("2pi", "2*pi", "ok"),
-        ("$3\\cdot\\pi$", "3pi", "ok"),
-        ("pi", "3.14159", "mismatch"),
-        ("sqrt(2)", "1.41421356", "mismatch"),
-        ("1/0", "1/2", "mismatch"),
     ],
 )
 def test_equivalence(answer, reference, reason):
@@ -124,16 +114,6 @@ def test_over_long_answer_is_invalid_unparsed(monkeypatch):
 def test_bad_reference_is_reported_not_scored():
     result = math_reward("1", "x^2")
     assert (result.reward, result.reason) == (0.0, "bad_reference")
-
-
-def test_pathological_expression_times_out_and_the_checker_recovers():
-    cfg = MathRewardConfig(timeout_s=0.5)
-    start = time.monotonic()
-    result = math_reward("\\boxed{9^9^9}", "1/2", cfg)
-    assert (result.reward, result.reason) == (0.0, "timeout")
-    assert time.monotonic() - start < 5
-    # the killed worker is replaced: the next symbolic check works
-    assert math_reward("\\boxed{sqrt(2)/2}", "1/sqrt(2)", MathRewardConfig(timeout_s=30)).reason == "ok"
 
 
 def test_agrees_with_the_synthetic_task_checker():

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from rollout_files import LIMITS, make_rows
 
 from intellect.rl import rollout_schema
 from intellect.rl.rollouts import (
@@ -17,7 +18,6 @@ from intellect.rl.rollouts import (
     SCHEMA,
     SCHEMA_VERSION,
     VERSION_KEY,
-    Rollout,
     RolloutLimits,
     RolloutRejected,
     content_hash,
@@ -31,18 +31,6 @@ from intellect.rl.rollouts import (
     write_submission,
 )
 from intellect.storage import RunStorage
-
-LIMITS = RolloutLimits(vocab_size=50, max_rows=16, max_prompt_tokens=8, max_output_tokens=12, max_proof_bytes=516)
-
-
-def make_rows(n=4, step=3, worker="w1", k=0, policy_step=2):
-    return [
-        Rollout(run="run-a", step=step, policy_step=policy_step, worker=worker, submission=k, seed=100 + i,
-                prompt_id=f"p{i // 2}", group_id=i // 2, prompt_tokens=(1, 2, 3), output_tokens=tuple(range(4, 5 + i)),
-                finish_reason="stop" if i % 2 else "length", reward=1.0 - i, task_reward=1.0, length_penalty=float(i),
-                advantage=0.5 * (-1) ** i, target_length=None if i == 0 else 10, proof=b"\x01" * (258 if i else 0))
-        for i in range(n)
-    ]
 
 
 def to_bytes(table: pa.Table) -> bytes:

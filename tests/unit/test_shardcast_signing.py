@@ -7,7 +7,8 @@ import time
 import pytest
 
 from intellect.shardcast import signing
-from intellect.shardcast.manifest import FileEntry, Manifest, ManifestDelta, ManifestView, ShardEntry
+from intellect.shardcast.header import SignedHeader
+from intellect.shardcast.manifest import FileEntry, ListedVersion, Manifest, ManifestDelta, ManifestView, ShardEntry
 from intellect.shardcast.signing import Untrusted, Verifier, VersionSigner
 from intellect.shardcast.store import VersionStore
 from intellect.shardcast.writer import VersionWriter
@@ -233,3 +234,26 @@ def test_the_trainer_republishes_a_version_its_key_did_not_sign(tmp_path):
     v = view(1)
     v.apply("origin", VersionStore(origin).delta(1, 0, ""))
     assert v.manifest().complete and [f.name for f in m.files] == ["model.safetensors"]
+
+
+def test_every_header_field_is_signed_and_every_message_carries_the_same_header(tmp_path):
+    """The header is declared once (:class:`SignedHeader`): each of its fields changes the signed bytes,
+    and a manifest, a listing delta and a ``/versions`` entry of one version carry the same header,
+    whose signature verifies in each form."""
+    base = SignedHeader(version=1, publication="ab" * 16, shard_size=64, files=[FileEntry(name="w", offset=0, size=9)],
+                        total_size=9, sha256="0" * 64)
+    changed = {"version": 2, "publication": "cd" * 16, "shard_size": 128, "files": [FileEntry(name="v", offset=0)],
+               "total_size": 10, "sha256": "1" * 64}
+    assert set(changed) | {"signature"} == set(SignedHeader.model_fields)
+    for name, value in changed.items():
+        assert base.model_copy(update={name: value}).message() != base.message(), f"{name} is not signed"
+    store = written(tmp_path, 4, bytes(300))
+    m = store.manifest(4)
+    forms = [m, answer(store, 4), ListedVersion.of(m, len(m.shards))]
+    assert all(isinstance(f, SignedHeader) for f in forms)
+    assert {f.message() for f in forms} == {m.message()}
+    for f in forms:
+        assert f.header_fields() == m.header_fields()
+        Verifier(KEY.public).verify(f)
+        Verifier(KEY.public).header(f.version, f.publication, f.shard_size, f.files, f.total_size, f.sha256,
+                                    f.signature)

@@ -3,84 +3,30 @@ sharding, packing, the document mask on a real Llama, and exact resumption."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sysconfig
 from pathlib import Path
 
-import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from text_corpus import data_cfg, decode_docs, doc_text, read_all, train_tok, write_mixed
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from intellect.config import DataConfig
 from intellect.data.corpus import STDLIB, Corpus, CorpusReader, Cursor, cut_utf8, stdlib_files
 from intellect.data.text import PackedStream, heldout_batches, is_heldout_text, shard_of
 from intellect.model.bpe import train_bpe
 
-# the moto fixtures of the integration suite (a real S3 API on 127.0.0.1), reused by name
-_spec = importlib.util.spec_from_file_location(
-    "integration_fixtures", Path(__file__).resolve().parents[1] / "integration" / "conftest.py")
-assert _spec and _spec.loader
-_fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_fixtures)
-moto_server, s3_env, bucket = _fixtures.moto_server, _fixtures.s3_env, _fixtures.bucket
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-
-
-def doc_text(i: int, length: int = 12) -> str:
-    """Document ``i``: a unique tag, then words (so documents differ in length and content)."""
-    return f"<d{i:03d}> " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(length + i % 9)) + "\n"
-
 
 @pytest.fixture(scope="module")
 def tok():
-    return train_bpe([doc_text(i) for i in range(200)] * 3, vocab_size=400)
-
-
-def data_cfg(files: list[str], **text) -> DataConfig:
-    return DataConfig(kind="text", heldout_percent=text.pop("heldout_percent", 10), seed=text.pop("seed", 0),
-                      text={"files": files, "seq_len": 16, **text})
+    return train_tok()
 
 
 @pytest.fixture
 def mixed(tmp_path: Path) -> tuple[Path, list[str]]:
-    """A folder with text files, a JSONL file and a Parquet file of three row groups: 60 documents."""
-    root = tmp_path / "corpus"
-    (root / "txt").mkdir(parents=True)
-    texts = [doc_text(i) for i in range(60)]
-    for i in range(20):
-        (root / "txt" / f"{i:02d}.txt").write_text(texts[i])
-    (root / "rows.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts[20:40])))
-    pq.write_table(pa.table({"id": list(range(20)), "text": texts[40:]}), root / "rows.parquet", row_group_size=7)
-    (root / ".hidden.txt").write_text("never read\n")
-    (root / "notes.csv").write_text("wrong suffix\n")
-    return root, texts
-
-
-def decode_docs(tok, batches: list[dict[str, torch.Tensor]]) -> list[str]:
-    """The whole documents in a run of batches (split at EOS; the unfinished last one dropped)."""
-    ids = torch.cat([b["input_ids"].flatten() for b in batches]).tolist()
-    docs, cur = [], []
-    for t in ids:
-        if t == tok.eos_token_id:
-            docs.append(tok.decode(cur))
-            cur = []
-        else:
-            cur.append(t)
-    return docs
-
-
-def read_all(stream: PackedStream, n: int = 4) -> list[dict[str, torch.Tensor]]:
-    out = []
-    try:
-        while True:
-            out.append(stream.next_batch(n))
-    except EOFError:
-        return out
+    return write_mixed(tmp_path / "corpus")
 
 
 # --------------------------------------------------------------------- reading
@@ -169,31 +115,6 @@ def test_stdlib_corpus_is_the_standard_library_sources() -> None:
     assert f"{STDLIB}/json/decoder.py" in names
     assert not any("site-packages" in n or "__pycache__" in n or "/encodings/" in n for n in names)
     assert all(f.location.startswith(sysconfig.get_paths()["stdlib"]) for f in files)
-
-
-@pytest.mark.slow
-def test_s3_prefix_and_key_read_like_local_files(mixed, tok, bucket: str, s3_env: str, monkeypatch) -> None:
-    root, texts = mixed
-    client = boto3.client("s3", endpoint_url=s3_env)
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            client.put_object(Bucket=bucket, Key=f"corpus/{path.relative_to(root)}", Body=path.read_bytes())
-    prefix = data_cfg([f"s3://{bucket}/corpus/"])
-    corpus = Corpus(prefix.text)
-    assert len(corpus.files) == 22 and all(r.name.startswith(f"s3://{bucket}/corpus/") for r in corpus.files)
-    reader = CorpusReader(corpus, lambda e: "fixed")
-    stats: dict[str, int] = {}
-    assert sorted(d[2] for d in reader.stream(Cursor(), lambda r, c: True, epochs=1, stats=stats)) == sorted(texts)
-    assert stats["row_groups"] == 3
-    train = {t for t in texts if not is_heldout_text(t, 10)}
-    assert set(decode_docs(tok, read_all(PackedStream(prefix, tok, epochs=2)))) == train
-    # explicit options win over the environment
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
-    one = Corpus(data_cfg([f"s3://{bucket}/corpus/rows.parquet"]).text, {"endpoint_url": s3_env, "region": "us-east-1"})
-    got = [d[2] for d in CorpusReader(one, lambda e: "x").stream(Cursor(0, 0, 10, 0), lambda r, c: True, epochs=1)]
-    assert got == texts[50:]
-    with pytest.raises(ValueError, match="unknown storage_options"):
-        Corpus(prefix.text, {"endpont": "x"})
 
 
 # --------------------------------------------------------------------- splits, shards, packing

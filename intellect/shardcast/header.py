@@ -1,0 +1,105 @@
+"""What the trainer signs of a SHARDCAST version: its header, each shard entry, and the bytes of each
+signature (:mod:`~intellect.shardcast.signing` signs and verifies them).
+
+A version's *header* is :class:`SignedHeader`'s fields: the version number, the publication (the id
+of this writing of the version), the shard size, the files begun so far (name, offset, size; the
+size None for the file still being written) and, once the version is sealed, its total size and the
+whole blob's SHA-256, with the trainer's signature over them (:func:`header_message`). Every message
+that carries a header (a manifest, a listing delta, a ``/versions`` entry) is a :class:`SignedHeader`,
+so the fields a server sends and the fields the trainer signed are declared once, here. A shard
+entry is signed on its own (:func:`shard_message`), so a relay passes it on unchanged whatever it
+lists it with.
+
+>>> h = SignedHeader(version=3, publication="ab" * 16, shard_size=4, files=[FileEntry(name="w", offset=0)])
+>>> h.message() == header_message(3, "ab" * 16, 4, h.files, None, None)
+True
+>>> sorted(h.header_fields())
+['files', 'publication', 'sha256', 'shard_size', 'signature', 'total_size', 'version']
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from intellect.trust.canonical import canonical
+from intellect.trust.keys import SIGNATURE_BYTES
+
+HEADER_DOMAIN = "intellect/shardcast/header/v1"
+SHARD_DOMAIN = "intellect/shardcast/shard/v1"
+SHA256_HEX = r"^[0-9a-f]{64}$"
+SIGNATURE_HEX = 2 * SIGNATURE_BYTES
+PUBLICATION_HEX = 32
+PUBLICATION = rf"^[0-9a-f]{{{PUBLICATION_HEX}}}$"
+# Signature fields accept any hex up to a whole signature, so that a short one is refused by the
+# verifier with its own reason (``truncated_signature``), not as a schema error.
+SIGNATURE_FIELD = rf"^[0-9a-f]{{0,{SIGNATURE_HEX}}}$"
+# A file name of a version: one path component, no hidden or temporary names, so a client can
+# never be steered into writing outside its target folder.
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+MAX_FILES = 100_000  # files of one version: bounds what one header costs a reader to parse and check
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(Strict):
+    name: str = Field(pattern=FILE_NAME.pattern, description="File name inside the checkpoint folder.")
+    offset: int = Field(ge=0, description="Offset of the file's first byte in the blob.")
+    size: int | None = Field(default=None, ge=0, description="Bytes; None while the origin is still writing it.")
+
+
+class ShardEntry(Strict):
+    index: int = Field(ge=0, le=10_000_000)
+    offset: int = Field(ge=0)
+    size: int = Field(ge=1)
+    sha256: str = Field(pattern=SHA256_HEX)
+    chain: str | None = Field(
+        default=None, pattern=SHA256_HEX, description="SHA-256 chaining value of the blob right after this shard "
+        "(:mod:`~intellect.shardcast.chain`): with the previous shard's, it checks this shard and, shard by "
+        "shard, the whole blob in one pass. None where the shard ends mid-block or the origin had no way to "
+        "compute it.")
+    signature: str | None = Field(
+        default=None, pattern=SIGNATURE_FIELD, description="The trainer's Ed25519 signature of this shard "
+        "(:func:`shard_message`), passed on unchanged by relays.")
+
+
+class SignedHeader(Strict):
+    """A version's header as the trainer signed it; every message that carries one derives from this."""
+
+    version: int = Field(ge=0, description="The checkpoint's step.")
+    files: list[FileEntry] = Field(default_factory=list, max_length=MAX_FILES)
+    shard_size: int = Field(ge=1, description="Bytes per shard (the last one may be shorter).")
+    total_size: int | None = Field(default=None, ge=0, description="Blob bytes, once sealed.")
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX, description="SHA-256 of the blob, once sealed.")
+    publication: str | None = Field(default=None, pattern=PUBLICATION, description="Id of this writing of the version.")
+    signature: str | None = Field(
+        default=None, pattern=SIGNATURE_FIELD, description="The trainer's signature of the header: version, "
+        "publication, shard size, files, total size and SHA-256 (:func:`header_message`).")
+
+    def message(self) -> bytes:
+        """The bytes :attr:`signature` covers."""
+        return header_message(self.version, self.publication, self.shard_size, self.files, self.total_size,
+                              self.sha256)
+
+    def header_fields(self) -> dict[str, Any]:
+        """The header's fields and their values, to build another message that carries the same header."""
+        return {name: getattr(self, name) for name in SignedHeader.model_fields}
+
+
+def header_message(version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
+                   total_size: int | None, sha256: str | None) -> bytes:
+    """The bytes a header's signature covers."""
+    fields: list = [version, publication, shard_size, total_size, sha256, len(files)]
+    for f in files:
+        fields += [f.name, f.offset, f.size]
+    return canonical(HEADER_DOMAIN, *fields)
+
+
+def shard_message(version: int, publication: str | None, e: ShardEntry) -> bytes:
+    """The bytes a shard's signature covers: the version, the publication, the shard's index, offset,
+    size, SHA-256 and the blob's chaining value at its end."""
+    return canonical(SHARD_DOMAIN, version, publication, e.index, e.offset, e.size, e.sha256, e.chain)
