@@ -244,3 +244,4 @@ def test_the_suite_wide_check_finds_rows_with_mfu_above_one(tmp_path):
     assert mfu_above_one(tmp_path) == []
     (tmp_path / "metrics" / "w1.jsonl").write_text('{"step": 1, "mfu": 14.4}\nnot json\n{"step": 2}\n')
     assert mfu_above_one(tmp_path) == [f"{tmp_path / 'metrics' / 'w1.jsonl'}:1 mfu=14.4"]
+    (tmp_path / "metrics" / "w1.jsonl").unlink()  # else the session's own check (tests/conftest.py) finds it
