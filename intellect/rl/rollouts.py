@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from intellect.ids import canonical_worker
-from intellect.rl.lag import is_fresh
+from intellect.rl.lag import PolicyLag, is_fresh
 from intellect.rl.parquet_bounds import (
     ColumnBound, LayoutError, check_bounds, chunk_layouts, footer_length, read_capped, read_local,
 )
@@ -150,11 +150,12 @@ def validate_table(
     submission: int | None = None,
     run: str | None = None,
     async_level: int | None = None,
+    policy_lag: PolicyLag = "newest",
 ) -> pa.Table:
     """Check a decoded submission and return it as exactly :data:`SCHEMA`; :class:`RolloutRejected` if bad.
 
     ``step``, ``worker``, ``submission`` and ``run``, when given, are what the file must claim (e.g.
-    from its path); ``async_level``, when given, rejects samples the lag bound calls stale.
+    from its path); ``async_level``, when given, rejects samples the lag rule (``policy_lag``) calls stale.
     """
     _check_schema(table.schema)
     if table.num_rows == 0:
@@ -207,7 +208,7 @@ def validate_table(
         _reject("identity", f"rows are submission {got['submission']}, file is submission {submission}")
     if run is not None and got["run"] != run:
         _reject("identity", f"rows are for run {got['run']!r}, not {run!r}")
-    if async_level is not None and not is_fresh(got["step"], got["policy_step"], async_level):
+    if async_level is not None and not is_fresh(got["step"], got["policy_step"], async_level, policy_lag):
         _reject("stale", f"policy {got['policy_step']} is outside the lag bound {async_level} of step {got['step']}")
     return table
 
@@ -372,6 +373,7 @@ def load_submission(
     *,
     run: str | None = None,
     async_level: int | None = None,
+    policy_lag: PolicyLag = "newest",
     sha256: str | None = None,
     size: int | None = None,
 ) -> list[Rollout]:
@@ -392,4 +394,5 @@ def load_submission(
     got = hashlib.sha256(data).hexdigest() if sha256 is not None else None
     if got is not None and got != str(sha256).lower():  # the declared digest is public: no constant time needed
         _reject("sha256_mismatch", f"content sha256 {got} is not the declared {str(sha256)[:64]!r}")
-    return read_submission(data, limits, step=step, worker=worker, submission=k, run=run, async_level=async_level)
+    return read_submission(data, limits, step=step, worker=worker, submission=k, run=run, async_level=async_level,
+                           policy_lag=policy_lag)

@@ -203,7 +203,7 @@ def validate_files(
         rec = (recorded or {}).get(rel)
         out += validate_submission(
             storage, rel, tasks=tasks, tokenizer=tokenizer, step=step, async_level=cfg.async_level,
-            limits=limits, cfg=cfg.submission, run=cfg.run_name, reward_fn=reward_fn, extra_checks=extra_checks,
+            policy_lag=cfg.policy_lag, limits=limits, cfg=cfg.submission, run=cfg.run_name, reward_fn=reward_fn, extra_checks=extra_checks,
             worker=None if rec is None else rec.worker, sha256=None if rec is None else rec.sha256,
             size=None if rec is None else rec.size,
         )

@@ -41,6 +41,7 @@ import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from intellect.rl.assignment import check_assignment
+from intellect.rl.lag import PolicyLag
 from intellect.rl.rollouts import Rollout, RolloutLimits, RolloutRejected, load_submission, parse_submission_path
 from intellect.rl.submission import (
     RewardFn,
@@ -129,6 +130,7 @@ def validate_submission(
     step: int,
     async_level: int,
     limits: RolloutLimits,
+    policy_lag: PolicyLag = "newest",
     cfg: SubmissionConfig,
     run: str | None = None,
     reward_fn: RewardFn = math_task_reward,
@@ -152,7 +154,8 @@ def validate_submission(
         return [Verdict.file_rejected(rel_path, step, file_worker, k, IDENTITY)]
     worker = file_worker
     try:
-        rows = load_submission(storage, rel_path, limits, run=run, async_level=async_level, sha256=sha256, size=size)
+        rows = load_submission(storage, rel_path, limits, run=run, async_level=async_level,
+                               policy_lag=policy_lag, sha256=sha256, size=size)
     except RolloutRejected as e:
         log.info("rejected %s: %s", rel_path, e)
         return [Verdict.file_rejected(rel_path, step, worker, k, e.reason)]

@@ -282,6 +282,17 @@ def test_stale_samples(async_level, policy_step, ok):
     assert reason_of(encode_submission(make_rows(policy_step=4)), async_level=2) == "stale"  # from the future
 
 
+
+def test_under_a_fixed_lag_a_worker_claiming_a_fresher_checkpoint_is_rejected():
+    # step 3 at async_level 2: "newest" takes checkpoints 1..3, "fixed" checkpoint 1 alone, so a lying
+    # worker cannot make the run train on fresher samples than the honest ones
+    for policy_step in (1, 2, 3):
+        assert read_submission(encode_submission(make_rows(policy_step=policy_step)), LIMITS, async_level=2)
+    assert read_submission(encode_submission(make_rows(policy_step=1)), LIMITS, async_level=2, policy_lag="fixed")
+    for policy_step in (0, 2, 3):
+        data = encode_submission(make_rows(policy_step=policy_step))
+        assert reason_of(data, async_level=2, policy_lag="fixed") == "stale"
+
 def test_bounds_hold_for_float32_values():
     limits = LIMITS.model_copy(update={"reward_min": -0.1, "reward_max": 0.1})
     rows = [replace(r, reward=0.1 if i % 2 else -0.1, task_reward=0.1) for i, r in enumerate(make_rows())]
