@@ -7,11 +7,11 @@ BIN := $(VENV)/bin
 # TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# pytest-xdist workers of `make test-fast` (unit tests: in-process, no servers). The whole suite runs in
-# one process: with xdist one of its process tests took an xdist worker down, and xdist's replacement of
-# the worker then left the run waiting forever (TEST_JOBS=2 `make test` tries it again).
+# pytest-xdist workers of `make test` (whole files to a worker: a file's servers and fixtures stay in one
+# process) and of `make test-fast`. A worker that dies fails the run at once instead of being replaced
+# (--max-worker-restart=0): a replaced worker can leave the run waiting forever. TEST_JOBS=0: one process.
 FAST_JOBS ?= 2
-TEST_JOBS ?= 0
+TEST_JOBS ?= 2
 
 .PHONY: demo test test-fast lint venv clean gpu-wheels
 
@@ -34,11 +34,11 @@ lint: $(BIN)/.installed
 	$(BIN)/pyright
 
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
 # No lint here, to keep the lane quick: `make lint` or `make test` runs it.
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest tests/unit -q -n $(FAST_JOBS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -q -n $(FAST_JOBS) --max-worker-restart=0 $(PYTEST_ARGS)
 
 # The lent GPU machine's missing packages as wheels in .whl/ (docs/deploy.md, "The GPU check").
 gpu-wheels:

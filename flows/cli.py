@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", add_help=False,
                    help="a permissionless RL inference worker: keygen, or join a run by its URL "
                    "(see `intellect worker -h`)")
+    sub.add_parser("diloco-join", add_help=False,
+                   help="a DiLoCo contributor: join a run with its own key, listed in diloco.contributors "
+                   "(see `intellect diloco-join -h`)")
     sub.add_parser("tokenizer", add_help=False,
                    help="train a BPE tokenizer on a run config's text corpus (see `intellect tokenizer -h`)")
     sub.add_parser("shardcast", add_help=False,
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         from intellect.rl.worker import main as worker_main  # noqa: PLC0415 - no Prefect, no RL trainer code
 
         return worker_main(argv[1:], prog="intellect worker")
+    if argv[:1] == ["diloco-join"]:  # a DiLoCo contributor: its own key, no Prefect, no run secret
+        from intellect.diloco.coordinator import main as diloco_main  # noqa: PLC0415 - no Prefect
+
+        return diloco_main(["join", *argv[1:]], prog="intellect diloco-join")
     if argv[:1] == ["tokenizer"]:  # its own parser: a tokenizer from a run config's corpus, no flow
         from intellect.model.bpe import main as tokenizer_main  # noqa: PLC0415 - no Prefect
 

@@ -15,7 +15,9 @@ storage).
 The run secret reaches the workers as ``Coordinator`` hands it out: in the
 environment of local subprocesses, in the job variables of deployment flow runs
 (readable by whoever holds the Prefect API credential) unless every worker host
-has ``diloco.secret_file``, in which case nothing is passed.
+has ``diloco.secret_file``, in which case nothing is passed. Contributors
+(``diloco.contributors``) hold none of it: each joins with its own key (``intellect diloco-join``,
+pinning the coordinator key this flow's report names) and gets only its own credentials.
 """
 
 from __future__ import annotations
@@ -162,11 +164,16 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
         launcher: Launcher = worker_launcher(logs, module=worker_module) if local else deployment_launcher(cfg)
         coord = Coordinator(cfg, launcher, env=env, local_ranks=local)
         try:
+            coord.announce_start(start)
+            if cfg.diloco.contributors:
+                logger.info("contributors join at %s with --run %s --coordinator-key %s", coord.address,
+                            cfg.run_name, coord.identity.hex)
             for _ in range(cfg.diloco.workers):
                 coord.start_worker()
             codes = coord.watch(timeout=timeout_s, on_commit=on_commit)
             committed = coord.progress() or start
             refused = dict(coord.server.refusals)  # requests without the run secret, by reason
+            identity = coord.identity.hex
         finally:
             coord.close()
             bar.close()
@@ -178,6 +185,8 @@ def diloco_train(config: DilocoRunConfig | None = None, timeout_s: float = 6 * 3
     create_markdown_artifact(markdown=f"# DiLoCo `{cfg.run_name}`\n\n{committed}/{cfg.diloco.outer_steps} outer steps "
                              f"committed; worker exit codes {codes}"
                              + (f"; the rendezvous refused requests: {refused}" if refused else "")
+                             + (f"\n\ncontributors joined with `--coordinator-key {identity}`"
+                                if cfg.diloco.contributors else "")
                              + (f"\n\n{compute_line(compute)}" if rows else ""))
     # a banned worker is the run defending itself (its events are in the feed), not a failure
     if any(c not in (EXIT_DONE, EXIT_BANNED) for c in codes.values()):

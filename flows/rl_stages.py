@@ -26,6 +26,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from flows.artifacts import artifact_key
 from flows.dispatch import dispatch, dispatch_many
 from flows.rl import eval_due, eval_table, train_broadcast_commit, validate_and_record
+from intellect.progress import Progress
 from intellect.rl.config import RLRunConfig
 from tasks import rl as rl_tasks
 
@@ -68,25 +69,35 @@ def rl_orchestrate(config: RLRunConfig | None = None) -> dict:
             logger.info("checkpoint 0: held-out accuracy %.3f", rl_tasks.evaluate_step(cfg, 0))
             rl_tasks.release_ledger(cfg)  # evaluating reads the checkpoint's digest; the stages write the ledger next
         rows = []
-        for n in range(info.first_step, cfg.steps):
-            t0 = time.perf_counter()
-            dispatch_many(rl_generate, [{"config": cfg, "step": n, "worker": w} for w in cfg.workers.names],
-                          cfg.dispatch)
-            timings = {"generate": time.perf_counter() - t0}
-            t = time.perf_counter()
-            dispatch(rl_validate, {"config": cfg, "step": n}, cfg.dispatch)
-            timings["validate_record"] = time.perf_counter() - t
-            t = time.perf_counter()
-            dispatch(rl_update, {"config": cfg, "step": n, "timings": timings}, cfg.dispatch)
-            timings["update"] = time.perf_counter() - t
-            row = _step_row(cfg, n) | {"seconds": round(time.perf_counter() - t0, 3)}
-            rows.append(row)
-            create_table_artifact(key=artifact_key(cfg.run_name, "rl-step"), table=[row],
-                                  description=f"RL step {n} of {cfg.run_name}")
-            logger.info("step %d: %s", n, row)
-            if eval_due(cfg, n + 1):
-                logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, rl_tasks.evaluate_step(cfg, n + 1))
-                rl_tasks.release_ledger(cfg)
+        # the stages run elsewhere (sub-processes or deployments): the heartbeat says which one is awaited
+        bar = Progress("rl-orchestrate", cfg.steps, start=info.first_step, interval=cfg.logging.progress_seconds,
+                       heartbeat=True)
+        bar.begin(f"steps {info.first_step}..{cfg.steps - 1}")
+        with bar:
+            for n in range(info.first_step, cfg.steps):
+                t0 = time.perf_counter()
+                bar.waiting(f"step {n}: generating")
+                dispatch_many(rl_generate, [{"config": cfg, "step": n, "worker": w} for w in cfg.workers.names],
+                              cfg.dispatch)
+                timings = {"generate": time.perf_counter() - t0}
+                t = time.perf_counter()
+                bar.waiting(f"step {n}: validating")
+                dispatch(rl_validate, {"config": cfg, "step": n}, cfg.dispatch)
+                timings["validate_record"] = time.perf_counter() - t
+                t = time.perf_counter()
+                bar.waiting(f"step {n}: training")
+                dispatch(rl_update, {"config": cfg, "step": n, "timings": timings}, cfg.dispatch)
+                timings["update"] = time.perf_counter() - t
+                row = _step_row(cfg, n) | {"seconds": round(time.perf_counter() - t0, 3)}
+                rows.append(row)
+                bar.update(n + 1, loss=row["loss"], accepted=row["accepted"])
+                create_table_artifact(key=artifact_key(cfg.run_name, "rl-step"), table=[row],
+                                      description=f"RL step {n} of {cfg.run_name}")
+                logger.info("step %d: %s", n, row)
+                if eval_due(cfg, n + 1):
+                    bar.waiting(f"evaluating checkpoint {n + 1}")
+                    logger.info("checkpoint %d: held-out accuracy %.3f", n + 1, rl_tasks.evaluate_step(cfg, n + 1))
+                    rl_tasks.release_ledger(cfg)
         evals, _ = rl_tasks.summarize_run(cfg, curve=False)
     lines = [f"# RL run `{cfg.run_name}` (rl-orchestrate, stages {cfg.dispatch.mode})", "", *eval_table(evals)]
     create_markdown_artifact(key=artifact_key(cfg.run_name, "rl-summary"), markdown="\n".join(lines),

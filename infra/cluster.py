@@ -12,8 +12,10 @@ workers, ``<state>/env`` (mode 0600) and :func:`api_settings` hand it to clients
 ``PREFECT_API_AUTH_STRING``; the UI asks for it on its login page. ``up`` also creates the automation
 ``intellect-worker-rejections`` (``infra/automations.py``). The server keeps its database in
 ``<state>/prefect-home`` (SQLite; Postgres for more than one worker host, see ``docs/deploy.md``),
-analytics off. Pools come from ``infra/pools/<pool>.json`` (base job
-templates for process workers) and are created through the API. Every process runs in its own
+analytics off. Pools come from ``infra/pools/<pool>.json`` (base job templates for process
+workers, their ``env`` an allowlist: ``infra/pool_worker.py``) and are created through the API; each
+worker is ``python -m infra.pool_worker``, which checks every flow run's job variables against the
+template of this checkout before it starts the run. Every process runs in its own
 session (``setsid``): one SIGTERM to its group stops it, which a job started with ``&`` from a
 script would ignore (its SIGINT is ignored, and the worker turns SIGTERM into SIGINT). PID files
 are in ``<state>/pids``; ``down`` stops by PID and leaves nothing running.
@@ -146,9 +148,11 @@ def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate  # noqa: PLC0415 - heavy
     from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415 - heavy
 
+    from infra.pool_worker import pool_template  # noqa: PLC0415 - imports Prefect
+
     with api_settings(env), get_client(sync_client=True) as client:
         for name in pools:
-            template = json.loads((POOLS_DIR / f"{name}.json").read_text())
+            template = pool_template(name)
             desc = template["variables"].get("description")
             try:
                 client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template,
@@ -185,11 +189,10 @@ def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = 
 
 
 def start_worker(state: Path, env: dict[str, str], pool: str, limit: int) -> int:
-    """One process worker of ``pool`` (an existing pool), in its own session; its PID."""
-    prefect = str(Path(sys.executable).with_name("prefect"))
-    return _spawn(f"worker-{pool}", [prefect, "worker", "start", "--pool", pool, "--type", "process",
-                                     "--limit", str(limit), "--name", f"{pool}-local", "--install-policy", "never",
-                                     "--no-create-pool-if-not-found"], env, state)
+    """One process worker of ``pool`` (an existing pool with a template in ``infra/pools``), in its own
+    session (:mod:`infra.pool_worker`); its PID."""
+    return _spawn(f"worker-{pool}", [sys.executable, "-m", "infra.pool_worker", "--pool", pool, "--limit", str(limit),
+                                     "--name", f"{pool}-local"], env, state)
 
 
 def deploy(state: Path, timeout: float = 600.0) -> None:

@@ -68,8 +68,9 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from intellect.diloco.plan import relay_limit
+from intellect.diloco.plan import SCREENED, relay_limit
 from intellect.diloco.quantize import CODECS, DEFAULT_CLIP_SIGMAS
+from intellect.diloco.robust import DEFAULT_SCREEN, Screen
 from intellect.diloco.schedules import Run
 from intellect.diloco.transport import Channel, CommError, group_timeout
 
@@ -135,6 +136,7 @@ def all_reduce_mean(
     codec: str = DEFAULT_CODEC,
     mac_key: bytes | None = None,
     outlier_clip: float = 0.0,
+    screen: Screen = DEFAULT_SCREEN,
     schedule: type[Run] = Run,
 ) -> AllReduceStats:
     """Replace each of ``tensors`` (same shapes on every rank) with its mean over contributors.
@@ -148,7 +150,8 @@ def all_reduce_mean(
     every rank (checked). ``timeout`` (seconds) bounds each wait; default: the group's.
     ``mac_key``: seal every message (``transport.Channel``); every rank must pass the same key.
     ``outlier_clip``: k > 0 makes each owner aggregate its chunk with ``robust.centred_clip``
-    (3+ contributors; ``"direct"`` and ``"ring-owner"``, where owners see each contribution).
+    (3+ contributors; ``"direct"`` and ``"ring-owner"``, where owners see each contribution);
+    ``screen``: its tighter multiple and direction screen from 4 contributors (``robust.Screen``).
     ``schedule``: the message schedules, ``schedules.Run`` or a subclass (a baseline to compare
     against: ``benchmarks/prime_allreduce.py``); part of the plan digest.
     Raises ``AllReduceError`` on any communication failure; ``ValueError`` on bad
@@ -176,13 +179,13 @@ def all_reduce_mean(
 
     dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in group.name().lower() else None
     to = group_timeout(group) if timeout is None else datetime.timedelta(seconds=timeout)
-    if outlier_clip and algorithm not in ("direct", "ring-owner"):
+    if outlier_clip and algorithm not in SCREENED:
         raise ValueError(f"outlier_clip needs an algorithm whose owners see each contribution, not {algorithm!r}")
     plan = (algorithm, relay, world, order, [[tuple(tensors[i].shape) for i in b] for b in buckets],
-            mac_key is not None, float(outlier_clip), schedule.__qualname__)
+            mac_key is not None, float(outlier_clip), screen, schedule.__qualname__)
     codec = "none" if dev is not None else codec  # NCCL: receive sizes must match exactly
     run = schedule(Channel(group, to, dev, mac_key), tensors, order, order.index(rank), algorithm, relay, clip, codec)
-    run.outlier_clip = float(outlier_clip)
+    run.outlier_clip, run.screen = float(outlier_clip), screen
     try:
         flags = run.exchange_flags(contribute, _digest(plan)) if world > 1 else [contribute]
         run.set_contributors(flags)

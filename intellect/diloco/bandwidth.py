@@ -6,8 +6,9 @@ exchanges a ping, then the sender pushes ``nbytes`` and the receiver times the
 arrival. The receiver's column goes to the store; every worker reads the same
 matrix and solves the same ring (``ring_order``), and under ``diloco.algorithm =
 "auto"`` estimates the same algorithm times (``plan.choose_algorithm``), so
-no one has to broadcast it (the worker still agrees each attempt's plan through
-the store: a restarted worker may have missed the probe).
+no one has to broadcast it, and no one decides it for the others: each member runs
+its own computation (``plan.settle_plan``; only a restarted member that missed the
+probe follows the plan first stored for the attempt).
 """
 
 from __future__ import annotations

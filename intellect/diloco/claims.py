@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from intellect.diloco.plan import chunk_bounds
-from intellect.diloco.robust import centred_clip, owner_bound, receiver_bound
+from intellect.diloco.robust import DEFAULT_SCREEN, Screen, centred_clip, owner_bound, receiver_bound
 from intellect.diloco.transport import Channel
 
 __all__ = ["Claims"]
@@ -39,8 +39,8 @@ class Claims:
     n: int  # contributors
     tag: Callable[[int, int, int], int]  # (bucket, phase, step) -> message tag
 
-    def init_claims(self, outlier_clip: float = 0.0) -> None:
-        self.outlier_clip = outlier_clip
+    def init_claims(self, outlier_clip: float = 0.0, screen: Screen = DEFAULT_SCREEN) -> None:
+        self.outlier_clip, self.screen = outlier_clip, screen
         self.flagged: dict[int, int] = {}  # group rank -> values of its contributions found outliers
         self.contributed: dict[int, int] = {}  # group rank -> values of its contributions this rank owned
         self.claims: torch.Tensor | None = None  # [group rank, bucket, ring position]: announced chunk norms
@@ -107,7 +107,7 @@ class Claims:
                 if norm > claim * (1 + 1e-3) + 1e-30:
                     xs[i] = xs[i] * (claim / norm)
                     lied.add(i)
-        result, outliers = centred_clip(xs, self.outlier_clip)
+        result, outliers = centred_clip(xs, self.outlier_clip, screen=self.screen)
         for r in ranks:
             self.contributed[r] = self.contributed.get(r, 0) + parts[pos].numel()
         for i in set(outliers) | lied:

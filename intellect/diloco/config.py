@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from intellect.config import (ComputeConfig, DataConfig, DispatchConfig, LoggingConfig, ModelConfig, StorageConfig,
                               StrictModel, TrainConfig)
+from intellect.trust.keys import VerifyKey
 
 
 class DilocoConfig(StrictModel):
@@ -81,6 +82,12 @@ class DilocoConfig(StrictModel):
         "to whoever can read the Prefect API). A worker given the secret file itself derives its own keys. "
         "Never part of the config itself, which travels as flow-run parameters.",
     )
+    contributors: list[str] = Field(
+        default=[], max_length=256,
+        description="Public keys (64 hex digits each, `intellect worker keygen`) of outside contributors the "
+        "rendezvous admits: each joins with `intellect diloco-join` and its own key, never the run secret, and "
+        "gets only its own credentials, as worker <its key id> (docs/deploy.md, DiLoCo peers).",
+    )
     rendezvous_window: float = Field(
         default=60.0, ge=5, le=3600,
         description="Seconds a rendezvous request's timestamp may differ from the store's clock (hosts need NTP); "
@@ -90,7 +97,19 @@ class DilocoConfig(StrictModel):
         default=4.0, ge=0, le=1000,
         description="Robust aggregation (direct and ring-owner all-reduces, 3+ contributors): each owner clips "
         "every contribution to its chunk to this many times the median distance from the coordinate-wise "
-        "median (centred clip) and flags those it clipped; 0 turns it off (plain mean).",
+        "median (centred clip), flags those it clipped and leaves the flagged out while they are a minority; "
+        "0 turns it off (plain mean).",
+    )
+    outlier_clip_crowd: float = Field(
+        default=2.5, ge=1, le=1000,
+        description="With 4+ contributors (the median distance is then an honest member's even with one liar) "
+        "the clip multiple is at most this: min(outlier_clip, outlier_clip_crowd).",
+    )
+    direction_screen: float = Field(
+        default=0.6, ge=0, lt=1,
+        description="With 4+ contributors, also flag a contribution whose cosine with the coordinate-wise median "
+        "of the others is below this times the members' median cosine (a member pushing its own direction "
+        "while staying close in distance); 0 turns this screen off.",
     )
     exclude_after: int = Field(
         default=2, ge=1, le=1000,
@@ -107,6 +126,8 @@ class DilocoConfig(StrictModel):
 
     @model_validator(mode="after")
     def _timeouts_ordered(self) -> "DilocoConfig":
+        for k in self.contributors:
+            VerifyKey.from_hex(k)  # BadKey is a ValueError: pydantic reports it as the field's error
         if not all(0 < c <= 64 for c in self.clip_sigmas):
             raise ValueError(f"clip_sigmas must lie in (0, 64] (got {self.clip_sigmas})")
         if self.outlier_clip and self.outlier_clip < 1:

@@ -22,6 +22,8 @@ only its own rendezvous key and the all-reduce root
 itself alone, and the rendezvous lets it write only its own keys (``membership.scope``). A
 worker started some other way takes the same two variables; given the run secret instead (its
 ``secret_file``), it derives its own keys, but then holds what lets it speak as anyone.
+Contributors (``diloco.contributors``, public keys) never hold either: each joins with its own
+Ed25519 key (``join``, :mod:`intellect.diloco.admission`) and gets its own credentials sealed to it.
 
 Everything a worker writes is read here defensively: a malformed ``progress`` or metrics
 record is ignored with a logged reason, and no loop runs on a peer-written number unbounded.
@@ -47,11 +49,13 @@ from typing import TYPE_CHECKING, Callable
 from intellect.device import LOCAL_RANK_ENV
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.faults import NO_FAULTS, Faults
-from intellect.diloco.membership import StoreLost, connect_store, scope
+from intellect.diloco.admission import Admission, JoinError, coordinator_identity, join
+from intellect.diloco.membership import RefusedBanned, StoreLost, connect_store, retire, scope
 from intellect.diloco.protocol import BAN, BANNED, LAUNCHED, METRICS, PROGRESS, START, ban_votes, read_count, read_names
 from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, allreduce_root, peer_key
 from intellect.launch import Handle, Launcher, LocalLauncher, stop
 from intellect.storage import RunStorage
+from intellect.trust.keys import BadKey, SigningKey, VerifyKey
 from intellect.trust.mac import new_secret
 
 if TYPE_CHECKING:
@@ -173,9 +177,15 @@ class Coordinator:
         cfg = self.run.diloco
         self._secret = load_secret(cfg.secret_file) or new_secret()
         self.env = {k: v for k, v in self.env.items() if k != SECRET_ENV}
+        # contributors get the config the workers get: the storage secret dumps masked
+        admission = Admission(self._secret, self.run.run_name, cfg.contributors, self.run.model_dump_json(),
+                              cfg.rendezvous_window) if cfg.contributors else None
         self.server = RendezvousServer(self._secret, self.run.run_name, cfg.store_host, cfg.store_port,
-                                       window=cfg.rendezvous_window, policy=scope)
+                                       window=cfg.rendezvous_window, policy=scope, prune=retire, admission=admission)
         self.port = self.server.port
+        if admission is not None:
+            log.info("coordinator: %d contributors may join %s at %s with --coordinator-key %s",
+                     len(cfg.contributors), self.run.run_name, self.address, self.identity.hex)
         self.store = connect_store(cfg.store_host, self.port, 30.0, self._secret, self.run.run_name, COORDINATOR)
         self.ignored: dict[str, str] = {}  # key -> why a value read from it was ignored (logged once)
         self.storage = RunStorage.from_config(self.run.storage, self.run.run_name)
@@ -183,10 +193,27 @@ class Coordinator:
         self.config_path = str(Path(self._tmp.name) / "run.json")
         Path(self.config_path).write_text(self.run.model_dump_json())
         self.next_index = 0
+        self._launched: list[str] = []  # launched/<i>, as far as it was read
 
     @property
     def address(self) -> str:
         return f"{self.run.diloco.store_host}:{self.port}"
+
+    @property
+    def identity(self) -> VerifyKey:
+        """The public key contributors pin (``--coordinator-key``): it signs their join answers."""
+        return coordinator_identity(self._secret, self.run.run_name).public
+
+    def admitted(self) -> list[str]:
+        """Every worker admitted so far, in admission order: the ones started here and the
+        contributors that joined (``launched/``)."""
+        n = min(read_count(self.store.add(LAUNCHED.under(), 0)) or 0, 1 << 16)
+        # launched/<i> is written once (here or by an admission): only the new ones are read
+        new = list(range(len(self._launched), n))
+        there = self.store.check_many([LAUNCHED(i) for i in new])
+        if all(there):
+            self._launched += [self.store.get(LAUNCHED(i)).decode() for i in new]
+        return list(dict.fromkeys([*self.handles, *self._launched]))
 
     def start_worker(self, worker: str | None = None) -> Handle:
         index = self.next_index
@@ -201,10 +228,15 @@ class Coordinator:
         self.handles[worker] = handle
         return handle
 
+    def announce_start(self, step: int) -> None:
+        """The founders' step (the newest checkpoint): the members' per-step keys are taken around it
+        until the first commit (``membership.scope``)."""
+        self.store.set(START(), json.dumps(step))
+
     def start(self) -> None:
         from intellect.diloco.outer import init_run  # noqa: PLC0415 - torch loads only where it is used
 
-        self.store.set(START(), json.dumps(init_run(self.run, self.storage)))  # the founders' step
+        self.announce_start(init_run(self.run, self.storage))
         for _ in range(self.run.diloco.workers):
             self.start_worker()
 
@@ -225,7 +257,7 @@ class Coordinator:
     def promote_bans(self) -> list[str]:
         """Write ``banned/<w>`` for each admitted worker a majority of an attempt's members recorded a
         ban of (``membership.ban_votes``); returns the ones newly banned."""
-        names = list(self.handles)
+        names = self.admitted()
         records = [(w, BAN(w, v)) for w in names for v in names if v != w]
         there = self.store.check_many([k for _, k in records])
         recorded = {w for (w, _), present in zip(records, there) if present}
@@ -241,9 +273,10 @@ class Coordinator:
     def metrics(self, step: int, wait: float = 0.0) -> list[dict]:
         """Metrics of the members of ``step``, waiting up to ``wait`` s for all of them to report."""
         deadline = time.monotonic() + wait
+        names = self.admitted()
         while True:
             out = {}
-            for w in self.handles:
+            for w in names:
                 key = METRICS(step, w)
                 if self.store.check([key]):
                     try:
@@ -291,11 +324,13 @@ class Coordinator:
 
 def worker_main(config_path: str, worker: str, index: int, store: str,
                 observe: Callable[[StepReport], None] | None = None, faults: Faults = NO_FAULTS,
-                sigterm: bool = True) -> int:
+                sigterm: bool = True, keys: tuple[bytes, bytes] | None = None) -> int:
     """Run one worker until the run is done (:meth:`DilocoWorker.run_until_done`); ``observe`` sees each
     outer step's report; ``faults`` is what a test injects (production: none). ``sigterm``: SIGTERM
     ends the worker with ``EXIT_FAILED``; False leaves SIGTERM to whoever handles it (in a flow run,
-    Prefect, which cancels the run): either way the deathrattle goes out on the way down."""
+    Prefect, which cancels the run): either way the deathrattle goes out on the way down. ``keys``:
+    its (rendezvous key, all-reduce root), as a contributor's join gives them; None: from
+    :func:`load_credentials`."""
     from intellect.diloco.worker import Banned, DilocoWorker  # noqa: PLC0415 - as in Coordinator.start
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker} %(levelname)s %(message)s")
@@ -310,7 +345,7 @@ def worker_main(config_path: str, worker: str, index: int, store: str,
     main_thread = sigterm and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        keys = load_credentials(worker, run.run_name, run.diloco.secret_file)
+        keys = keys or load_credentials(worker, run.run_name, run.diloco.secret_file)
         if keys is None:
             log.error("no credentials: set %s and %s (or %s, or diloco.secret_file)", PEER_KEY_ENV,
                       ALLREDUCE_KEY_ENV, SECRET_ENV)
@@ -318,17 +353,34 @@ def worker_main(config_path: str, worker: str, index: int, store: str,
         w = DilocoWorker(run, worker, index, host, int(port), key=keys[0], allreduce_key=keys[1], faults=faults)
         w.run_until_done(observe)
         return EXIT_DONE
+    except (Banned, RefusedBanned) as e:
+        log.error("stopping: %s", e)
+        return EXIT_BANNED
     except StoreLost as e:
         log.error("stopping: %s", e)
         return EXIT_STORE_LOST
-    except Banned as e:
-        log.error("stopping: %s", e)
-        return EXIT_BANNED
     finally:
         if w is not None:
             w.close()  # deathrattle: peers drop us at once instead of after the heartbeat timeout
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def contributor_main(store: str, run: str, key_file: str, coordinator_key: str) -> int:
+    """A contributor's worker: join ``run`` at ``store`` with the key in ``key_file``, trusting the
+    coordinator whose public key is ``coordinator_key`` (hex), then work until the run is done."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host, port = store.rsplit(":", 1)
+    try:
+        joined = join(host, int(port), run, SigningKey.load(key_file), VerifyKey.from_hex(coordinator_key))
+    except (JoinError, BadKey, OSError) as e:
+        log.error("cannot join %s at %s: %s", run, store, e)
+        return EXIT_BANNED if isinstance(e, JoinError) and e.reason == "banned" else EXIT_FAILED
+    log.info("joined %s as %s (admission index %d)", run, joined.worker, joined.index)
+    with tempfile.TemporaryDirectory(prefix="intellect-diloco-contributor-") as tmp:
+        path = Path(tmp) / "run.json"
+        path.write_text(joined.config)
+        return worker_main(str(path), joined.worker, joined.index, store, keys=(joined.key, joined.allreduce_root))
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -339,6 +391,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     w.add_argument("--worker", required=True)
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--store", required=True, help="host:port of the rendezvous store")
+    j = sub.add_parser("join", help="a contributor: join a run with its own key (listed in diloco.contributors) "
+                       "and work until the run is done")
+    j.add_argument("--store", required=True, help="host:port of the run's rendezvous")
+    j.add_argument("--run", required=True, help="the run's name")
+    j.add_argument("--key", required=True, help="this contributor's key file (intellect worker keygen)")
+    j.add_argument("--coordinator-key", required=True, help="the coordinator's public key, 64 hex digits")
+    i = sub.add_parser("identity", help="print the coordinator's public key of a run (what contributors pin)")
+    i.add_argument("--run", required=True)
+    i.add_argument("--secret-file", required=True)
     return ap
 
 
@@ -350,6 +411,14 @@ def parse_worker_args(argv: list[str], prog: str = "python -m intellect.diloco.c
 def main(argv: list[str] | None = None, observe: Callable[[StepReport], None] | None = None,
          prog: str = "python -m intellect.diloco.coordinator", faults: Faults = NO_FAULTS) -> int:
     args = parse_worker_args(sys.argv[1:] if argv is None else argv, prog)
+    if args.cmd == "join":
+        return contributor_main(args.store, args.run, args.key, args.coordinator_key)
+    if args.cmd == "identity":
+        secret = load_secret(args.secret_file, environ={})
+        if secret is None:
+            return EXIT_FAILED
+        print(coordinator_identity(secret, args.run).public.hex)
+        return EXIT_DONE
     return worker_main(args.config, args.worker, args.index, args.store, observe, faults)
 
 

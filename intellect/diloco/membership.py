@@ -18,15 +18,25 @@ import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
-from intellect.diloco.protocol import (ARRIVE, BAN, BANNED, COMMITTED, DEAD, FAMILIES, HB, LEFT, MAX_SCAN, MEMBERS,
-                                       OUTCOME, PROGRESS, READY, START, VOTE, Writer, ban_votes, read_ban, read_count,
-                                       read_json, read_names)
+from intellect.diloco.protocol import (AHEAD, ARRIVE, BAN, BANNED, BEHIND, BOUNDARY_GROUPS, BW, COMMITTED, DEAD, FAMILIES,
+                                       HB, KEEP_STEPS, LEFT, MAX_SCAN, MEMBERS, OUTCOME, PG, PROGRESS, READY, START, VOTE,
+                                       Writer, ban_votes, read_ban, read_count, read_json, read_names)
 from intellect.diloco.rendezvous import COORDINATOR, unb64, peer_key
-from intellect.diloco.rendezvous_client import RendezvousStore
+from intellect.diloco.rendezvous_client import RendezvousStore, StoreError
 
 
 class StoreLost(RuntimeError):
     """The rendezvous store (the coordinator) is unreachable: stop cleanly."""
+
+
+class RefusedBanned(StoreLost):
+    """The rendezvous refuses this worker's writes: the run banned it."""
+
+
+def _lost(e: Exception) -> StoreLost:
+    if isinstance(e, StoreError) and e.reason == "banned":
+        return RefusedBanned(f"the rendezvous refuses our writes: {e}")
+    return StoreLost(f"rendezvous store lost: {e}")
 
 
 class MembershipTimeout(TimeoutError):
@@ -80,8 +90,8 @@ class Membership:
     # ------------------------------------------------------------------ own liveness
 
     def start_heartbeat(self) -> None:
-        self.store.delete_key(DEAD(self.worker))
-        self.store.add(HB(self.worker), 1)
+        self._call(self.store.delete_key, DEAD(self.worker))
+        self._call(self.store.add, HB(self.worker), 1)
         self._beat = threading.Thread(target=self._heartbeat, name=f"heartbeat-{self.worker}", daemon=True)
         self._beat.start()
 
@@ -97,7 +107,7 @@ class Membership:
     def check_store(self) -> None:
         """Raise :class:`StoreLost` if the heartbeat thread lost the store."""
         if self._lost is not None:
-            raise StoreLost(f"rendezvous store lost: {self._lost}")
+            raise _lost(self._lost)
 
     def deathrattle(self) -> None:
         """Announce a clean exit so peers drop this worker at once."""
@@ -113,7 +123,7 @@ class Membership:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001
-            raise StoreLost(f"rendezvous store lost: {e}") from e
+            raise _lost(e) from e
 
     def counter(self, key: str) -> int:
         return int(self._call(self.store.add, key, 0))
@@ -307,6 +317,66 @@ def _in_attempt(family: str, parts: list[str], peer: str, op: str, req: dict, da
     return None
 
 
+def current_step(data: dict) -> int | None:
+    """The outer step the run is at, as the rendezvous sees it: ``progress``, else the founders'
+    ``start`` (the coordinator writes it before it admits anyone), else None."""
+    step = read_count(data.get(PROGRESS()))
+    return step if step is not None else read_count(data.get(START()))
+
+
+def _window(family: str, part: str, data: dict) -> str | None:
+    t, now = int(part), current_step(data)
+    if now is not None and not now - BEHIND <= t <= now + AHEAD:
+        return f"{family}/ keys are written for steps {max(0, now - BEHIND)}-{now + AHEAD} (the run is at {now})"
+    return None
+
+
+def _gloo(parts: list[str], peer: str, op: str, key: str, data: dict) -> str | None:
+    """gloo's rendezvous of a group (``transport.new_group``): rank ``r`` sets its address key once,
+    ``pg/<t>/<group>//<device>/<r>`` (its PrefixStore's layout), and the bandwidth probe its column,
+    ``bw/<t>/col/<r>``. Only the member holding rank ``r`` in the group's member order writes it,
+    and an attempt's only once all its members are ready (the group forms after that), so nobody
+    plants a value in another's key or in a group before it forms."""
+    if op != "set":
+        return "gloo's keys are written with set"
+    if parts[0] == PG.name and len(parts) == 6 and parts[3] == "" and parts[4].isdigit():
+        t, group, rank = parts[1], parts[2], parts[5]
+    elif parts[0] == BW.name and len(parts) == 4 and parts[2] == "col":
+        t, group, rank = parts[1], BOUNDARY_GROUPS[1], parts[3]
+    else:
+        return f"{parts[0]}/ holds only gloo's per-rank keys"
+    attempt = "0" if group in BOUNDARY_GROUPS else group
+    if _step(t) is None or _step(attempt) is None or _step(rank) is None:
+        return f"{parts[0]}/: the step, group and rank are numbers (or a boundary group)"
+    if key in data:
+        return "a rank's gloo key is written once"
+    members = read_names(data.get(MEMBERS(t, attempt))) or []
+    if int(rank) >= len(members) or members[int(rank)] != peer:
+        return f"only rank {rank} of attempt {t}/{attempt}'s members writes that key"
+    if group not in BOUNDARY_GROUPS and not all(READY(t, attempt, w) in data for w in members):
+        return f"the group of attempt {t}/{attempt} forms once every member is ready"
+    return None
+
+
+def retire(key: str, data: dict) -> list[str]:
+    """The keys the rendezvous drops after ``key`` was written (``RendezvousServer(prune=retire)``):
+    once ``progress`` reaches ``p``, every per-step key of steps before ``p - KEEP_STEPS``, so the
+    store holds a bounded number of steps however long the run."""
+    if key != PROGRESS():
+        return []
+    old = (read_count(data.get(key)) or 0) - KEEP_STEPS
+    if old <= 0:
+        return []
+    out = []
+    for k in data:
+        parts = k.split("/", 2)
+        family = FAMILIES.get(parts[0])
+        if family is not None and family.fields[:1] == ("step",) and len(parts) > 1 and (t := _step(parts[1])) is not None:
+            if t < old:
+                out.append(k)
+    return out
+
+
 def _progress(op: str, req: dict, peer: str, data: dict) -> str | None:
     v = read_count(unb64(req.get("value", ""))) if op == "set" else None
     if v is None or v < 1:
@@ -319,7 +389,7 @@ def _progress(op: str, req: dict, peer: str, data: dict) -> str | None:
     return None
 
 
-def scope(peer: str, op: str, req: dict, data: dict) -> str | None:
+def scope(peer: str, op: str, req: dict, data: dict) -> str | tuple[str, str] | None:
     """The rendezvous write policy (``RendezvousServer(policy=scope)``): None when ``peer`` may make
     the write ``op`` (body ``req``) on the table ``data``, else why not. Each key family's
     :class:`~intellect.diloco.protocol.Writer` decides; decisions' values are checked too.
@@ -346,9 +416,18 @@ def scope(peer: str, op: str, req: dict, data: dict) -> str | None:
     family = parts[0]
     if op == "add" and req.get("amount") == 0:
         return None  # reads a counter and creates nothing
+    if BANNED(peer) in data:
+        return "banned", f"{peer} was banned from the run: it writes nothing"
     writer = FAMILIES[family].writer if family in FAMILIES else Writer.COORDINATOR
-    if writer is Writer.GLOO and len(parts) > 1:
-        return None
+    if writer is Writer.GLOO:
+        return _gloo(parts, peer, op, key, data)
+    if writer in (Writer.OWN, Writer.ATTEMPT) and FAMILIES[family].fields[:1] == ("step",) and len(parts) > 1:
+        if _step(parts[1]) is None:
+            return f"{family}: the step is a number"
+        if (why := _window(family, parts[1], data)) is not None:
+            return why
+    if writer in (Writer.ATTEMPT, Writer.DECISION) and len(parts) > 2 and (_step(parts[2]) or 0) >= MAX_SCAN:
+        return f"{family}: at most {MAX_SCAN} attempts of a step"
     if writer is Writer.OWN:
         return _own(family, parts, peer, op, req)
     if writer is Writer.ATTEMPT:

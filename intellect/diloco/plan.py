@@ -33,6 +33,13 @@ Algorithms (``ALGORITHMS``):
   so error compounds with W. Fewest bytes, neighbour-only. ``relay=k`` interpolates to
   ``"ring-owner"``: requantize only when a message would exceed k contributions.
 
+Which of them a worker may run (``settle_plan``). Robust aggregation (``robust.py``) needs the
+owner of each chunk to see every contribution as its member sent it: ``"direct"`` and
+``"ring-owner"`` (``SCREENED``). A ring of partial sums hides them, and a sum cannot be clipped
+per member after the fact, so ``"ring"`` and ``"ring-residual"`` are never chosen by ``"auto"``,
+never taken from a peer, and a worker's config may name them only with ``diloco.outlier_clip = 0``
+(robust aggregation off: every member trusted).
+
 INTELLECT-1's own scheme (``"ring"`` plus requantization at every all-gather hop) is a baseline
 for benchmarks only: ``benchmarks/prime_allreduce.py``. Its excess error over ``"direct"`` is
 all in the reduce-scatter: requantizing decoded int8 values is lossless with this quantizer.
@@ -49,6 +56,11 @@ from intellect.diloco.ring_order import ring_order
 
 __all__ = [
     "ALGORITHMS",
+    "SCREENED",
+    "fallback_plan",
+    "own_plan",
+    "read_plan",
+    "settle_plan",
     "allreduce_plan",
     "AUTO_CANDIDATES",
     "choose_algorithm",
@@ -64,6 +76,7 @@ __all__ = [
 
 ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring")
 AUTO_CANDIDATES = ("direct", "ring-owner")
+SCREENED = ("direct", "ring-owner")  # owners see each contribution as sent: robust aggregation applies
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -274,3 +287,97 @@ def allreduce_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float) 
     chosen, est = choose_algorithm(bw, order, nbytes=nbytes)
     # significant digits, not decimals: on fast links the estimates are microseconds
     return {"order": order, "algorithm": chosen, "estimates": {a: float(f"{v:.4g}") for a, v in est.items()}}
+
+
+# ---------------------------------------------------------------------- which plan an attempt runs
+
+
+def fallback_plan(algorithm: str) -> dict:
+    """The plan that needs no measurement: ``algorithm`` (``"auto"``: ``"direct"``) over the ring of
+    group ranks in order. A function of the member list alone, so every member computes the same.
+
+    >>> fallback_plan("auto"), fallback_plan("ring-owner")["algorithm"]
+    ({'order': None, 'algorithm': 'direct', 'estimates': {}}, 'ring-owner')
+    """
+    return allreduce_plan(algorithm, None, 0)
+
+
+def own_plan(algorithm: str, bw: list[list[float]] | None, nbytes: float, attempt: int, probed: bool) -> dict | None:
+    """A member's own plan for an attempt: the first attempt's from the probed matrix ``bw`` (every
+    member reads the same columns, each published by the member whose receiving links it measured);
+    a retry's, and an unprobed membership's, from the member list alone (:func:`fallback_plan`).
+    None: the membership was ``probed`` but this member holds no rates for it (it restarted).
+
+    >>> own_plan("auto", None, 8, 0, probed=True), own_plan("auto", None, 8, 1, probed=True)["algorithm"]
+    (None, 'direct')
+    """
+    if attempt > 0:
+        return fallback_plan(algorithm)
+    if bw is None and probed:
+        return None
+    return allreduce_plan(algorithm, bw, nbytes)
+
+
+def read_plan(raw: object, world: int, algorithm: str) -> tuple[dict | None, str]:
+    """``raw`` (a decided plan, as parsed JSON) checked: ``(plan, "")`` when a worker configured with
+    ``algorithm`` may run it over ``world`` ranks, else ``(None, why not)``. Never raises.
+
+    >>> read_plan({"algorithm": "ring-owner", "order": [1, 0, 2], "estimates": {"direct": 2.0}}, 3, "auto")[1]
+    ''
+    >>> read_plan({"algorithm": "ring", "order": None, "estimates": {}}, 3, "auto")[1]
+    "algorithm 'ring' is not one auto runs ('direct', 'ring-owner')"
+    >>> read_plan({"algorithm": "direct", "order": [0, 1, 2, 99], "estimates": {}}, 4, "auto")[1]
+    'order is not a permutation of the 4 group ranks'
+    >>> read_plan("bogus", 4, "auto")[1]
+    'not a plan object'
+    """
+    if not isinstance(raw, dict):
+        return None, "not a plan object"
+    algo, order, est = raw.get("algorithm"), raw.get("order"), raw.get("estimates", {})
+    allowed = AUTO_CANDIDATES if algorithm == "auto" else (algorithm,)
+    if algo not in allowed:
+        return None, f"algorithm {str(algo)[:40]!r} is not one {algorithm} runs {allowed}"
+    if order is not None and not (isinstance(order, list) and all(type(i) is int for i in order)
+                                  and sorted(order) == list(range(world))):
+        return None, f"order is not a permutation of the {world} group ranks"
+    if not (isinstance(est, dict) and len(est) <= len(ALGORITHMS) and all(
+            a in ALGORITHMS and type(v) in (int, float) and 0 <= v < math.inf for a, v in est.items())):
+        return None, "estimates are not seconds per algorithm"
+    return {"order": order, "algorithm": algo, "estimates": {a: float(v) for a, v in est.items()}}, ""
+
+
+def settle_plan(own: dict | None, decided: object, world: int, algorithm: str) -> tuple[dict, str]:
+    """The plan a member runs, and why it refused the decided one ("" when it did not).
+
+    The rule no single member controls: every member that can computes the plan itself from inputs
+    all members share (the attempt's member list, and the bandwidth columns each member measured
+    and published about its own receiving links: ``own``, from ``allreduce_plan``), and runs that
+    whatever was decided first under ``plan/<t>/<a>``; a decided plan that differs is refused with
+    its reason. A member that cannot (``own`` None: it missed the membership's bandwidth probe,
+    e.g. it restarted) runs the decided plan if :func:`read_plan` accepts it, else
+    :func:`fallback_plan`. If that differs from what its peers computed, the plan digest every
+    all-reduce exchanges first fails the attempt before any data moves; the retry runs
+    :func:`fallback_plan`, which every member computes alike. Whatever runs is well formed and,
+    under ``"auto"``, one of ``SCREENED``.
+
+    >>> own = {"order": [0, 2, 1, 3], "algorithm": "ring-owner", "estimates": {}}
+    >>> settle_plan(own, {"algorithm": "ring", "order": None, "estimates": {}}, 4, "auto")[0] == own
+    True
+    >>> settle_plan(own, {"algorithm": "direct", "order": None, "estimates": {}}, 4, "auto")[1]
+    "differs from this member's own: direct over [0, 1, 2, 3], not ring-owner over [0, 2, 1, 3]"
+    >>> settle_plan(None, {"algorithm": "bogus"}, 4, "auto")
+    ({'order': None, 'algorithm': 'direct', 'estimates': {}}, "algorithm 'bogus' is not one auto runs ('direct', 'ring-owner')")
+    """
+    checked, why = read_plan(decided, world, algorithm)
+    if own is None:
+        return (checked, "") if checked is not None else (fallback_plan(algorithm), why)
+    if checked is None:
+        return own, why
+
+    def ring(p: dict) -> list[int]:
+        return list(range(world)) if p["order"] is None else p["order"]
+
+    if (checked["algorithm"], ring(checked)) != (own["algorithm"], ring(own)):
+        return own, (f"differs from this member's own: {checked['algorithm']} over {ring(checked)}, "
+                     f"not {own['algorithm']} over {ring(own)}")
+    return own, ""

@@ -5,9 +5,9 @@ Each key family below is built only through its :class:`Family` (``READY(t, a, w
 (``membership.scope``). ``<t>`` is an outer step, ``<a>`` an attempt of it, ``<w>`` a worker.
 
 One outer step, as :class:`Quorum` runs it: the step's members are proposed once
-(``members/<t>/0``, first proposal wins); every member marks ``ready``, the attempt's all-reduce
-``plan`` is decided, each member votes ``ok`` or ``fail``, and ``outcome`` is decided once:
-``commit`` only when every member voted ``ok`` (:meth:`Quorum.should_commit`), else everyone
+(``members/<t>/0``, first proposal wins); every member marks ``ready``, computes the attempt's
+all-reduce ``plan`` (``plan.settle_plan``), each member votes ``ok`` or ``fail``, and ``outcome``
+is decided once: ``commit`` only when every member voted ``ok`` (:meth:`Quorum.should_commit`), else everyone
 discards and retries as attempt ``a + 1`` with the survivors (``members/<t>/<a+1>``).
 
 Every decision is a ``compare_set`` on an empty key, so the first proposal wins and every worker
@@ -32,7 +32,7 @@ class Writer(StrEnum):
     BAN = "ban"  # ban/<w>/<by>: only <by>, a {"step", "attempt"} record
     LEADER = "leader"  # the first member of the commit the value names
     COORDINATOR = "coordinator"  # the coordinator alone
-    GLOO = "gloo"  # gloo's own rendezvous under a group's prefix: anyone of the run
+    GLOO = "gloo"  # a group's gloo rendezvous: rank r's key, once, by the attempt's r-th member (membership._gloo)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ VOTE = Family("vote", ("step", "attempt", "worker"), A, "``ok`` or ``fail`` afte
 FLAGS = Family("flags", ("step", "attempt", "worker"), A, "the members <worker> found outliers (JSON list)")
 BLAME = Family("blame", ("step", "attempt", "worker"), A, "the owners whose results <worker> refused (JSON list)")
 MEMBERS = Family("members", ("step", "attempt"), D, "the members of the attempt (JSON list, admission order)")
-PLAN = Family("plan", ("step", "attempt"), D, "the attempt's all-reduce: {algorithm, order, estimates}")
+PLAN = Family("plan", ("step", "attempt"), D, "the attempt's all-reduce as first proposed: {algorithm, order, "
+              "estimates}. Only a member that cannot compute it (one that missed the bandwidth probe) runs "
+              "it; every other member runs its own computation and refuses one that differs (plan.settle_plan)")
 OUTCOME = Family("outcome", ("step", "attempt"), D, "``commit`` or ``abort``")
 PROBE = Family("probe", ("step",), D, "``yes`` or ``no``: whether the step's members measure bandwidth")
 BAN = Family("ban", ("worker", "by"), Writer.BAN, "<by> counted <worker> an outlier in too many steps")
@@ -92,6 +94,9 @@ del W, D, A
 
 FAMILIES: dict[str, Family] = {f.name: f for f in globals().values() if isinstance(f, Family)}
 MAX_SCAN = 1024  # attempts of one step looked through when checking a claim about them
+BOUNDARY_GROUPS = ("onboard", "bw")  # groups of a step's members (members/<t>/0) besides its attempts'
+BEHIND, AHEAD = 4, 2  # a member writes per-step keys for steps progress - BEHIND .. progress + AHEAD only
+KEEP_STEPS = 16  # once progress passes t + KEEP_STEPS, the rendezvous drops step t's keys
 
 
 # ---------------------------------------------------------------------- reading what peers wrote
@@ -191,9 +196,10 @@ class Quorum:
         self.board.set(READY(self.step, attempt, self.me), "1")
         return self.board.wait_for_keys(READY.under(self.step, attempt), members, deadline, step=self.step)
 
-    def plan(self, attempt: int, proposal: dict) -> dict:
-        """The attempt's all-reduce plan: ``proposal`` or the one decided before it."""
-        return json.loads(self.board.decide(PLAN(self.step, attempt), json.dumps(proposal)))
+    def plan(self, attempt: int, proposal: dict) -> object:
+        """The attempt's decided all-reduce plan, parsed JSON, unchecked: ``proposal`` or the one a peer
+        decided before it (``plan.settle_plan`` decides what runs)."""
+        return read_json(self.board.decide(PLAN(self.step, attempt), json.dumps(proposal)))
 
     def report(self, attempt: int, flagged: list[str] | None = None, blamed: list[str] | None = None) -> None:
         """Record the members ``me`` found outliers (before the vote, so whoever sees the commit can

@@ -25,6 +25,16 @@ that a new one evicts the oldest that has sent nothing yet, so idle sockets cann
 descriptors; one that has not begun a request within ``header_timeout`` s is closed, a refused
 request closes its connection, and every request has a deadline.
 
+Bounds. A peer's value is at most ``max_value`` bytes and the keys it wrote, with their values, at
+most ``quota`` bytes (counted with :data:`KEY_OVERHEAD` per key, what a key costs the process beyond
+its bytes), so whatever one peer writes, it holds at most ``quota`` bytes of the coordinator's
+memory; the coordinator's own writes count against nobody. ``prune`` (the protocol's
+``membership.retire``) names keys to drop after a write, e.g. the steps the run has left behind.
+
+Contributors. ``POST /v1/join`` is the admission exchange (:mod:`intellect.diloco.admission`):
+an Ed25519-signed request from a key on the run's allowlist, answered with that contributor's own
+credentials, sealed to it; every other op is MAC'd as above.
+
 What it does not do. Values and gloo's traffic travel in clear: run it on a private network
 (WireGuard) or behind TLS. Reads are open to every admitted peer.
 
@@ -64,6 +74,10 @@ TIME_HEADER, NONCE_HEADER = "x-intellect-time", "x-intellect-nonce"
 MAC_HEADER, PEER_HEADER = "x-intellect-mac", "x-intellect-peer"
 _REQUEST, _ANSWER = "intellect/rendezvous/request/v1", "intellect/rendezvous/answer/v1"
 MAX_BODY = 1 << 20  # gloo's values are addresses; the biggest of ours, a plan, is a few KB
+MAX_VALUE = 16 << 10  # one value a peer writes: a metrics record, a plan, gloo's address list of 64 ranks fit
+QUOTA = 2 << 20  # bytes of keys and values one peer may hold in the store (KEY_OVERHEAD per key included)
+KEY_OVERHEAD = 256  # what one more key costs the process beyond its bytes (dict slot, str and bytes objects)
+MAX_NONCES = 1 << 20  # nonces remembered (2 x window s), all peers together
 MAX_KEY = 512
 MAX_KEYS = 1 << 20
 MAX_WAIT = 600.0
@@ -117,11 +131,25 @@ def unb64(s) -> bytes:
 # ---------------------------------------------------------------------- server
 
 
-class _Table:
-    """The keys and values, on the server's event loop; waiters wake on every write."""
+class OverQuota(ValueError):
+    """A write over a peer's value cap or store quota (refused as ``quota``)."""
 
-    def __init__(self):
+
+def _cost(key: str, value: bytes) -> int:
+    return len(key) + len(value) + KEY_OVERHEAD
+
+
+class _Table:
+    """The keys and values, on the server's event loop; waiters wake on every write.
+
+    ``owner`` names the peer whose write each key's bytes count against (``usage``); the
+    coordinator's own keys count against nobody."""
+
+    def __init__(self, max_value: int = MAX_VALUE, quota: int = QUOTA):
         self.data: dict[str, bytes] = {}
+        self.owner: dict[str, str] = {}
+        self.usage: collections.Counter[str] = collections.Counter()
+        self.max_value, self.quota = max_value, quota
         self.changed = asyncio.Condition()
 
     async def _wrote(self) -> None:
@@ -140,7 +168,35 @@ class _Table:
         if key not in self.data and len(self.data) >= MAX_KEYS:
             raise ValueError("the store is full")
 
-    async def run(self, op: str, req: dict) -> dict:
+    def charge(self, peer: str, key: str, value: bytes) -> None:
+        """Whether ``peer`` may store ``value`` at ``key``: :class:`OverQuota` if the value is over
+        ``max_value`` or would take ``peer`` past its ``quota``; nothing is charged yet."""
+        if peer == COORDINATOR:
+            return
+        if len(value) > self.max_value:
+            raise OverQuota(f"a value is at most {self.max_value} bytes (got {len(value)})")
+        old = _cost(key, self.data[key]) if self.owner.get(key) == peer else 0
+        if self.usage[peer] - old + _cost(key, value) > self.quota:
+            raise OverQuota(f"{peer} holds {self.usage[peer]} bytes of the store; the quota is {self.quota}")
+
+    def put(self, peer: str, key: str, value: bytes) -> None:
+        self._room(key)
+        self.drop(key)
+        self.data[key] = value
+        if peer != COORDINATOR:
+            self.owner[key] = peer
+            self.usage[peer] += _cost(key, value)
+
+    def drop(self, key: str) -> bool:
+        value = self.data.pop(key, None)
+        owner = self.owner.pop(key, None)
+        if owner is not None and value is not None:
+            self.usage[owner] -= _cost(key, value)
+            if self.usage[owner] <= 0:
+                del self.usage[owner]
+        return value is not None
+
+    async def run(self, op: str, req: dict, peer: str = COORDINATOR) -> dict:
         key = req.get("key")
         keys = req.get("keys")
         if op in ("set", "get", "add", "compare_set", "delete"):
@@ -153,8 +209,9 @@ class _Table:
         key, keys = key if isinstance(key, str) else "", keys if isinstance(keys, list) else []  # checked above
         timeout = min(max(float(req.get("timeout", 0.0)), 0.0), MAX_WAIT)
         if op == "set":
-            self._room(key)
-            self.data[key] = unb64(req["value"])
+            value = unb64(req["value"])
+            self.charge(peer, key, value)
+            self.put(peer, key, value)
             await self._wrote()
             return {}
         if op == "get":
@@ -167,17 +224,18 @@ class _Table:
                 raise ValueError("amount is an integer")
             if amount == 0 and key not in self.data:  # a read of a counter: it creates nothing
                 return {"value": 0}
-            self._room(key)
             value = int(self.data.get(key, b"0")) + amount
-            self.data[key] = str(value).encode()
-            await self._wrote()
+            if amount:
+                self.charge(peer, key, str(value).encode())
+                self.put(peer, key, str(value).encode())
+                await self._wrote()
             return {"value": value}
         if op == "compare_set":  # TCPStore's semantics
             expected, desired = unb64(req["expected"]), unb64(req["desired"])
             current = self.data.get(key)
             if (current is None and not expected) or current == expected:
-                self._room(key)
-                self.data[key] = desired
+                self.charge(peer, key, desired)
+                self.put(peer, key, desired)
                 await self._wrote()
                 return {"value": b64(desired)}
             return {"value": b64(expected if current is None else current)}
@@ -186,7 +244,7 @@ class _Table:
         if op == "check_many":
             return {"value": [k in self.data for k in keys]}
         if op == "delete":
-            return {"value": self.data.pop(key, None) is not None}
+            return {"value": self.drop(key)}
         if op == "wait":
             return {"value": await self._until(keys, timeout)}
         if op == "num_keys":
@@ -199,21 +257,26 @@ class RendezvousServer:
 
     ``policy(peer, op, request, data)`` says whether ``peer`` may make the write ``op``
     (``request``: its decoded body; ``data``: the table, read-only): None when it may, else
-    the reason, refused as ``scope``. None: every authenticated peer writes every key.
+    the reason, refused as ``scope`` (or a ``(reason, detail)`` pair). None: every authenticated
+    peer writes every key. ``prune(key, data)``: the keys to drop after ``key`` was written.
+    ``admission``: what answers ``POST /v1/join`` (``admission.Admission``; None: no contributors).
     ``refusals`` counts refused requests (and dropped connections) by reason; ``refused``
     keeps the last 256 refused requests as ``(time, client address, peer name, reason, detail)``.
     """
 
     def __init__(self, secret: bytes, run: str, host: str = "127.0.0.1", port: int = 0, window: float = 60.0,
-                 policy=None, max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT):
+                 policy=None, max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
+                 max_value: int = MAX_VALUE, quota: int = QUOTA, prune=None, admission=None):
         self.secret, self.run, self.window, self.policy = secret, run, window, policy
+        self.max_value, self.quota, self.prune, self.admission = max_value, quota, prune, admission
         # a quarter of the process's descriptors at most, accepted in batches of ACCEPT_BATCH: a flood
         # meets eviction before the process runs out of descriptors
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         cap = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, max(16, soft // 4))
         self.max_connections, self.header_timeout = cap, header_timeout
         self._keys: dict[str, bytes] = {}
-        self.guard = ReplayGuard(window)
+        # one peer's nonces take at most a quarter of the guard, so no peer's flood makes the others busy
+        self.guard = ReplayGuard(window, capacity=MAX_NONCES, per_key=MAX_NONCES // 4)
         self.refusals: collections.Counter[str] = collections.Counter()
         self.refused: collections.deque = collections.deque(maxlen=256)
         self.served = 0
@@ -259,6 +322,44 @@ class RendezvousServer:
         return Response(json.dumps({"reason": reason, "detail": detail}), status, media_type="application/json",
                         headers={"connection": "close"} if close else None)
 
+    @property
+    def table(self) -> _Table:
+        if self._table is None:
+            self._table = _Table(self.max_value, self.quota)  # made on the server's own loop
+        return self._table
+
+    async def _body(self, request: Request) -> bytes | Response:
+        try:
+            length = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            return self._refuse(request, "malformed", "content-length is not a number", 400)
+        if length > MAX_BODY:
+            return self._refuse(request, "too_large", "body over the cap", 413, close=False)
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY:
+                return self._refuse(request, "too_large", "body over the cap", 413, close=False)
+        return bytes(body)
+
+    async def _join(self, request: Request) -> Response:
+        if self.admission is None:
+            return self._refuse(request, "not_admitted", "this run admits no contributors", 403)
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        try:  # no await between the verdict and the admission it writes
+            out, headers, admitted = self.admission.admit(dict(request.headers), body, self.table.data)
+        except PermissionError as e:  # AuthError (the signature) or admission.Refusal (the allowlist)
+            reason, detail = getattr(e, "reason", "refused"), getattr(e, "detail", str(e))
+            return self._refuse(request, reason, detail, 403 if reason in ("not_admitted", "banned") else 401)
+        for key, value in admitted.items():
+            self.table.put(COORDINATOR, key, value)
+        if admitted:
+            await self.table._wrote()
+        self.served += 1
+        return Response(out, 200, media_type="application/json", headers=headers)
+
     def _app(self) -> Starlette:
         async def handle(request: Request) -> Response:
             try:  # a request's deadline: its longest wait plus time to read the body
@@ -267,23 +368,15 @@ class RendezvousServer:
                 return self._refuse(request, "deadline", "the request ran past its deadline", 408)
 
         async def serve(request: Request) -> Response:
-            if self._table is None:
-                self._table = _Table()  # made on the server's own loop
+            table = self.table
             op = request.path_params["op"]
+            if op == "join":
+                return await self._join(request)
             if op not in OPS:
                 return self._refuse(request, "malformed", f"unknown op {op[:32]!r}", 404)
-            try:
-                length = int(request.headers.get("content-length") or 0)
-            except ValueError:
-                return self._refuse(request, "malformed", "content-length is not a number", 400)
-            if length > MAX_BODY:
-                return self._refuse(request, "too_large", "body over the cap", 413, close=False)
-            body = bytearray()
-            async for piece in request.stream():
-                body += piece
-                if len(body) > MAX_BODY:
-                    return self._refuse(request, "too_large", "body over the cap", 413, close=False)
-            body = bytes(body)
+            body = await self._body(request)
+            if isinstance(body, Response):
+                return body
             h = request.headers
             time_s, nonce, mac, peer = h.get(TIME_HEADER), h.get(NONCE_HEADER), h.get(MAC_HEADER), h.get(PEER_HEADER, "")
             if time_s is None or nonce is None or mac is None:
@@ -310,10 +403,16 @@ class RendezvousServer:
                 if not isinstance(req, dict):
                     raise ValueError("the body is a JSON object")
                 # checked and run with no await in between: the table cannot change under the verdict
-                why = self.policy(peer, op, req, self._table.data) if self.policy and op in WRITES else None
+                why = self.policy(peer, op, req, table.data) if self.policy and op in WRITES else None
                 if why is not None:
-                    return self._refuse(request, "scope", why, 403)
-                answer = await self._table.run(op, req)
+                    reason, why = why if isinstance(why, tuple) else ("scope", why)
+                    return self._refuse(request, reason, why, 403)
+                answer = await table.run(op, req, peer)
+                if self.prune is not None and op in WRITES:
+                    for old in self.prune(req["key"], table.data):
+                        table.drop(old)
+            except OverQuota as e:
+                return self._refuse(request, "quota", str(e), 413)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 return self._refuse(request, "malformed", f"{type(e).__name__}: {e}", 400)
             self.served += 1

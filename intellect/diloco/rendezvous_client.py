@@ -42,7 +42,21 @@ def _to_bytes(v) -> bytes:
 class StoreError(dist.DistStoreError):
     """The rendezvous refused a request, did not answer in time, or answered without its MAC.
     A ``DistStoreError``, as TCPStore's, so callers that catch ``dist.DistError`` (a gloo group
-    whose peers never came) see the same type."""
+    whose peers never came) see the same type. ``reason``: the server's refusal reason (``scope``,
+    ``banned``, ``quota``...), "" when it did not answer."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+
+def refusal_reason(answer: bytes) -> str:
+    """The ``reason`` of a refusal's JSON body, "" when it has none."""
+    try:
+        why = json.loads(answer)
+    except ValueError:
+        return ""
+    return str(why.get("reason", ""))[:32] if isinstance(why, dict) else ""
 
 
 class RendezvousStore(dist.Store):  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
@@ -104,7 +118,8 @@ class RendezvousStore(dist.Store):  # pyright: ignore[reportPrivateImportUsage] 
                 raise
             break
         if resp.status != 200:
-            raise StoreError(f"rendezvous {self.host}:{self.port} refused {op}: {out[:300].decode(errors='replace')}")
+            raise StoreError(f"rendezvous {self.host}:{self.port} refused {op}: {out[:300].decode(errors='replace')}",
+                             refusal_reason(out[:4096]))
         mac = resp.getheader(MAC_HEADER) or ""
         try:
             good = len(out) <= MAX_BODY and check_answer(self.key, bytes.fromhex(mac), nonce, out)

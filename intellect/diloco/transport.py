@@ -78,8 +78,10 @@ def new_group(
         opts._timeout = _td(timeout)
         dev = dist.ProcessGroupGloo
         opts._devices = [dev.create_device(hostname=hostname) if hostname else dev.create_default_device()]
-        # a c10d Backend used directly as the group: it has the ProcessGroup surface used here (rank/size/send/recv)
-        return cast(dist.ProcessGroup, dist.ProcessGroupGloo(pstore, rank, size, opts))
+        try:  # a c10d Backend used directly as the group: it has the ProcessGroup surface used here (rank/size/send/recv)
+            return cast(dist.ProcessGroup, dist.ProcessGroupGloo(pstore, rank, size, opts))
+        except (ValueError, MemoryError, OverflowError) as e:  # gloo parsing a peer's malformed address list
+            raise CommError(f"new_group: gloo's rendezvous under {prefix!r} failed: {type(e).__name__}: {e}") from e
     if backend == "nccl":  # not exercised by the CPU test suite
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise RuntimeError("new_group: this torch build has no NCCL")

@@ -23,9 +23,10 @@ Trust. A worker holds its own rendezvous key and the all-reduce root, never the 
 (``coordinator.worker_credentials``), and writes only what ``membership.scope`` allows. Every
 all-reduce message is sealed with ``derive_key(root, "allreduce", run, step, attempt)``, so a
 forged or altered one fails the attempt like a garbled one; with 3+ contributors each owner
-aggregates its chunk with a centred clip and reports outliers (``robust.py``); a worker that a
-majority reports in ``diloco.exclude_after`` committed steps is banned once a majority of an
-attempt's members record ``BAN(w, me)``.
+aggregates its chunk with a centred clip and screens and reports outliers (``robust.py``), under
+a plan each member computes itself (``plan.settle_plan``: no peer can pick an unscreened one); a
+worker that a majority reports in ``diloco.exclude_after`` committed steps is banned once a
+majority of an attempt's members record ``BAN(w, me)``.
 
 Invariant after every commit: all members hold bit-identical ``theta_sync`` (their SHA-256 is
 written to ``DIGEST(t, w)`` for anyone to compare).
@@ -61,12 +62,12 @@ from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
-from intellect.diloco.plan import allreduce_plan
+from intellect.diloco.plan import SCREENED, fallback_plan, own_plan, settle_plan
 from intellect.diloco.report import StepReport, WorkerLog
 from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DATA_AT, DIGEST, FLAGS, LAUNCHED, LEFT,
                                        METRICS, PG, PROBE, PROGRESS, Quorum, ban_record, read_count)
 from intellect.diloco.rendezvous import allreduce_root, peer_key
-from intellect.diloco.robust import Strikes, majority_flagged, reported
+from intellect.diloco.robust import Screen, Strikes, majority_flagged, reported
 from intellect.diloco.transport import CommError, new_group
 from intellect.metrics import Peak, flops_per_token
 from intellect.storage import RunStorage
@@ -305,13 +306,11 @@ class DilocoWorker:
             return None
         return [[self.rates[(a, b)] if a != b else 0.0 for b in members] for a in members]
 
-    def plan(self, members: list[str]) -> dict:
-        """This worker's proposal for an attempt (``allreduce_plan`` of the probed matrix).
-
-        Every worker derives it from the same probe matrix, and the first proposal stored
-        under the attempt's key is what all of them run, as a restarted worker may lack rates.
-        """
-        return allreduce_plan(self.cfg.algorithm, self.bandwidth(members), sum(p.numel() for p in self.outer.params))
+    def plan(self, members: list[str], attempt: int) -> dict | None:
+        """This worker's own plan for an attempt (``plan.own_plan``; ``plan.settle_plan`` says what runs)."""
+        probed = bool(self.cfg.bandwidth_probe_bytes) and len(members) >= 3
+        nbytes = sum(p.numel() for p in self.outer.params)
+        return own_plan(self.cfg.algorithm, self.bandwidth(members), nbytes, attempt, probed)
 
     def batches(self, seen: list[str]) -> Iterator:
         """Training batches of this worker's shard; ``seen`` keeps the :func:`data_sketch` of their sequences."""
@@ -359,17 +358,23 @@ class DilocoWorker:
             try:
                 # built only once every member is ready: a member that died before then cannot stall it
                 group = self._group(t, a, members)
-                plan = q.plan(a, self.plan(members))
-                # a fixed algorithm stays this worker's own, so a misconfigured peer fails the plan digest
-                algorithm = plan["algorithm"] if self.cfg.algorithm == "auto" else self.cfg.algorithm
+                own = self.plan(members, a)
+                plan, refused = settle_plan(own, q.plan(a, own or fallback_plan(self.cfg.algorithm)),
+                                            len(members), self.cfg.algorithm)
+                if refused:
+                    log.warning("%s: step %d attempt %d: refused the decided plan (%s); running %s over %s",
+                                me, t, a, refused, plan["algorithm"], plan["order"])
+                algorithm = plan["algorithm"]
                 if algorithm != self.last_algorithm:
                     log.info("%s: step %d attempt %d: all-reduce %s over ring %s (estimated s: %s)",
                              me, t, a, algorithm, plan["order"], plan["estimates"] or "unmeasured")
                     self.last_algorithm = algorithm
-                robust = self.cfg.outlier_clip if algorithm in ("direct", "ring-owner") else 0.0
+                # a ring of partial sums runs only where the config names it, with outlier_clip 0 (DilocoConfig)
+                robust = self.cfg.outlier_clip if algorithm in SCREENED else 0.0
                 stats = all_reduce_mean(average, group, order=plan["order"], contribute=contribute,
                                         algorithm=algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
                                         codec=self.cfg.wire_codec, outlier_clip=robust,
+                                        screen=Screen(self.cfg.outlier_clip_crowd, self.cfg.direction_screen),
                                         mac_key=derive_key(self.allreduce_root, "allreduce", self.run.run_name, t, a))
                 q.report(a, flagged=reported(stats.outliers, members))
                 ok = True

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from prefect.settings import PREFECT_API_URL
 from flows.filter import filter_pass_at_k
 from flows.rl import rl_step, rl_train
 from flows.rl_stages import rl_orchestrate
+from intellect import progress
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
@@ -116,10 +119,17 @@ def test_rl_train_with_shardcast_carrying_the_weights(base):
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_rl_orchestrate_runs_each_stage_as_a_flow_run(base):
-    """Local dispatch: rl-generate per worker, rl-validate, rl-update as sub-flow runs of rl-orchestrate."""
+def test_rl_orchestrate_runs_each_stage_as_a_flow_run(base, caplog):
+    """Local dispatch: rl-generate per worker, rl-validate, rl-update as sub-flow runs of rl-orchestrate,
+    with the orchestrator's progress lines (one per step, as without a terminal)."""
     cfg = rl_cfg(base, steps=2, eval={"every": 0})
-    out = rl_orchestrate(cfg)
+    with caplog.at_level(logging.INFO, logger=progress.LOGGER):
+        out = rl_orchestrate(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == progress.LOGGER
+             and r.getMessage().startswith("rl-orchestrate: ")]
+    assert lines[0] == "rl-orchestrate: steps 0..1" and lines[-1].startswith("rl-orchestrate: done, 2 steps"), lines
+    steps = [int(m.group(1)) for line in lines if (m := re.match(r"rl-orchestrate: step (\d+)/2 ", line))]
+    assert steps == sorted(steps) and {1, 2} <= set(steps), lines  # heartbeats may repeat a step
     assert [r["step"] for r in out["steps"]] == [0, 1]
     assert all(r["accepted"] == len(cfg.workers.names) * PROMPTS * GROUP for r in out["steps"])
     check_ledger(cfg, 2)

@@ -123,11 +123,11 @@ json.dump({"results": results, "injected": injected, "hijacks": hijacks}, open(o
 '''
 
 
-def _tiny(tmp_path, name: str, **over):
+def tiny_cfg(tmp_path, name: str, **over):
     return run_cfg(tmp_path, **{"run_name": name, "train.threads": 1, "diloco.bandwidth_probe_bytes": 0, **over})
 
 
-def _run(tmp_path, cfg, env=None, during=None, timeout=300, faults=None) -> tuple[Coordinator, dict]:
+def run_coordinator(tmp_path, cfg, env=None, during=None, timeout=300, faults=None) -> tuple[Coordinator, dict]:
     c = Coordinator(cfg, faulty_launcher(tmp_path / "logs", faults), env=env or {})  # where logs() looks
     try:
         c.start()
@@ -142,8 +142,8 @@ def _run(tmp_path, cfg, env=None, during=None, timeout=300, faults=None) -> tupl
 
 
 def test_an_outsider_without_the_secret_is_refused_and_changes_nothing(tmp_path):
-    cfg = _tiny(tmp_path, "honest")
-    base, out = _run(tmp_path, cfg)
+    cfg = tiny_cfg(tmp_path, "honest")
+    base, out = run_coordinator(tmp_path, cfg)
     try:
         assert out["codes"] == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
         honest = [digests(base, t) for t in range(3)]
@@ -151,7 +151,7 @@ def test_an_outsider_without_the_secret_is_refused_and_changes_nothing(tmp_path)
         base.close()
     assert all(len(set(d.values())) == 1 and len(d) == 2 for d in honest), honest
 
-    attacked_cfg = _tiny(tmp_path, "honest", **{"storage.url": f"file://{tmp_path}/attacked"})
+    attacked_cfg = tiny_cfg(tmp_path, "honest", **{"storage.url": f"file://{tmp_path}/attacked"})
     report, stop = tmp_path / "outsider.json", tmp_path / "stop"
 
     def outsider(c, proc=None):
@@ -164,7 +164,7 @@ def test_an_outsider_without_the_secret_is_refused_and_changes_nothing(tmp_path)
         proc.wait(timeout=120)
         return proc
 
-    c, out = _run(tmp_path, attacked_cfg, during=outsider)
+    c, out = run_coordinator(tmp_path, attacked_cfg, during=outsider)
     try:
         assert out["codes"] == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
         assert out["extra"].returncode == 0, (tmp_path / "outsider.log").read_text()[-3000:]
@@ -230,7 +230,7 @@ def test_a_message_sealed_under_another_key_fails_like_a_garbled_one():
     assert any("fails its MAC" in got[r][1][1] for r in range(world))
 
 
-def _heldout_loss(cfg) -> float:
+def heldout_loss(cfg) -> float:
     model, tok = fetch(RunStorage.from_config(cfg.storage, cfg.run_name))
     model.eval()
     batch = encode_texts(tok, [p.text for p in heldout_problems(cfg.data, 256)], model.config.max_position_embeddings)
@@ -244,21 +244,21 @@ LIARS = {"const": "1e6 everywhere", "flip": "sign-flipped", "scale": "100x"}
 @pytest.fixture(scope="module")
 def honest_four(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("four")
-    cfg = _tiny(tmp, "four", **{"diloco.workers": 4, "diloco.outer_steps": 4, "diloco.inner_steps": 8})
-    c, out = _run(tmp, cfg)
+    cfg = tiny_cfg(tmp, "four", **{"diloco.workers": 4, "diloco.outer_steps": 4, "diloco.inner_steps": 8})
+    c, out = run_coordinator(tmp, cfg)
     try:
         assert set(out["codes"].values()) == {EXIT_DONE}, logs(tmp)
         flagged = [json.loads(c.store.get(f"metrics/{t}/w0"))["flagged"] for t in range(4)]
     finally:
         c.close()
     assert flagged == [[]] * 4  # honest workers are never flagged
-    return _heldout_loss(cfg)
+    return heldout_loss(cfg)
 
 
 @pytest.mark.parametrize("kind", sorted(LIARS))
 def test_an_admitted_liar_is_flagged_banned_and_bounded(tmp_path, honest_four, kind):
-    cfg = _tiny(tmp_path, "four", **{"diloco.workers": 4, "diloco.outer_steps": 4, "diloco.inner_steps": 8})
-    c, out = _run(tmp_path, cfg, faults=FaultPlan(lie_worker="w3", lie=kind))
+    cfg = tiny_cfg(tmp_path, "four", **{"diloco.workers": 4, "diloco.outer_steps": 4, "diloco.inner_steps": 8})
+    c, out = run_coordinator(tmp_path, cfg, faults=FaultPlan(lie_worker="w3", lie=kind))
     try:
         codes = out["codes"]
         assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE, "w2": EXIT_DONE, "w3": EXIT_BANNED}, logs(tmp_path)
@@ -271,7 +271,7 @@ def test_an_admitted_liar_is_flagged_banned_and_bounded(tmp_path, honest_four, k
             assert len(set(d[w] for w in ("w0", "w1", "w2"))) == 1, (t, d)
     finally:
         c.close()
-    loss = _heldout_loss(cfg)
+    loss = heldout_loss(cfg)
     print(f"held-out loss with a {LIARS[kind]} liar: {loss:.4f}; without: {honest_four:.4f}")
     assert abs(loss - honest_four) <= 0.05 * honest_four, (kind, loss, honest_four)
 

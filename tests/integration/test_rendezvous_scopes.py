@@ -3,20 +3,27 @@ not do to the others or to the coordinator, and an idle-connection flood from an
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+import torch
 from diloco_runs import run_cfg
 
 from intellect.diloco.coordinator import (ALLREDUCE_KEY_ENV, PEER_KEY_ENV, SECRET_ENV, Coordinator, load_credentials,
                                           worker_args, worker_credentials, worker_launcher)
-from intellect.diloco.membership import Membership, StoreLost, scope
-from intellect.diloco.rendezvous import COORDINATOR, RendezvousServer, peer_key
+from intellect.diloco.membership import Membership, StoreLost, retire, scope
+from intellect.diloco.protocol import AHEAD, KEEP_STEPS
+from intellect.diloco.rendezvous import COORDINATOR, MAX_VALUE, QUOTA, RendezvousServer, peer_key
 from intellect.diloco.rendezvous_client import RendezvousStore, StoreError
+from intellect.diloco.transport import new_group
 
 SECRET = bytes(range(32))
 
@@ -80,9 +87,9 @@ def test_a_peer_speaks_only_as_itself_and_writes_only_its_own_keys(server):
     assert server.refusals["scope"] == 14 and server.refused[-1][2:4] == ("mallory", "scope")
     # reads are open; a counter read creates nothing
     assert alice.get("launched/0") == b"alice" and mal.add("hb/nobody", 0) == 0 and not alice.check(["hb/nobody"])
-    # gloo's keys under a group prefix are open to every peer
-    mal.set("pg/0/0/0", "addr")
-    alice.add("pg/0/0/count", 1)
+    # gloo's keys: none outside a group's per-rank layout
+    refused(lambda: mal.set("pg/0/0/0", "addr"), "scope")
+    refused(lambda: alice.add("pg/0/0/count", 1), "scope")
 
 
 def test_the_red_team_moves_of_an_admitted_peer_change_nothing(server):
@@ -101,8 +108,8 @@ def test_the_red_team_moves_of_an_admitted_peer_change_nothing(server):
     refused(lambda: mal.set("progress", b"999999"), "scope")
     refused(lambda: mal.set("progress", b"x"), "scope")
     # a future step's membership: mallory arrives ahead and proposes itself alone
-    mal.set("arrive/5/mallory", "1")
-    refused(lambda: mal.compare_set("members/5/0", "", '["mallory"]'), "scope")
+    mal.set("arrive/2/mallory", "1")
+    refused(lambda: mal.compare_set("members/2/0", "", '["mallory"]'), "scope")
     # an overwrite of a decision, or a ban by one peer, takes nothing either
     honest_step({"alice": alice, "bob": bob})
     assert mal.compare_set("outcome/0/0", "", "abort") == b"commit"  # decided: the decision comes back
@@ -137,6 +144,92 @@ def test_only_the_leader_of_a_commit_moves_progress_forward(server):
     honest_step({"bob": bob, "alice": alice}, t=1)
     assert json.loads(alice.get("progress")) == 2
     refused(lambda: bob.set("progress", "1"), "scope")  # never back
+
+
+def test_gloo_keys_are_written_once_by_their_rank_holder_after_the_attempt_is_ready(server):
+    coord = client(server, COORDINATOR, peer_key(SECRET, "run", COORDINATOR))
+    coord.set("start", "0")
+    alice, bob, mal = client(server, "alice"), client(server, "bob"), client(server, "mallory")
+    for p, s in (("alice", alice), ("bob", bob)):
+        s.set(f"arrive/0/{p}", "1")
+    alice.compare_set("members/0/0", "", '["alice", "bob"]')
+    alice.set("ready/0/0/alice", "1")
+    refused(lambda: mal.set("pg/0/0//0/0", "x"), "scope")  # not a member of the attempt
+    refused(lambda: alice.set("pg/0/0//0/1", "x"), "scope")  # bob's rank
+    assert "ready" in refused(lambda: alice.set("pg/0/0//0/0", "x"), "scope")  # before the group forms
+    refused(lambda: mal.set("bw/0/col/0", "[1]"), "scope")
+    refused(lambda: bob.set("pg/0/onboard//0/0", "x"), "scope")
+    bob.set("ready/0/0/bob", "1")
+    # the real groups form on what the rank holders write, and nobody writes a key twice
+    groups = {}
+
+    def form(rank, store):
+        g = new_group(store, "pg/0/0", rank, 2, timeout=20)
+        x = torch.full((4,), float(rank + 1))
+        g.allreduce([x]).wait()
+        groups[rank] = x.tolist()
+
+    threads = [threading.Thread(target=form, args=(r, s)) for r, s in enumerate((alice, bob))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert groups == {0: [3.0] * 4, 1: [3.0] * 4}
+    assert "once" in refused(lambda: alice.set("pg/0/0//0/0", "x"), "scope")
+    alice.set("bw/0/col/0", "[1]")  # a boundary group's keys: its rank holder, after the members are decided
+    refused(lambda: alice.set("bw/0/col/0", "[2]"), "scope")
+
+
+def test_a_banned_peer_writes_nothing_and_no_peer_holds_more_than_its_quota():
+    """The memory bound: one peer's keys and values (KEY_OVERHEAD per key counted) stay within QUOTA
+    (2 MiB), each value within MAX_VALUE (16 KiB), per-step keys within the window around the run's
+    step; measured as the process's RSS growth while one peer sends 740 KB metrics and then fills
+    all it may."""
+    server = RendezvousServer(SECRET, "run", policy=scope, prune=retire)
+    try:
+        coord = client(server, COORDINATOR, peer_key(SECRET, "run", COORDINATOR))
+        coord.set("start", "0")
+        w3, w0 = client(server, "w3"), client(server, "w0")
+        rss0 = rss()
+        for t in range(1500):  # the red team's 1,500 step numbers: only those around the run's step are taken
+            if t > AHEAD:
+                assert "steps 0-2" in refused(lambda: w3.set(f"metrics/{t}/w3", "{}"), "scope")
+        for t in range(40):  # and no value over the cap
+            refused(lambda: w3.set(f"metrics/{t % (AHEAD + 1)}/w3", "x" * 740_000), "quota")
+        n, pad = 0, "y" * (MAX_VALUE - 64)
+        while True:  # what it may still write: ban records, for any name
+            try:
+                w3.set(f"ban/x{n}/w3", json.dumps({"step": 0, "attempt": 0, "pad": pad}))
+            except StoreError as e:
+                assert e.reason == "quota", e
+                break
+            n += 1
+        held = server.table.usage["w3"]
+        assert n > 100 and QUOTA - MAX_VALUE - 1024 < held <= QUOTA, (n, held)
+        grown = rss() - rss0
+        assert grown < 4 * QUOTA, (grown, held)  # the whole process: table, nonces, allocator slack
+        print(f"w3 holds {held} bytes of the store (quota {QUOTA}); RSS grew {grown / 2**20:.1f} MiB")
+        # a ban revokes every write, and w0 is untouched
+        coord.set("banned/w3", json.dumps({"by": "majority"}))
+        for move in (lambda: w3.set("metrics/0/w3", "{}"), lambda: w3.add("hb/w3", 1),
+                     lambda: w3.set("dead/w3", "1"), lambda: w3.delete_key("metrics/0/w3"),
+                     lambda: w3.set("ban/w0/w3", json.dumps({"step": 0, "attempt": 0}))):
+            refused(move, "banned")
+        assert w3.get("banned/w3")  # reads go on: it learns it was banned
+        w0.set("metrics/1/w0", "{}")
+        # progress moves on: the steps left behind are dropped, and what they held with them
+        coord.set("progress", str(KEEP_STEPS + 3))
+        assert not w0.check(["metrics/1/w0"]) and w0.check(["ban/x0/w3"])
+    finally:
+        server.stop()
+
+
+def rss() -> int:
+    """This process's resident bytes, once freed heap went back to the system."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_the_coordinator_reads_peer_values_defensively(tmp_path, caplog):

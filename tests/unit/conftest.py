@@ -60,12 +60,19 @@ def forbid_processes_and_sockets(seen: list[str]) -> Iterator[None]:
             mp.setattr(socket.socket, name, _forbidding(f"socket.{name}", seen, method=True))
         if dist.is_available():
             store = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]  (public, re-exported from torch._C)
-            mp.setattr(store, "__init__", _forbidding("torch.distributed.TCPStore", seen, method=True))
+            mp.setattr(dist, "TCPStore", _refusing_subclass(store, "torch.distributed.TCPStore", seen))
             mp.setattr(dist, "init_process_group", _forbidding("torch.distributed.init_process_group", seen))
             if dist.is_gloo_available():
-                gloo = _forbidding("torch.distributed.ProcessGroupGloo", seen, method=True)
-                mp.setattr(dist.ProcessGroupGloo, "__init__", gloo)
+                gloo = _refusing_subclass(dist.ProcessGroupGloo, "torch.distributed.ProcessGroupGloo", seen)
+                mp.setattr(dist, "ProcessGroupGloo", gloo)
         yield
+
+
+def _refusing_subclass(cls: type, what: str, seen: list[str]) -> type:
+    """``cls`` whose construction is refused in ``__new__``, before an object exists: a pybind11 object
+    whose ``__init__`` is refused is left without its C++ half, and freeing it takes the process down.
+    A subclass keeps the class's attributes (``ProcessGroupGloo._Options``)."""
+    return type(cls.__name__, (cls,), {"__new__": staticmethod(_forbidding(what, seen, method=True))})
 
 
 def _guarded_phase(phase: str) -> Iterator[None]:

@@ -216,3 +216,38 @@ def test_auto_is_the_config_default_and_bad_algorithms_name_the_choices():
         C.load_config(DC.DilocoRunConfig, overrides=["diloco.algorithm=tree"], environ={})
     with pytest.raises(ValueError, match="unknown algorithm 'auto'"):  # resolved by the worker, never sent
         payload_bytes([8], 2, 0, "auto")
+
+
+# ---------------------------------------------------------------- which plan an attempt runs (plan.settle_plan)
+
+HOSTILE = [None, "ring", 3, [], {"algorithm": "ring", "order": None, "estimates": {}},
+           {"algorithm": "ring-residual", "order": None, "estimates": {}}, {"algorithm": "bogus"},
+           {"algorithm": "direct", "order": [0, 1, 2, 99], "estimates": {}},
+           {"algorithm": "direct", "order": [0, 0, 1, 2], "estimates": {}},
+           {"algorithm": "direct", "order": [0, 1, 2, 3], "estimates": {"direct": float("nan")}},
+           {"algorithm": "direct", "order": [0, 1, 2, 3], "estimates": {"x" * 9: 1.0}},
+           {"algorithm": "ring-owner", "order": [3, 2, 1, 0], "estimates": {}}]
+
+
+@pytest.mark.parametrize("decided", HOSTILE)
+@pytest.mark.parametrize("own", [None, plan.fallback_plan("auto"),
+                                 {"order": [0, 2, 1, 3], "algorithm": "ring-owner", "estimates": {"direct": 1.0}}])
+def test_whatever_a_peer_decides_auto_runs_a_well_formed_screened_plan(own, decided):
+    run, why = plan.settle_plan(own, decided, 4, "auto")
+    assert run["algorithm"] in plan.SCREENED
+    assert run["order"] is None or sorted(run["order"]) == [0, 1, 2, 3]
+    checked, _ = plan.read_plan(decided, 4, "auto")
+    if own is not None:  # a member that computes the plan runs its own, and says why it refused another
+        ring = [0, 1, 2, 3]
+        same = checked is not None and (checked["algorithm"], checked["order"] or ring) == (
+            own["algorithm"], own["order"] or ring)
+        assert run == own and (why == "") == same
+    elif checked is None:  # one that cannot: never a malformed plan
+        assert run == plan.fallback_plan("auto") and why
+
+
+def test_a_fixed_algorithm_accepts_only_itself():
+    ring = {"algorithm": "ring", "order": None, "estimates": {}}
+    assert plan.read_plan(ring, 3, "ring")[0] == ring
+    assert plan.read_plan({**ring, "algorithm": "direct"}, 3, "ring")[0] is None
+    assert plan.settle_plan(None, {**ring, "algorithm": "direct"}, 3, "ring")[0]["algorithm"] == "ring"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 import torch
 
-from intellect.diloco.robust import ITERATIONS, Strikes, centred_clip, majority_flagged, reported
+from intellect.diloco import robust
+from intellect.diloco.robust import ITERATIONS, Screen, Strikes, astray, centred_clip, majority_flagged, reported
 
 
 def honest(n: int, m: int = 4096, signal: float = 1.0, noise: float = 0.5, seed: int = 0) -> list[torch.Tensor]:
@@ -67,3 +70,39 @@ def test_reports_majorities_and_strikes():
     assert majority_flagged({"d": ["a", "a", "b", "d"], "x": ["a"], "y": ["a"]}, members) == []
     s = Strikes(2)
     assert s.add(["d"]) == [] and s.add(["c", "d"]) == ["d"] and s.add(["d", "c"]) == ["c"]
+
+
+def test_doctests():
+    assert doctest.testmod(robust).failed == 0
+
+
+def pushed(xs: list[torch.Tensor], scale: float, keep_norm: bool, seed: int = 7) -> torch.Tensor:
+    """The direction attack: xs[-1] plus ``scale`` times its norm along a fixed direction."""
+    u = torch.randn(xs[0].numel(), generator=torch.Generator().manual_seed(seed))
+    x = xs[-1] + scale * xs[-1].norm() * u / u.norm()
+    return x * (xs[-1].norm() / x.norm()) if keep_norm else x
+
+
+@pytest.mark.parametrize("keep_norm", [False, True])
+@pytest.mark.parametrize("n", [4, 6, 8])
+def test_a_member_adversarial_in_direction_is_flagged_and_left_out_from_four_members(n, keep_norm):
+    xs = honest(n, noise=0.7)
+    liar = pushed(xs, 1.5, keep_norm)
+    v, outliers = centred_clip(xs[:-1] + [liar], k=4)
+    assert outliers == [n - 1]
+    assert v is not None and torch.equal(v, torch.stack(xs[:-1]).mean(0))  # the liar is left out
+    # without the screens (the multiple 4, no direction) it passes unflagged
+    assert centred_clip(xs[:-1] + [liar], k=4, screen=Screen(k_crowd=4, direction=0)) == (None, [])
+
+
+def test_the_screens_wait_for_four_members_and_for_agreement():
+    xs = honest(3, noise=0.7)
+    assert centred_clip(xs[:-1] + [pushed(xs, 1.5, True)], k=4) == (None, [])  # 3: no screen, the clip only
+    noise = honest(6, signal=0.1, noise=1.0)  # members barely agree: the direction says nothing
+    assert astray(torch.stack(noise), 0.6) == [False] * 6
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_honest_members_pass_the_screens(seed):
+    for n, noise in ((4, 0.5), (4, 1.0), (6, 0.7), (12, 1.5)):
+        assert centred_clip(honest(n, noise=noise, seed=seed), k=4) == (None, []), (n, noise)
