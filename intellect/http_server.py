@@ -12,7 +12,12 @@ its :class:`ConnectionLimits`, each server choosing its own:
   addresses); one more is closed at once (``busy``);
 * past ``evict_over`` open connections, a new one evicts the oldest that has not sent a byte (itself,
   when every other has spoken: ``too_many_connections``), so idle sockets cannot crowd out peers that
-  are speaking.
+  are speaking;
+* at most ``max_open`` connections are open, shared fairly among buckets (:class:`FairShare`): when
+  all are taken, a new connection evicts one of the bucket holding the most, if that holds more than
+  the newcomer's bucket would (its silent connections first, then those between requests), and is
+  closed itself otherwise (``too_many_connections``); ``reserve`` of them only for buckets that
+  ``trusted`` names, so a flood from more buckets than places still leaves known peers room.
 
 Each connection a guard ends is reported to its ``report(client, reason, detail)``, the reason one of
 :data:`DROPS`: ``idle`` (no byte of a head in time), ``too_slow`` (a head begun, not finished in
@@ -28,13 +33,16 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Generic, Hashable, Literal, TypeVar
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-__all__ = ["DROPS", "ConnectionGuard", "ConnectionLimits", "Drop", "bind", "guarded_server", "serve_in_thread", "url_of"]
+__all__ = [
+    "DROPS", "ConnectionGuard", "ConnectionLimits", "Drop", "FairShare", "bind", "guarded_server", "serve_in_thread",
+    "url_of",
+]
 
 Drop = Literal["idle", "too_slow", "busy", "too_many_connections"]
 DROPS: tuple[Drop, ...] = ("idle", "too_slow", "busy", "too_many_connections")
@@ -64,6 +72,73 @@ def _same(address: str) -> str:
     return address
 
 
+def _nobody(_bucket: str) -> bool:
+    return False
+
+
+_H = TypeVar("_H", bound=Hashable)
+
+
+class FairShare(Generic[_H]):
+    """``capacity`` places (connections, upload slots) shared max-min fairly among groups (address
+    prefixes), ``reserve`` of them only for trusted holders. Single-threaded: its owner's event loop.
+
+    When every place a newcomer may take is held, it may displace a holder of the group that holds
+    the most, but only if that group holds more than the newcomer's would after the move: a group at
+    or under its fair share is never displaced, and each move lowers the largest holding, so a flood
+    from few groups cannot keep out a group that asks for its share. An untrusted newcomer displaces
+    only untrusted holders: the reserve stays the trusted's.
+
+    >>> share = FairShare(capacity=3, reserve=1)
+    >>> share.add("a1", "a", trusted=False); share.add("a2", "a", trusted=False)
+    >>> share.claim("a", trusted=False), share.claim("b", trusted=False), share.claim("b", trusted=True)
+    ((False, None), (True, 'a'), (True, None))
+    """
+
+    def __init__(self, capacity: int, reserve: int = 0):
+        if not 0 <= reserve < capacity:
+            raise ValueError("need 0 <= reserve < capacity")
+        self.capacity, self.reserve = capacity, reserve
+        self.held: collections.Counter[str] = collections.Counter()  # places by group
+        self._holders: dict[_H, tuple[str, bool]] = {}  # holder -> (group, trusted), oldest first
+        self._untrusted = 0
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def claim(self, group: str, trusted: bool) -> tuple[bool, str | None]:
+        """Whether ``group`` may take a place now: ``(True, None)`` a free one, ``(True, g)`` once one of
+        :meth:`displaceable` ``(g, trusted)`` is removed, ``(False, None)`` none."""
+        if len(self._holders) < self.capacity and (trusted or self._untrusted < self.capacity - self.reserve):
+            return True, None
+        mine = self.held[group]
+        counts = self.held if trusted else collections.Counter(g for g, t in self._holders.values() if not t)
+        victims = [g for g, n in counts.items() if n and g != group and self.held[g] > mine + 1]
+        if not victims:
+            return False, None
+        return True, max(victims, key=lambda g: (self.held[g], counts[g]))
+
+    def displaceable(self, group: str, trusted: bool) -> list[_H]:
+        """The holders of ``group`` a newcomer (``trusted`` or not) may displace, oldest first."""
+        return [h for h, (g, t) in self._holders.items() if g == group and (trusted or not t)]
+
+    def add(self, holder: _H, group: str, trusted: bool) -> None:
+        self._holders[holder] = (group, trusted)
+        self.held[group] += 1
+        self._untrusted += not trusted
+
+    def remove(self, holder: _H) -> None:
+        """Give ``holder``'s place back (nothing when it holds none)."""
+        entry = self._holders.pop(holder, None)
+        if entry is None:
+            return
+        group, trusted = entry
+        self._untrusted -= not trusted
+        self.held[group] -= 1
+        if self.held[group] <= 0:
+            del self.held[group]
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """The bounds a :class:`ConnectionGuard` applies (see the module docstring)."""
@@ -73,15 +148,19 @@ class ConnectionLimits:
     per_address: int | None = None
     bucket: Callable[[str], str] = field(default=_same)
     evict_over: int | None = None
+    max_open: int | None = None
+    reserve: int = 0
+    trusted: Callable[[str], bool] = field(default=_nobody)
 
 
 class ConnectionGuard:
     """The connection bounds of one server: its :meth:`protocol` is what uvicorn serves with, and
-    :attr:`open` counts its open connections by address bucket (with ``per_address`` set)."""
+    :attr:`open` counts its open connections by address bucket."""
 
     def __init__(self, limits: ConnectionLimits, report: Callable[[str, Drop, str], None]):
         self.limits, self.report = limits, report
-        self.open: collections.Counter[str] = collections.Counter()
+        self.share: FairShare[GuardedH11] = FairShare(limits.max_open or 1 << 30, limits.reserve)
+        self.open = self.share.held
         self.silent: dict[GuardedH11, None] = {}  # connections that have not sent a byte, oldest first
 
     def protocol(self) -> type[GuardedH11]:
@@ -100,14 +179,25 @@ class GuardedH11(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         guard, limits, client = self.guard, self.guard.limits, self._client()
-        if limits.per_address is not None:
-            bucket = limits.bucket(client)
-            if guard.open[bucket] >= limits.per_address:
-                guard.report(client, "busy", f"{limits.per_address} connections from this address are open")
-                transport.close()
-                return
-            guard.open[bucket] += 1
-            self._bucket = bucket
+        bucket = limits.bucket(client)
+        if limits.per_address is not None and guard.open[bucket] >= limits.per_address:
+            guard.report(client, "busy", f"{limits.per_address} connections from this address are open")
+            transport.close()
+            return
+        trusted = limits.trusted(bucket)
+        ok, heavy = guard.share.claim(bucket, trusted)
+        if not ok:
+            guard.report(client, "too_many_connections", f"{limits.max_open} connections are open, none of them "
+                         "from an address holding more than this one's share")
+            transport.close()
+            return
+        if heavy is not None:
+            victim = min(guard.share.displaceable(heavy, trusted), key=GuardedH11._keep)
+            guard.report(victim._client(), "too_many_connections",
+                         f"{limits.max_open} connections are open and its address holds the most")
+            victim._close()
+        guard.share.add(self, bucket, trusted)
+        self._bucket = bucket
         guard.silent[self] = None
         if limits.evict_over is not None and len(self.connections) > limits.evict_over:
             victim = next(iter(guard.silent))
@@ -115,6 +205,12 @@ class GuardedH11(H11Protocol):
                          f"over {limits.evict_over} open connections, it had sent nothing")
             victim._close()
         self._arm()
+
+    def _keep(self) -> int:
+        """How much closing this connection costs: nothing sent yet, between requests, mid-request."""
+        if self in self.guard.silent:
+            return 0
+        return 1 if self.cycle is None or self.cycle.response_complete else 2
 
     def data_received(self, data: bytes) -> None:
         self.guard.silent.pop(self, None)
@@ -129,9 +225,7 @@ class GuardedH11(H11Protocol):
         guard = self.guard
         guard.silent.pop(self, None)
         if self._bucket is not None:
-            guard.open[self._bucket] -= 1
-            if guard.open[self._bucket] <= 0:
-                del guard.open[self._bucket]
+            guard.share.remove(self)
             self._bucket = None
         if self._timer is not None:
             self._timer.cancel()
@@ -159,6 +253,9 @@ class GuardedH11(H11Protocol):
 
     def _close(self) -> None:
         self.guard.silent.pop(self, None)
+        if self._bucket is not None:  # its place is free now, not once the loop reports the close
+            self.guard.share.remove(self)
+            self._bucket = None
         if not self.transport.is_closing():
             self.transport.close()
 

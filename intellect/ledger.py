@@ -24,7 +24,10 @@ Rules that make a crashed step safe to re-run:
 * **Duplicates.** A sample whose content hash (seed + prompt tokens + output tokens) is already
   *accepted* at another location, by any worker, submission or step, is a copy: if it would have
   been accepted it is recorded as ``rejected`` / :data:`~intellect.verdict.DUPLICATE`. Within one
-  call the first accepted copy (in table order) wins. Rejected rows never count: otherwise a worker
+  call the first accepted copy in table order wins, and callers give rows in arrival order (the
+  submission service's), never sorted by worker id, which a key can be ground to sort first.
+  Copies rarely get this far: a sample's seed is assigned to its worker and position, so a copy
+  filed by another worker is rejected as ``seed`` before it is recorded. Rejected rows never count: otherwise a worker
   could file a copy of an honest worker's rollouts under an id that sorts first, have it rejected
   (``assignment``), and so turn the honest rows into duplicates. Honest workers never collide,
   since their seeds differ.

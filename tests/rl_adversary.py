@@ -130,21 +130,23 @@ class Adversary:
         self.submit(step, "parquet_bomb", 4, parquet_bomb(self.run, self.id, step))
 
     def handwritten_moves(self, step: int) -> None:
-        """Completions written by hand (the right answer), with the assigned prompts and seeds: TOPLOC
-        must refuse them, with no proof, with made-up proofs, and too long."""
+        """Completions written by hand (any tokens: the service sends no answers), with the assigned prompts and seeds: TOPLOC must refuse them, with no proof, with
+        made-up proofs, and too long. Submissions 0, 1, 2 in turn: a key sees the prompts of ``k + 1``
+        only once ``k`` is stored."""
         _, tok = fetch(self.storage, 0)
         sub = self.args["submission"]
-        for k, proof, extra in ((5, b"", 0), (6, os.urandom(258), 0), (7, b"", 3)):
+        salt = self.client.salt or b""
+        for k, proof, extra in ((0, b"", 0), (1, os.urandom(258), 0), (2, b"", 3)):
             tasks = self.client.assignment(step, k)
             rows = []
             for j, t in enumerate(tasks):
                 prompt = tuple(tok(t["prompt"])["input_ids"])
-                out = tuple(tok(t["answer"], add_special_tokens=False)["input_ids"])[: sub["max_tokens"] - 1]
+                out = tuple(tok("42", add_special_tokens=False)["input_ids"])[: sub["max_tokens"] - 1]
                 out = out + (tok.eos_token_id,) if not extra else out + (5,) * (sub["max_tokens"] + extra - len(out))
                 for i in range(sub["group_size"]):
                     rows.append(Rollout(
                         run=self.run, step=step, policy_step=step, worker=self.id, submission=k,
-                        seed=sample_seed(self.id, step, k, j, i), prompt_id=t["id"], group_id=j,
+                        seed=sample_seed(self.id, step, k, j, i, salt), prompt_id=t["id"], group_id=j,
                         prompt_tokens=prompt, output_tokens=out, finish_reason="length" if extra else "stop",
                         reward=1.0, task_reward=1.0, length_penalty=0.0, advantage=0.0, proof=proof))
             self.submit(step, "handwritten" if not extra else "too_long", k, encode_submission(rows))

@@ -27,7 +27,7 @@ def make_rows(n=4, step=3, worker="w1", k=0, policy_step=2):
         for i in range(n)
     ]
 
-DEFAULT = RolloutLimits(vocab_size=50)  # the reader's defaults: 4096 rows, 32768 tokens, 1 GiB decoded
+DEFAULT = RolloutLimits(vocab_size=50)  # the reader's defaults: 4096 rows, 32768 tokens, 256 MiB decoded
 
 
 def to_bytes(table: pa.Table, **kwargs) -> bytes:

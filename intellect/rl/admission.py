@@ -6,8 +6,11 @@
   signature once the body's sha256 is known (the body is hashed as it streams in, never held whole);
 * :func:`parse_request`, :func:`parse_json`: a request's route, integers, query and JSON body read
   strictly, with a :class:`Refusal` for anything off-contract;
-* :class:`RateLimiter`: token buckets per client address (an IPv6 client by its /64,
-  :func:`address_bucket`) for open registration.
+* :func:`address_prefix`: the unit every per-client bound counts in (an IPv4 /24, an IPv6 /48);
+* :class:`RateLimiter`, :class:`RegistrationLimiter`: token buckets per prefix, and the shared
+  registration budget that a few prefixes cannot drain;
+* :func:`submission_bytes`: the largest Parquet file a submission of a run can be, the cap on a
+  declared upload.
 
 What the service has admitted and stored is :class:`~intellect.rl.registry.Registry`'s.
 
@@ -19,13 +22,14 @@ name from a worker.
 ([True, True, False], True)
 >>> limiter.allow("10.0.0.1", now=30.0)  # one token back after half a minute
 True
->>> address_bucket("2001:db8::1") == address_bucket("2001:db8::ffff:2"), address_bucket("::ffff:10.0.0.1")
-(True, '10.0.0.1')
+>>> address_prefix("2001:db8:0:1::1") == address_prefix("2001:db8:0:2::1"), address_prefix("::ffff:10.0.0.1")
+(True, '10.0.0.0/24')
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 import threading
 import time
@@ -33,10 +37,11 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, Mapping, TypeVar, get_args
 from urllib.parse import parse_qs
 
+import pyarrow as pa
 from pydantic import Field, ValidationError
 
 from intellect.config import StrictModel
-
+from intellect.rl.rollout_schema import MAX_ID_CHARS, SCHEMA
 from intellect.trust.keys import VerifyKey
 from intellect.trust.requests import AuthError, RequestVerifier, parse_headers
 
@@ -44,7 +49,7 @@ Reason = Literal[
     # the signature layer (intellect.trust.requests.AuthError)
     "unsigned", "malformed", "stale", "bad_signature", "replay", "busy",
     # admission
-    "not_registered", "not_allowed", "rate_limited", "full",
+    "not_registered", "not_allowed", "rate_limited", "full", "work",
     # the request itself
     "bad_request", "not_found", "method", "too_large", "out_of_range", "too_far_ahead", "wrong_mode", "closed",
     "length_required", "too_slow", "sha256_mismatch",
@@ -97,10 +102,6 @@ ROUTES = {  # name -> (method, number of integer path segments)
     "submissions": ("PUT", 2), "uploads": ("POST", 2), "done": ("POST", 1),
 }
 _INT = re.compile(r"0|[1-9][0-9]{0,17}")
-
-
-class Empty(StrictModel):
-    """The body of ``POST /v1/register``: ``{}`` (or nothing)."""
 
 
 class UploadBody(StrictModel):
@@ -198,23 +199,30 @@ def query_ints(req: Request, *names: str) -> list[int]:
     return [parse_int(req.query[n][0], n) for n in names]
 
 
-# --------------------------------------------------------------------- open registration
+# --------------------------------------------------------------------- per-client bounds
+
+PREFIX_V4, PREFIX_V6 = 24, 48
 
 
-def address_bucket(address: str) -> str:
-    """The unit a client address is counted in: an IPv4 address as is (also when IPv4-mapped), an
-    IPv6 address by its /64, the smallest block one subscriber is routinely given; anything else
-    (a Unix socket, ``unknown``) as is."""
+def address_prefix(address: str) -> str:
+    """The unit a client is counted in: an IPv4 address by its /24 (also when IPv4-mapped), an IPv6
+    address by its /48; anything else (a Unix socket, ``unknown``) as is.
+
+    Fair shares split a bound among prefixes, so a prefix must be what one party cannot multiply
+    cheaply. An IPv6 end site is routinely given a /48 (RFC 6177; a /56 at the least): counted by
+    /64, one site would hold 65,536 shares. An IPv4 /24 is the smallest block routed on its own, and a
+    rented block of addresses usually lies within one. Neighbours in one prefix (a lab, a cloud
+    region's NAT) only share one share when the service is contended, since an unused share goes to
+    whoever asks.
+    """
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return address
     if ip.version == 6 and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    if ip.version == 6:
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
-
+        ip = ip.ipv4_mapped
+    bits = PREFIX_V4 if ip.version == 4 else PREFIX_V6
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
 
 class RateLimiter:
@@ -236,16 +244,104 @@ class RateLimiter:
         """Take one token of ``address``'s bucket; False when it is empty."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            if address not in self._buckets and len(self._buckets) >= self.max_addresses:
-                full = [a for a, (t, at) in self._buckets.items() if t + (now - at) * self.rate >= self.burst]
-                for a in full:
-                    del self._buckets[a]
-                if len(self._buckets) >= self.max_addresses:
-                    return False
-            tokens, at = self._buckets.get(address, (self.burst, now))
-            tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
-            if tokens < 1.0:
-                self._buckets[address] = (tokens, now)
+            tokens = self.level(address, now)
+            if tokens is None or tokens < 1.0:
                 return False
             self._buckets[address] = (tokens - 1.0, now)
             return True
+
+    def level(self, address: str, now: float) -> float | None:
+        """The tokens in ``address``'s bucket at ``now``; None when a new bucket has no room (callers hold
+        the lock)."""
+        if address not in self._buckets and len(self._buckets) >= self.max_addresses:
+            full = [a for a, (t, at) in self._buckets.items() if t + (now - at) * self.rate >= self.burst]
+            for a in full:
+                del self._buckets[a]
+            if len(self._buckets) >= self.max_addresses:
+                return None
+        tokens, at = self._buckets.get(address, (self.burst, now))
+        return min(self.burst, tokens + max(0.0, now - at) * self.rate)
+
+    def take(self, address: str, tokens: float, now: float) -> None:
+        """Set ``address``'s bucket to ``tokens`` minus one (callers hold the lock)."""
+        self._buckets[address] = (tokens - 1.0, now)
+
+
+class RegistrationLimiter:
+    """New keys per prefix (``per_prefix`` a minute) and in total (``total`` a minute), the total
+    shared so that a few prefixes cannot drain it: its last ``reserve`` tokens go only to prefixes
+    that used less than half of their own allowance lately. Draining the reserve too takes about
+    ``reserve / (per_prefix / 2)`` fresh prefixes a minute.
+
+    >>> lim = RegistrationLimiter(per_prefix=4, total=6, reserve=3)
+    >>> [lim.allow("a", now=0.0)[0] for _ in range(5)], [lim.allow("b", now=0.0)[0] for _ in range(4)]
+    ([True, True, True, False, False], [True, True, False, False])
+    >>> lim.allow("c", now=0.0)
+    (True, '')
+    """
+
+    def __init__(self, per_prefix: int, total: int, reserve: int, max_prefixes: int = 1 << 16):
+        if not 0 <= reserve < total:
+            raise ValueError("need 0 <= reserve < total")
+        self.per_prefix, self.total, self.reserve = per_prefix, total, reserve
+        self._prefixes = RateLimiter(per_prefix, max_prefixes)
+        self._shared = RateLimiter(total, max_addresses=1)
+        self._lock = threading.Lock()
+
+    def allow(self, prefix: str, now: float | None = None) -> tuple[bool, str]:
+        """Take a token of ``prefix`` and of the shared budget: ``(True, "")``, or ``(False, why)``
+        and nothing taken."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            own = self._prefixes.level(prefix, now)
+            if own is None or own < 1.0:
+                return False, f"at most {self.per_prefix} new keys per address prefix per minute"
+            shared = self._shared.level("*", now)
+            if shared is None or shared < 1.0:
+                return False, f"at most {self.total} new keys per minute"
+            if shared - 1.0 < self.reserve and self.per_prefix - own >= self.per_prefix / 2:
+                return False, (f"the last {self.reserve} of the {self.total} new keys a minute are kept for address "
+                               "prefixes that registered few keys lately")
+            self._prefixes.take(prefix, own, now)
+            self._shared.take("*", shared, now)
+            return True, ""
+
+
+# --------------------------------------------------------------------- the size of a submission
+
+#: Parquet's own bytes besides the values, per page and column chunk: page headers with their statistics
+#: (a writer keeps statistics of at most 4 KiB a value), the footer's chunk metadata, the page index.
+PARQUET_CHUNK_OVERHEAD = 8 << 10
+#: Pages per column chunk are at least one per this many bytes (pyarrow's data page size: 1 MiB).
+PARQUET_PAGE_BYTES = 1 << 20
+
+
+def submission_bytes(rows: int, prompt_tokens: int, output_tokens: int, proof_bytes: int) -> int:
+    """The largest Parquet file of ``rows`` samples of :data:`~intellect.rl.rollout_schema.SCHEMA`,
+    each with at most ``prompt_tokens`` and ``output_tokens`` token ids and ``proof_bytes`` of proof:
+    the cap on what a worker may declare.
+
+    Per value, the schema's own width (a token id: 4 bytes), 4 bytes of offsets per list or binary
+    value, 1 byte of repetition and definition levels (bit-packed, at most 2 bits each), strings at
+    their longest UTF-8 (4 bytes a character); a column's dictionary page (at most a page) comes on
+    top, and its indices are never wider than the values they stand for. Compression can only grow incompressible pages by a little (zstd: 1/256 + a few
+    bytes a page), and every column chunk and page adds a bounded overhead.
+
+    >>> submission_bytes(32, 100, 16, 0) < submission_bytes(32, 100, 16, 258) < submission_bytes(64, 100, 16, 258)
+    True
+    """
+    columns = []
+    for f in SCHEMA:
+        if pa.types.is_list(f.type):
+            most = prompt_tokens if f.name == "prompt_tokens" else output_tokens
+            columns.append(most * (f.type.value_type.bit_width // 8 + 1) + 4 + 1)
+        elif f.name == "proof":
+            columns.append(proof_bytes + 4 + 1)
+        elif pa.types.is_string(f.type):
+            columns.append(4 * MAX_ID_CHARS + 4 + 1)
+        else:
+            columns.append(f.type.bit_width // 8 + 1)
+    # a dictionary page holds up to a page of distinct values before the writer falls back to plain
+    values = sum(rows * c + min(rows * c, PARQUET_PAGE_BYTES) for c in columns)
+    pages = len(SCHEMA) + math.ceil(values / PARQUET_PAGE_BYTES)
+    return values + values // 256 + pages * PARQUET_CHUNK_OVERHEAD

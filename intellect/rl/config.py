@@ -16,15 +16,16 @@ from pydantic import Field, field_validator, model_validator
 
 from intellect.config import ComputeConfig, DataConfig, DispatchConfig, LoggingConfig, StorageConfig, StrictModel
 from intellect.inference.config import EngineConfig
+from intellect.rl.admission import submission_bytes
 from intellect.rl.lag import DEFAULT_ASYNC_LEVEL, PolicyLag
 from intellect.prompts import PromptConfig
 from intellect.rl.rollout_schema import RolloutLimits
-from intellect.rl.service import ServiceConfig
+from intellect.rl.service_config import ServiceConfig
 from intellect.rl.rewards.code import CodeRewardConfig
 from intellect.rl.submission import RewardFn, SubmissionConfig, task_reward_fn
 from intellect.rl.trainer import RLTrainerConfig
 from intellect.shardcast.config import ShardcastConfig
-from intellect.toploc.proofs import ToplocConfig
+from intellect.toploc.proofs import ToplocConfig, proof_size
 from intellect.trust.keys import is_key_id
 
 RUN_NAME = r"^[A-Za-z0-9._-]{1,64}$"
@@ -273,15 +274,25 @@ class RLRunConfig(StrictModel):
                              f"workers.max_submissions ({self.workers.max_submissions}): workers would be refused")
         return self
 
-    def service_config(self) -> ServiceConfig:
-        """``service`` as the run's submission service applies it: ``ahead`` (async_level + 1) and
-        ``max_submissions_per_step`` (workers.max_submissions) from the run where it leaves them unset.
+    def service_config(self, prompt_tokens: int | None = None) -> ServiceConfig:
+        """``service`` as the run's submission service applies it: ``ahead`` (async_level + 1),
+        ``max_submissions_per_step`` (workers.max_submissions) and ``max_submission_bytes`` (the
+        largest file of this run's rows, tokens and proofs, :func:`~intellect.rl.admission.submission_bytes`,
+        its prompts at most ``prompt_tokens`` long: the pool's longest rendered prompt, else
+        ``limits.max_prompt_tokens``) from the run where it leaves them unset.
 
         >>> c = RLRunConfig(async_level=1, service={"ahead": 5}).service_config()
-        >>> c.ahead, c.max_submissions_per_step
-        (5, 4)
+        >>> c.ahead, c.max_submissions_per_step, c.max_submission_bytes < c.max_body_bytes
+        (5, 4, True)
         """
-        run = {"ahead": self.async_level + 1, "max_submissions_per_step": self.workers.max_submissions}
+        sub, lim = self.submission, self.limits or RolloutLimits(vocab_size=1)  # a vocabulary adds no bytes
+        out = min(sub.max_tokens, lim.max_output_tokens)
+        proof = 0 if self.toploc is None else min(lim.max_proof_bytes,
+                                                  -(-out // self.toploc.chunk) * proof_size(self.toploc.k))
+        prompt = min(prompt_tokens or lim.max_prompt_tokens, lim.max_prompt_tokens)
+        size = submission_bytes(sub.prompts_per_submission * sub.group_size, prompt, out, proof)
+        run = {"ahead": self.async_level + 1, "max_submissions_per_step": self.workers.max_submissions,
+               "max_submission_bytes": min(size, self.service.max_body_bytes)}
         return self.service.model_copy(update={k: v for k, v in run.items() if getattr(self.service, k) is None})
 
     def weights_broadcast(self) -> ShardcastConfig:

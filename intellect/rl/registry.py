@@ -5,12 +5,22 @@ in a folder only the trainer writes, and reloads it on restart; a key that store
 ``expire_after`` seconds of its admission gives its place up to a new one once the registry is full,
 so a registration flood cannot close a run for good. It refuses as the rest of the service does,
 with a :class:`~intellect.rl.admission.Refusal`.
+
+Each admitted key gets a salt (:data:`~intellect.rl.assignment.SALT_BYTES` bytes) at its admission,
+recorded with it: random, or the service's keyed hash of the key (a run's trainer derives that key
+from its secret, so a rerun of the run draws the same prompts for the same keys, and no worker can
+compute it); its assignments and sample seeds derive from it
+(:mod:`intellect.rl.assignment`), so they are unknown until the key is committed. A key keeps its
+first salt for the run, also when it expires and registers again, so re-registering draws nothing.
+The validator reads the salts from here (:meth:`Registry.salts`, or :func:`read_salts` of the
+folder), never from a worker.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +28,7 @@ from pathlib import Path
 from typing import Iterable
 
 from intellect.rl.admission import Refusal
+from intellect.rl.assignment import SALT_BYTES, check_salt
 from intellect.trust.keys import BadKey, VerifyKey
 
 REGISTRY_FILE = "submissions.jsonl"
@@ -72,6 +83,7 @@ class WorkerRecord:
     worker: str
     public: str  # hex Ed25519 public key
     time: float
+    salt: str  # hex, drawn at the key's first admission
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class _State:
     keys: dict[str, VerifyKey] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     admitted: dict[str, float] = field(default_factory=dict)
+    salts: dict[str, bytes] = field(default_factory=dict)  # kept when a key expires
     active: set[str] = field(default_factory=set)  # workers with a submission or done record
     subs: dict[int, list[SubmissionRecord]] = field(default_factory=dict)
     by_name: dict[tuple[int, str, int], SubmissionRecord] = field(default_factory=dict)
@@ -144,6 +157,9 @@ class Registry:
             key = VerifyKey.from_hex(rec.public)
             if key.id != rec.worker:
                 raise ValueError(f"worker {rec.worker} is not the id of its key")
+            salt = check_salt(bytes.fromhex(rec.salt))
+            if len(salt) != SALT_BYTES or s.salts.setdefault(rec.worker, salt) != salt:
+                raise ValueError(f"worker {rec.worker}: a salt of {len(salt)} bytes, or not its first one")
             if rec.worker not in s.keys:
                 s.keys[rec.worker] = key
                 s.order.append(rec.worker)
@@ -182,11 +198,23 @@ class Registry:
         with self._lock:
             return list(self._s.order)
 
+    def salt(self, worker: str) -> bytes | None:
+        """The salt of an admitted ``worker`` (None: not admitted)."""
+        with self._lock:
+            return self._s.salts.get(worker) if worker in self._s.keys else None
+
+    def salts(self) -> dict[str, bytes]:
+        """The salt of every key ever admitted (an expired key's files stay checkable)."""
+        with self._lock:
+            return dict(self._s.salts)
+
     def admit(self, key: VerifyKey, max_workers: int | None = None, expire_after: float | None = None,
-              now: float | None = None) -> bool:
+              now: float | None = None, salt: bytes | None = None) -> bool:
         """Admit ``key`` (True), or say it was admitted before (False); :class:`Refusal` ``full`` when
         ``max_workers`` are admitted already, after expiring the keys admitted more than
-        ``expire_after`` seconds ago that never stored anything (oldest first, as many as it takes)."""
+        ``expire_after`` seconds ago that never stored anything (oldest first, as many as it takes).
+        A key admitted for the first time gets ``salt`` (None: random bytes), one admitted before its
+        first salt again."""
         now = time.time() if now is None else now
         with self._lock:
             s = self._s
@@ -198,7 +226,10 @@ class Registry:
                     self._append(ExpiredRecord(w, now))
             if max_workers is not None and len(s.order) >= max_workers:
                 raise Refusal(503, "full", f"{max_workers} workers are admitted already")
-            self._append(WorkerRecord(key.id, key.hex, now))
+            salt = s.salts.get(key.id) or salt or secrets.token_bytes(SALT_BYTES)
+            if len(salt) != SALT_BYTES:
+                raise ValueError(f"a salt of {len(salt)} bytes")
+            self._append(WorkerRecord(key.id, key.hex, now, salt.hex()))
             return True
 
     # ---------------------------------------------------------------- submissions
@@ -266,3 +297,21 @@ class Registry:
                 raise Refusal(409, "busy", "a submission of this step is being stored")
             self._append(record)
             return True
+
+
+def read_salts(state_dir: str | os.PathLike) -> dict[str, bytes]:
+    """The salts a service's registry in ``state_dir`` holds, read without opening it for writing
+    (a validator in a process beside the service's); empty when there is no registry."""
+    path = Path(state_dir) / REGISTRY_FILE
+    if not path.exists():
+        return {}
+    out: dict[str, bytes] = {}
+    for line in path.read_bytes().splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:  # a torn last line: the service cuts it off when it loads
+            continue
+        if isinstance(doc, dict) and doc.get("type") == "worker":
+            rec = _record_from(doc)
+            out.setdefault(rec.worker, check_salt(bytes.fromhex(rec.salt)))
+    return out

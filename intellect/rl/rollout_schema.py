@@ -16,8 +16,8 @@ seed             uint64          sampling seed of the sample
 prompt_id        string          task id of the prompt
 group_id         int32           GRPO group within the submission; group ``j`` answers the
                                  ``j``-th assigned prompt (:mod:`intellect.rl.assignment`)
-prompt_tokens    list<int32>     prompt token ids
-output_tokens    list<int32>     completion token ids
+prompt_tokens    list<int32>     prompt token ids (a :class:`Tokens` once read)
+output_tokens    list<int32>     completion token ids (a :class:`Tokens` once read)
 finish_reason    string          ``stop`` (EOS) or ``length`` (hit the token limit)
 reward           float32         reward trained on (task reward minus length penalty)
 task_reward      float32         verifier's reward
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, fields
-from typing import Literal, Sequence, get_args
+from typing import Any, Iterator, Literal, Sequence, get_args, overload
 
 import numpy as np
 import pyarrow as pa
@@ -89,7 +89,15 @@ class RolloutRejected(ValueError):
 
 
 class RolloutLimits(StrictModel):
-    """Bounds a submission must respect; everything outside them is rejected, not clipped."""
+    """Bounds a submission must respect; everything outside them is rejected, not clipped.
+
+    **Memory.** Reading one file holds at most ``max_file_bytes`` of it and its decoded columns, at
+    most ``max_decoded_bytes`` by an estimate made from its verified page headers before anything is
+    decompressed (rows keep views of those columns, never a Python object per token). With the
+    defaults one file takes at most 512 MiB while it is read (256 MiB raw plus 256 MiB decoded), and
+    the validator reads ``workers.validate_parallel`` files at once (4 by default): 2 GiB in all, a
+    quarter of an 8 GiB validator, one worker's file at most a sixteenth.
+    """
 
     vocab_size: int = Field(..., ge=1, le=2**31 - 1, description="Token ids must lie in [0, vocab_size).")
     max_rows: int = Field(default=4096, ge=1, le=1 << 20, description="Most samples in one submission.")
@@ -100,8 +108,9 @@ class RolloutLimits(StrictModel):
     )
     max_file_bytes: int = Field(default=256 << 20, ge=1024, le=1 << 40, description="Largest file, as stored.")
     max_decoded_bytes: int = Field(
-        default=1 << 30, ge=1024, le=1 << 40,
-        description="Largest size the file may decode to in memory (decompressed pages plus decoded arrays).",
+        default=256 << 20, ge=1024, le=1 << 40,
+        description="Largest size the file may decode to in memory (decompressed pages plus decoded arrays), "
+        "estimated before decoding; about 8 bytes a token.",
     )
     reward_min: float = Field(default=-10.0, ge=-1e6, le=1e6, description="Lowest allowed reward and task reward.")
     reward_max: float = Field(default=10.0, ge=-1e6, le=1e6, description="Highest allowed reward and task reward.")
@@ -113,6 +122,72 @@ class RolloutLimits(StrictModel):
         if self.reward_min >= self.reward_max:
             raise ValueError(f"reward_min ({self.reward_min}) must be < reward_max ({self.reward_max})")
         return self
+
+
+class Tokens(Sequence[int]):
+    """The token ids of one sample as read from a file: an immutable view of the decoded int32 column.
+
+    Four bytes a token and no Python object per token (a tuple of ints takes nine times as much), so
+    a read submission takes about what its decoded columns take, which the reader bounds before it
+    decodes (``RolloutLimits.max_decoded_bytes``). It equals, and hashes like, the tuple of its ids:
+
+    >>> t = Tokens([5, 6, 7])
+    >>> t == (5, 6, 7), t[1:] == [6, 7], t[-1], hash(t) == hash((5, 6, 7)), t
+    (True, True, 7, True, (5, 6, 7))
+    """
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: Sequence[int] | np.ndarray = ()) -> None:
+        arr = np.asarray(ids, dtype=np.int32)
+        if arr.ndim != 1:
+            raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+        view = arr.view()  # a view of its own, so that read-only says nothing about the owner's array
+        view.flags.writeable = False
+        self._ids = view
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Tokens: ...
+    def __getitem__(self, i: int | slice) -> int | Tokens:
+        if isinstance(i, slice):
+            return Tokens(self._ids[i])
+        return int(self._ids[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids.tolist())
+
+    def __contains__(self, x: object) -> bool:
+        return isinstance(x, (int, np.integer)) and bool((self._ids == x).any())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Tokens):
+            return np.array_equal(self._ids, other._ids)
+        if not isinstance(other, (tuple, list)):
+            return NotImplemented
+        if len(other) != len(self._ids):
+            return False
+        try:
+            ids = np.asarray(other)
+        except (ValueError, OverflowError):
+            return False
+        return ids.dtype.kind in "iub" and np.array_equal(self._ids, ids)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._ids.tolist()))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self._ids.tolist()))
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return self._ids if dtype is None else self._ids.astype(dtype)
+
+    def __reduce__(self) -> tuple:
+        return Tokens, (np.array(self._ids),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +202,8 @@ class Rollout:
     seed: int
     prompt_id: str
     group_id: int
-    prompt_tokens: tuple[int, ...]
-    output_tokens: tuple[int, ...]
+    prompt_tokens: Sequence[int]  # a tuple when built, a Tokens view when read
+    output_tokens: Sequence[int]
     finish_reason: str
     reward: float
     task_reward: float
@@ -167,16 +242,40 @@ def content_hash(prompt_tokens: Sequence[int], output_tokens: Sequence[int], see
 # --------------------------------------------------------------------- rows <-> tables
 
 
+TOKEN_COLUMNS = ("prompt_tokens", "output_tokens")
+
+
 def rows_to_table(rows: Sequence[Rollout]) -> pa.Table:
     """The rows as a table of :data:`SCHEMA` (``TypeError``/``ArrowInvalid`` on ill-typed values)."""
-    cols = [pa.array([getattr(r, f.name) for r in rows], type=f.type) for f in SCHEMA]
+    cols = [_token_column([getattr(r, f.name) for r in rows]) if f.name in TOKEN_COLUMNS
+            else pa.array([getattr(r, f.name) for r in rows], type=f.type) for f in SCHEMA]
     return pa.Table.from_arrays(cols, schema=SCHEMA)
 
 
-def table_to_rows(table: pa.Table) -> list[Rollout]:
-    out = []
-    for d in table.to_pylist():
-        d["prompt_tokens"] = tuple(d["prompt_tokens"])
-        d["output_tokens"] = tuple(d["output_tokens"])
-        out.append(Rollout(**d))
+def _token_column(values: list[Sequence[int]]) -> pa.Array:
+    if not all(isinstance(v, Tokens) for v in values):
+        return pa.array([tuple(v) for v in values], type=pa.list_(pa.int32()))
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = np.concatenate([np.asarray(v) for v in values]) if values else np.zeros(0, np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(flat, type=pa.int32()))
+
+
+def token_views(column: pa.Array | pa.ChunkedArray) -> list[Tokens]:
+    """One :class:`Tokens` per row of a ``list<int32>`` column without nulls, viewing its buffers (no copy)."""
+    chunks: list[Any] = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out: list[Tokens] = []
+    for chunk in chunks:  # pa.ListArray (pyarrow-stubs type a chunk as a plain Array)
+        if chunk.null_count:
+            raise ValueError("null token lists")
+        offsets = chunk.offsets.to_numpy()  # absolute positions in .values, slicing included
+        values = chunk.values.to_numpy(zero_copy_only=not chunk.values.null_count)
+        out += [Tokens(values[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
     return out
+
+
+def table_to_rows(table: pa.Table) -> list[Rollout]:
+    """The table's rows; token columns become :class:`Tokens` views of the table's buffers."""
+    cols: dict[str, list[Any]] = {name: token_views(table[name]) if name in TOKEN_COLUMNS else table[name].to_pylist()
+            for name in SCHEMA.names}
+    return [Rollout(**{name: cols[name][i] for name in SCHEMA.names}) for i in range(table.num_rows)]

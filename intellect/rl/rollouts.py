@@ -13,6 +13,12 @@ at most ``max_file_bytes + 1`` bytes are read; the footer and every page header 
 decompressed sizes exceed the limits, or whose footer disagrees with its pages, costs no
 decoding; string columns decode as dictionaries whose expanded size is checked before they
 expand; and decoding stops at the first batch past ``max_decoded_bytes``.
+
+What a read file holds is its decoded columns: decoding runs in batches of about
+:data:`BATCH_BYTES`, and a read row's token ids are a :class:`~intellect.rl.rollout_schema.Tokens`
+view of the decoded ``int32`` column, never a Python object per token. Reading one file therefore
+grows memory by at most the layout's estimate (at most ``max_decoded_bytes``; the
+:class:`RolloutLimits` docstring states what that is of the validator's memory).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from intellect.rl.parquet_bounds import (
 )
 from intellect.rl.rollout_schema import (
     FINISH_REASONS, MAX_ID_CHARS, REASONS, SCHEMA, SCHEMA_VERSION, VERSION_KEY, Reason, Rollout, RolloutLimits,
-    RolloutRejected, content_hash, rows_to_table, table_to_rows,
+    RolloutRejected, Tokens, content_hash, rows_to_table, table_to_rows,
 )
 from intellect.storage import parse_step, step_name
 
@@ -44,18 +50,19 @@ if TYPE_CHECKING:
 
 # the row model is imported from here by most callers; its home is intellect.rl.rollout_schema
 __all__ = [
-    "BATCH_ROWS", "FINISH_REASONS", "KIND", "MAX_FOOTER_BYTES", "MAX_ID_CHARS", "REASONS", "SCHEMA", "SCHEMA_VERSION",
-    "VERSION_KEY", "Reason", "Rollout", "RolloutLimits", "RolloutRejected", "check_layout", "content_hash",
-    "encode_submission", "list_submissions", "load_submission", "parse_submission_path", "read_submission",
-    "read_submission_table", "rows_to_table", "submission_path", "table_to_rows", "validate_table",
-    "write_submission",
+    "BATCH_BYTES", "BATCH_ROWS", "FINISH_REASONS", "KIND", "MAX_FOOTER_BYTES", "MAX_ID_CHARS", "REASONS", "SCHEMA",
+    "SCHEMA_VERSION", "VERSION_KEY", "Reason", "Rollout", "RolloutLimits", "RolloutRejected", "Tokens",
+    "check_layout", "content_hash", "encode_submission", "list_submissions", "load_submission",
+    "parse_submission_path", "read_submission", "read_submission_table", "rows_to_table", "submission_path",
+    "table_to_rows", "validate_table", "write_submission",
 ]
 
 KIND = "rollouts"
 
 #: Largest footer read (an honest one holds a few KiB per row group).
 MAX_FOOTER_BYTES = 1 << 20
-BATCH_ROWS = 1024
+#: Most rows, and about the most bytes (by the layout's estimate), decoded in one batch.
+BATCH_ROWS, BATCH_BYTES = 1024, 16 << 20
 # read dictionary-encoded, so that their expanded size is known before they expand
 _STRING_COLUMNS = [f.name for f in SCHEMA if pa.types.is_string(f.type) or pa.types.is_binary(f.type)]
 
@@ -338,11 +345,13 @@ def read_submission_table(
     except Exception as e:  # noqa: BLE001 - any parser failure on untrusted bytes is a rejection
         _reject("unreadable", f"not a Parquet file ({type(e).__name__}: {str(e)[:200]})")
     _check_schema(schema)  # before decoding: a wrong file costs no decompression
-    check_layout(data, meta, limits)
+    estimate = check_layout(data, meta, limits)
+    # batches of about BATCH_BYTES: what one batch's decoding holds besides the columns decoded so far
+    batch_rows = max(1, min(BATCH_ROWS, meta.num_rows * BATCH_BYTES // max(estimate, 1)))
     batches, decoded = [], 0
     try:
         pf = pq.ParquetFile(pa.BufferReader(data), metadata=meta, read_dictionary=_STRING_COLUMNS, pre_buffer=False)
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, use_threads=False):
+        for batch in pf.iter_batches(batch_size=batch_rows, use_threads=False):
             # strings arrive dictionary-encoded, so what they would expand to is known before they do
             decoded += sum(_dense_nbytes(name, col, limits) for name, col in zip(batch.schema.names, batch.columns))
             if decoded > limits.max_decoded_bytes:

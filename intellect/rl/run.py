@@ -35,23 +35,24 @@ from intellect.ledger import Ledger
 from intellect.progress import Progress, duration
 from intellect.rl import step as step_phases
 from intellect.rl.lag import policy_for
-from intellect.rl.registry import uploads_settled_at
+from intellect.rl.registry import read_salts, uploads_settled_at
 from intellect.rl.evaluation import HeldOut
 from intellect.rl.report import CURVE, add_eval, load_evals, plot_curve
 from intellect.rl.rollouts import RolloutLimits, list_submissions, parse_submission_path
 from intellect.rl.service import SubmissionService
 from intellect.rl.setup import (
-    ledger_path, local_run_dir, run_storage, seed_checkpoint, task_pool, trainer_dir, trainer_key,
+    SERVICE_DIR, ledger_path, local_run_dir, run_storage, seed_checkpoint, task_pool, trainer_dir, trainer_key,
     trainer_secret,
 )
 from intellect.rl.step import DoneMarker, EngineFactory, read_done_marker
-from intellect.rl.submission import RewardFn
+from intellect.rl.submission import RewardFn, prompt_tokens
 from intellect.rl.verdicts import read_verdicts, write_verdicts
 from intellect.rl.weights import publish_to_origin
 from intellect.rl.worker import WorkerRunInfo
 from intellect.rl.workers import WorkerResult, await_done, start_workers, stop_workers
 from intellect.shardcast.local import LocalCDN, start_local
 from intellect.storage import RunStorage
+from intellect.trust import mac
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -276,10 +277,12 @@ class RLRun:
             def run_info() -> dict:
                 return WorkerRunInfo.of(cfg, service.committed, self.relays).model_dump(mode="json")
 
+            # a submission's prompts are rendered tasks of the pool: the longest bounds what one can declare
+            longest = max(len(prompt_tokens(self.tokenizer, t, cfg.submission.prompt)) for t in self.tasks)
             service = SubmissionService(
-                cfg.service_config(), run=cfg.run_name, storage=self.storage, state_dir=trainer_dir(cfg) / "service",
+                cfg.service_config(prompt_tokens=longest), run=cfg.run_name, storage=self.storage, state_dir=trainer_dir(cfg) / SERVICE_DIR,
                 run_info=run_info, tasks=self.tasks, prompts_per_submission=cfg.submission.prompts_per_submission,
-                committed=first_step - 1,
+                committed=first_step - 1, salt_key=mac.derive_key(self.secret, "worker-salt"),
             )
             service.start()
             self.service = service
@@ -355,8 +358,9 @@ class RLRun:
                 if (m := read_done_marker(self.storage, step, w)) is not None]
 
     def step_files(self, step: int) -> dict[str, list[str]]:
-        """``step``'s submission files by worker: what the service recorded (while it runs here), else
-        the files in run storage (operator-owned generation)."""
+        """``step``'s submission files by worker, workers in the order their first file arrived: what the
+        service recorded (while it runs here), else the files in run storage (operator-owned
+        generation, in the order listed)."""
         rels = ([r.path for r in self.service.submissions(step)] if self.service is not None
                 else list_submissions(self.storage, step))
         by_worker: dict[str, list[str]] = {}
@@ -367,8 +371,13 @@ class RLRun:
     def validate(self, step: int, files: Mapping[str, Sequence[str]]) -> list[ValidationReport]:
         """Verdicts on every sample of ``step``'s submission ``files`` (worker -> files; rewards
         recomputed, every check of the validator, and with the service running, each file against
-        what the service recorded of it), one MAC'd verdict file per worker, workers in parallel."""
+        what the service recorded of it, and each admitted worker's file against the salt of its key in
+        the service's registry), one MAC'd verdict file per worker, workers in parallel. The reports
+        keep the order of ``files`` (the service's arrival order, :meth:`step_files`): the ledger lets
+        the first accepted copy of a sample win, and ids can be ground to sort first, arrivals not."""
         recorded = {r.path: r for r in self.service.submissions(step)} if self.service is not None else None
+        salts = (self.service.registry.salts() if self.service is not None
+                 else read_salts(trainer_dir(self.cfg) / SERVICE_DIR))
         if recorded and self.storage.scheme == "s3":
             # a presigned POST can be reused until it expires: read each object once it is final
             settled = uploads_settled_at([recorded[f] for fs in files.values() for f in fs if f in recorded],
@@ -379,8 +388,11 @@ class RLRun:
         def one(worker: str) -> ValidationReport:
             verdicts = step_phases.validate_files(self.cfg, self.storage, step, files[worker], self.tasks,
                                                   tokenizer, limits=limits, engines=self.engines, recorded=recorded,
-                                                  reward_fn=self.reward_fn, extra_checks=self.extra_checks)
+                                                  reward_fn=self.reward_fn, extra_checks=self.extra_checks,
+                                                  salts=salts)
             accepted = sum(v.status == "accepted" for v in verdicts)
+            if accepted and self.service is not None:
+                self.service.credit(worker)  # its uploads and connections may use the service's reserve
             rel, tag = write_verdicts(self.storage, step, worker, verdicts, self.secret)
             return ValidationReport(worker=worker, verdicts=rel, mac=tag, accepted=accepted,
                                     rejected=len(verdicts) - accepted)
@@ -388,7 +400,7 @@ class RLRun:
         if not files:
             return []
         with ThreadPoolExecutor(min(len(files), self.cfg.workers.validate_parallel)) as pool:
-            return list(pool.map(one, sorted(files)))
+            return list(pool.map(one, list(files)))
 
     def record(self, step: int, verdict_files: Sequence[tuple[str, str]]) -> RecordReport:
         """The verdict files of ``step`` (``(path, MAC)`` pairs) into the ledger, one transaction,

@@ -5,12 +5,15 @@ An ASGI app on uvicorn (h11, one asyncio loop, in a thread of the trainer's proc
 key (:mod:`intellect.trust.requests`, audience = the run name); the worker id is
 :func:`~intellect.trust.keys.key_id` of that key, never a name the worker sends. Routes::
 
-    GET  /v1/health                     {"ok": true} (unsigned: for readiness probes)
-    POST /v1/register                   admit the key: allowlist, or open with rate limits per address
-                                        and in total
+    GET  /v1/health                     {"ok": true, "run", "registration_work_bits"} (unsigned: for
+                                        readiness probes, and what a registration must prove)
+    POST /v1/register                   {"work": nonce}: admit the key: allowlist, or open with a proof
+                                        of work (:mod:`intellect.rl.work`) and rate limits per address
+                                        and in total; the answer carries the key's salt
     GET  /v1/run                        the run's description (``run_info()``, served as is)
-    GET  /v1/assignment?step=N&k=K      the tasks of submission K at an open step N, in group order, with
-                                        their reference answers (see below)
+    GET  /v1/assignment?step=N&k=K      the tasks of submission K at an open step N, in group order,
+                                        without reference answers (see below); K only once 0..K-1
+                                        of that step are stored
     PUT  /v1/submissions/N/K            local storage: the body is the Parquet file; the service writes
                                         ``rollouts/step_N/<id>-K.parquet`` itself, once
     POST /v1/uploads/N/K                S3: {"sha256", "size"} -> a presigned POST for that one key and
@@ -24,18 +27,31 @@ Every refusal is a 4xx (5xx only for the service's own trouble) with
 A request's signature is checked before its body is read: the signed message covers the body's
 sha256, which the client also sends in ``x-intellect-content-sha256``, so a request signed by
 anyone but the key's holder costs no body read and holds no upload slot; the body must then hash
-to that digest (``sha256_mismatch``). An upload must declare its Content-Length. At most one
-upload of each key and ``max_uploads_per_address`` of each address are read at once; a worker
-stores at most ``max_worker_step_bytes`` per step; uploads being read hold at most
-``max_spool_bytes`` together and must leave ``min_free_bytes`` on disk. Bodies are held to caps and
-deadlines by :mod:`intellect.rl.service_http`, connections and request heads by
-:mod:`intellect.http_server`. So a slow or
-flooding client holds nothing for long. Steps are open from the one after the newest committed step
+to that digest (``sha256_mismatch``). An upload must declare its Content-Length, at most what a
+submission of the run can be (``max_submission_bytes``, derived from the run's rows and tokens), and
+its body must begin within ``body_grace`` and then arrive at ``min_body_rate``, so a slot is held
+at most about that size over that rate (:func:`~intellect.rl.service_http.read_body`). Clients are counted by address prefix (:func:`~intellect.rl.admission.address_prefix`:
+IPv4 /24, IPv6 /48). At most one upload of each key and ``max_uploads_per_prefix`` of each prefix
+are read at once, ``max_concurrent_uploads`` in all, shared fairly among prefixes: when all are
+taken, a prefix asking for its share displaces the newest upload of the prefix holding the most
+(``busy``), and ``upload_reserve`` of them only keys with accepted samples may take (the trainer
+names them, :meth:`SubmissionService.credit`). Connections are shared the same way
+(``max_connections``, ``connection_reserve`` for the prefixes credited keys call from), and the
+run's registrations per minute so that a few prefixes cannot drain them
+(:class:`~intellect.rl.admission.RegistrationLimiter`). A worker stores at most
+``max_worker_step_bytes`` per step; uploads being read hold at most ``max_spool_bytes`` together and
+must leave ``min_free_bytes`` on disk. Bodies are held to caps and deadlines by
+:mod:`intellect.rl.service_http`, connections and request heads by :mod:`intellect.http_server`. So
+a slow or flooding client holds nothing for long, and never all of it. Steps are open from the one after the newest committed step
 to ``ahead`` past it: a committed step is ``closed`` to uploads, done records and assignments.
 
-Assignments carry each task's reference answer, which a worker needs to compute the rewards it
-claims (the validator recomputes them): answers are public to every admitted worker, so the task
-file of a run must never hold an evaluation split meant to stay held out.
+Assignments are drawn from the key's salt (:mod:`intellect.rl.assignment`), which the registry
+draws at admission and the registration answer returns: a key's prompts are unknown until it is
+committed, and the validator derives the same ones from the registry. A key sees the prompts of
+submission ``K`` only once it stored ``0 .. K-1`` of the step, so it cannot look ahead and file
+only the draws it likes. Assignments carry no reference answers (no math answer, no code tests):
+the validator recomputes every reward, so a worker needs none, and an answer in a worker's hands
+could only help it fake an output (see docs/rl.md).
 
 What was stored is in :class:`~intellect.rl.registry.Registry` under ``state_dir``, which only the
 trainer writes; a restarted service reloads it and still refuses to write any name twice. Its
@@ -51,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import logging
 import os
@@ -61,23 +78,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import uvicorn
-from pydantic import Field, field_validator
 
-from intellect.config import StrictModel
-from intellect.data.loaders import task_row
-from intellect.http_server import ConnectionGuard, ConnectionLimits, Drop, bind, guarded_server, serve_in_thread, url_of
+from intellect.http_server import (
+    ConnectionGuard, ConnectionLimits, Drop, bind, guarded_server, serve_in_thread, url_of,
+)
 from intellect.rl.admission import (
-    DoneBody, Empty, RateLimiter, Refusal, Request, UploadBody, address_bucket, parse_json, parse_request, precheck,
+    DoneBody, Refusal, RegistrationLimiter, Request, UploadBody, address_prefix, parse_json, parse_request, precheck,
     query_ints, verify_digest,
 )
+from intellect.rl import work
 from intellect.rl.assignment import assign_prompts
 from intellect.rl.registry import DoneRecord, Registry, SubmissionRecord
 from intellect.rl.rollouts import submission_path
-from intellect.rl.service_http import SPILL, Body, read_body, respond
+from intellect.rl.service_http import Body, UploadSlots, read_body, respond
+from intellect.rl.service_config import ServiceConfig
 from intellect.rl.service_s3 import Presigner
+from intellect.rl.work import RegisterBody
+from intellect.trust import mac
 from intellect.trust.keys import VerifyKey
 from intellect.trust.requests import CONTENT_HEADER, AuthError, ReplayGuard, RequestVerifier
 
@@ -90,70 +110,8 @@ __all__ = ["DoneRecord", "ServiceConfig", "SubmissionRecord", "SubmissionService
 log = logging.getLogger("intellect.rl.service")
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class ServiceConfig(StrictModel):
-    """Where the submission service listens and what it admits."""
-
-    host: str = Field(default="127.0.0.1", min_length=1, max_length=255,
-                      description="Listen address; 127.0.0.1 keeps the service on this machine.")
-    port: int = Field(default=0, ge=0, le=65535, description="Listen port; 0 picks a free one.")
-    admission: Literal["allowlist", "open"] = Field(
-        default="open",
-        description="allowlist: only the keys in `allowlist`; open: any key, registrations rate-limited.")
-    allowlist: list[str] = Field(default_factory=list, max_length=1 << 16,
-                                 description="Hex Ed25519 public keys admitted in allowlist mode.")
-    registrations_per_minute: int = Field(
-        default=10, ge=1, le=1 << 20,
-        description="New keys admitted per client address (IPv6: per /64) per minute (open).")
-    registrations_per_minute_total: int = Field(default=120, ge=1, le=1 << 24,
-                                                description="New keys admitted per minute from all addresses (open).")
-    max_workers: int = Field(default=10_000, ge=1, le=1 << 24, description="Most admitted workers.")
-    worker_expiry: float = Field(default=3600.0, ge=1, le=365 * 86400,
-                                 description="Seconds after which an admitted key that stored nothing may be "
-                                             "dropped to admit a new one when `max_workers` are admitted.")
-    max_body_bytes: int = Field(default=64 << 20, ge=1024, le=1 << 40, description="Largest upload (one Parquet file).")
-    max_json_bytes: int = Field(default=64 << 10, ge=1024, le=SPILL, description="Largest JSON body.")
-    max_concurrent_uploads: int = Field(default=16, ge=1, le=4096,
-                                        description="Uploads read at once (one per key); more are refused as busy.")
-    max_uploads_per_address: int = Field(default=8, ge=1, le=4096,
-                                         description="Uploads read at once from one client address (IPv6: per /64).")
-    max_worker_step_bytes: int = Field(default=512 << 20, ge=1024, le=1 << 44,
-                                       description="Bytes one worker may store (or declare, S3) per step.")
-    max_spool_bytes: int = Field(default=1 << 30, ge=1024, le=1 << 44,
-                                 description="Declared bytes of the uploads being read at once.")
-    min_free_bytes: int = Field(default=256 << 20, ge=0, le=1 << 44,
-                                description="Free disk an upload must leave in the spool and local run storage.")
-    min_body_rate: int = Field(default=64 << 10, ge=1, le=1 << 34,
-                               description="Bytes per second a body must average after `body_grace`.")
-    body_grace: float = Field(
-        default=10.0, gt=0, le=3600, description="Seconds a body may take before its rate counts.",
-    )
-    header_timeout: float = Field(default=10.0, gt=0, le=3600,
-                                  description="Seconds a request head (line and headers) may take to arrive.")
-    max_connections: int = Field(default=1024, ge=8, le=1 << 16, description="Open connections; more get 503.")
-    max_connections_per_address: int = Field(default=64, ge=1, le=1 << 16,
-                                             description="Open connections per client address (IPv6: per /64).")
-    replay_per_key: int = Field(default=4096, ge=16, le=1 << 20,
-                                description="Signed requests of one key remembered by the replay guard "
-                                            "(2 x request_window); more are refused as busy.")
-    request_window: float = Field(default=30.0, ge=1, le=3600,
-                                  description="Seconds a signed request's timestamp may be off the service's clock.")
-    max_submissions_per_step: int | None = Field(
-        default=None, ge=1, le=1 << 16, description="Submissions per worker per step; None: an RL run's "
-        "workers.max_submissions (RLRunConfig.service_config), 64 for a service started on its own.")
-    ahead: int | None = Field(
-        default=None, ge=0, le=1 << 20, description="Steps past the newest committed one a worker may submit for; "
-        "None: an RL run's async_level + 1, 2 for a service started on its own.")
-    presign_expiry: int = Field(
-        default=120, ge=1, le=86400,
-        description="Seconds a name's presigned POSTs stay valid, from its declaration (S3). The validator reads "
-        "an object only after its window, so this is also the delay before a step's S3 files are validated.")
-
-    @field_validator("allowlist")
-    @classmethod
-    def _keys(cls, keys: list[str]) -> list[str]:
-        return [VerifyKey.from_hex(k.lower()).hex for k in keys]
+_SALT_DOMAIN = "intellect/worker-salt/v1"
+KNOWN_PREFIXES = 4096  # address prefixes remembered as a credited key's (the reserved connections are theirs)
 
 
 class SubmissionService:
@@ -161,7 +119,7 @@ class SubmissionService:
 
     def __init__(self, cfg: ServiceConfig, *, run: str, storage: RunStorage, state_dir: str | os.PathLike,
                  run_info: Callable[[], dict], tasks: Sequence[Task], prompts_per_submission: int,
-                 committed: int = -1):
+                 committed: int = -1, salt_key: bytes | None = None):
         if not 1 <= prompts_per_submission <= len(tasks):
             raise ValueError(f"cannot assign {prompts_per_submission} prompts from {len(tasks)} tasks")
         self.cfg, self.run, self.storage = cfg, run, storage
@@ -176,17 +134,25 @@ class SubmissionService:
             stale.unlink()
         self.verifier = RequestVerifier(run, window=cfg.request_window,
                                         guard=ReplayGuard(cfg.request_window, per_key=cfg.replay_per_key))
-        self.limiter = RateLimiter(cfg.registrations_per_minute)
-        self.limiter_total = RateLimiter(cfg.registrations_per_minute_total, max_addresses=1)
+        self.limiter = RegistrationLimiter(cfg.registrations_per_minute, cfg.registrations_per_minute_total,
+                                           int(cfg.registration_reserve * cfg.registrations_per_minute_total))
         self._allow = set(cfg.allowlist)
+        self._work_bits = cfg.registration_work_bits if cfg.admission == "open" else 0
+        self._salt_key = salt_key  # a new key's salt: its keyed hash under this (None: random)
         self._committed = committed
         self._refusals: collections.deque[dict] = collections.deque(maxlen=1000)
-        # uploads being read, their keys and declared bytes; connections per address (only the event
-        # loop's thread touches these)
-        self._reading, self._uploading, self._spooled = 0, set(), 0
-        self._uploads_from: collections.Counter[str] = collections.Counter()
-        self._guard = ConnectionGuard(ConnectionLimits(cfg.header_timeout, per_address=cfg.max_connections_per_address,
-                                                       bucket=address_bucket), self._refused_connection)
+        # keys whose samples were accepted (credit), and the prefixes they called from lately: the
+        # reserved upload slots and connections are theirs
+        self._credited: set[str] = set()
+        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # uploads being read, and connections (only the event loop's thread touches these)
+        self._slots = UploadSlots(cfg.max_concurrent_uploads, min(cfg.upload_reserve, cfg.max_concurrent_uploads - 1),
+                                  cfg.max_uploads_per_prefix, cfg.max_spool_bytes)
+        self._guard = ConnectionGuard(ConnectionLimits(
+            cfg.header_timeout, per_address=cfg.max_connections_per_prefix, bucket=address_prefix,
+            max_open=cfg.max_connections, reserve=min(cfg.connection_reserve, cfg.max_connections - 1),
+            trusted=self._known.__contains__,
+        ), self._refused_connection)
         self._connections = self._guard.open
         self._s3 = Presigner(storage, self.registry, cfg.presign_expiry) if storage.scheme == "s3" else None
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="submission-io")
@@ -204,7 +170,13 @@ class SubmissionService:
     @property
     def uploads_reading(self) -> int:
         """Uploads whose bodies are being read now (at most ``cfg.max_concurrent_uploads``)."""
-        return self._reading
+        return len(self._slots)
+
+    def credit(self, worker: str) -> None:
+        """``worker`` had samples accepted (the trainer says so after validating a step): its uploads
+        may take the reserved slots, and the prefixes it calls from the reserved connections. Kept in
+        memory: after a restart, a key earns it again with its next accepted step."""
+        self._credited.add(worker)
 
     def set_committed(self, step: int) -> None:
         """The newest committed step (-1: none): workers may work on steps ``step + 1`` to
@@ -234,9 +206,9 @@ class SubmissionService:
         """Serve in a daemon thread; returns the base URL once the socket accepts connections."""
         self._sock = bind(self.cfg.host, self.cfg.port)
         self.url, cfg = url_of(self._sock), self.cfg
-        # more than max_connections open get 503 (uvicorn's limit_concurrency)
+        # the guard keeps max_connections open; uvicorn's own limit (a 503 past it) only backs it up
         self._server = guarded_server(self.app, self._guard, keep_alive=min(5, int(cfg.header_timeout) or 1),
-                                      interface="asgi3", limit_concurrency=cfg.max_connections,
+                                      interface="asgi3", limit_concurrency=2 * cfg.max_connections,
                                       h11_max_incomplete_event_size=32 << 10)
         try:
             self._thread = serve_in_thread(self._server, self._sock, f"submission-service-{self._sock.getsockname()[1]}",
@@ -289,7 +261,7 @@ class SubmissionService:
 
     async def _handle(self, scope, receive) -> tuple[int, dict]:
         if scope["method"] == "GET" and scope["path"] == "/v1/health":
-            return 200, {"ok": True, "run": self.run}
+            return 200, {"ok": True, "run": self.run, "registration_work_bits": self._work_bits}
         req = parse_request(scope)
         try:
             key = precheck(req.headers, self.cfg.request_window)
@@ -305,6 +277,11 @@ class SubmissionService:
             verify_digest(self.verifier, req.method, req.signed_path, digest, req.headers)
         except AuthError as e:
             raise Refusal.auth(e) from None
+        if key.id in self._credited:
+            self._known[address_prefix(req.client)] = None
+            self._known.move_to_end(address_prefix(req.client))
+            while len(self._known) > KNOWN_PREFIXES:
+                self._known.popitem(last=False)
         if req.name == "submissions":
             return await self._upload(req, key, receive, digest)
         body = await self._read(req, receive, self.cfg.max_json_bytes, digest)
@@ -314,7 +291,7 @@ class SubmissionService:
             body.close()
 
     async def _upload(self, req: Request, key: VerifyKey, receive, digest: str) -> tuple[int, dict]:
-        cfg = self.cfg
+        cfg, cap = self.cfg, self.cfg.submission_cap()
         if self._s3 is not None:
             raise Refusal(400, "wrong_mode", "S3 storage: ask POST /v1/uploads/N/K for a presigned POST")
         query_ints(req)
@@ -322,36 +299,31 @@ class SubmissionService:
         declared = req.headers.get("content-length")
         if declared is None:
             raise Refusal(411, "length_required", "an upload must declare its Content-Length")
-        if not (declared.isascii() and declared.isdigit() and int(declared) <= cfg.max_body_bytes):
-            raise Refusal(413, "too_large", f"body of {declared[:20]} bytes declared, at most {cfg.max_body_bytes}")
-        size = int(declared)
-        if size == 0:
-            raise Refusal(400, "bad_request", "an empty submission")
+        if not (declared.isascii() and declared.isdigit()):
+            raise Refusal(400, "bad_request", f"Content-Length {declared[:20]!r} is not a byte count")
+        size = self._declared(int(declared))
         self._quota(key.id, step, k, size)
-        if key.id in self._uploading:
-            raise Refusal(503, "busy", "another upload of this key is being read; retry")
-        over = self._spooled and self._spooled + size > cfg.max_spool_bytes  # alone, a body may take all of it
-        if self._reading >= cfg.max_concurrent_uploads or over:
-            raise Refusal(503, "busy", "too many uploads at once; retry")
-        source = address_bucket(req.client)  # many keys of one address share its uploads
-        if self._uploads_from[source] >= cfg.max_uploads_per_address:
-            raise Refusal(503, "busy", "too many uploads from this address at once; retry")
         self._disk(size)
-        self._reading, self._spooled = self._reading + 1, self._spooled + size
-        self._uploading.add(key.id)
-        self._uploads_from[source] += 1
+        slot = self._slots.take(key.id, address_prefix(req.client), size, trusted=key.id in self._credited)
         try:
-            body = await self._read(req, receive, cfg.max_body_bytes, digest)
+            body = await read_body(receive, req.headers, cap=cap, digest=digest, spool=self.spool,
+                                   grace=cfg.body_grace, rate=cfg.min_body_rate, cancel=slot.evicted)
             try:
                 return await self._submissions(req, key, body)
             finally:
                 body.close()
         finally:
-            self._reading, self._spooled = self._reading - 1, self._spooled - size
-            self._uploading.discard(key.id)
-            self._uploads_from[source] -= 1
-            if self._uploads_from[source] <= 0:
-                del self._uploads_from[source]
+            self._slots.give_back(slot)
+
+    def _declared(self, size: int) -> int:
+        """``size`` when a submission of this run can be that large."""
+        cap = self.cfg.submission_cap()
+        if size > cap:
+            raise Refusal(413, "too_large", f"{size} bytes declared: a submission of this run is at most {cap} "
+                          "bytes (its rows and tokens in the rollout schema, service.max_submission_bytes)")
+        if size == 0:
+            raise Refusal(400, "bad_request", "an empty submission")
+        return size
 
     def _quota(self, worker: str, step: int, k: int, size: int) -> None:
         if self.registry.submission(step, worker, k) is not None:
@@ -402,19 +374,26 @@ class SubmissionService:
     # ---------------------------------------------------------------- routes
 
     async def _register(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
-        parse_json(Empty, bytes(body.buf))
+        proof = parse_json(RegisterBody, bytes(body.buf))
         new = False
         if self.registry.key(key.id) is None:
-            if self.cfg.admission == "open" and not self.limiter.allow(address_bucket(req.client)):
-                raise Refusal(429, "rate_limited", f"at most {self.cfg.registrations_per_minute} new keys "
-                              "per address per minute")
-            if self.cfg.admission == "open" and not self.limiter_total.allow("*"):
-                raise Refusal(429, "rate_limited", f"at most {self.cfg.registrations_per_minute_total} new keys "
-                              "per minute")
-            new = await self._io(self.registry.admit, key, self.cfg.max_workers, self.cfg.worker_expiry)
+            if not work.check(self.run, key.raw, proof.work, self._work_bits):
+                raise Refusal(403, "work", f"a new key must bring a proof of {self._work_bits} bits of work "
+                              "(intellect.rl.work) in its registration")
+            if self.cfg.admission == "open":
+                ok, why = self.limiter.allow(address_prefix(req.client))
+                if not ok:
+                    raise Refusal(429, "rate_limited", why)
+            salt = None if self._salt_key is None else mac.tag(self._salt_key, _SALT_DOMAIN, key.hex)
+            new = await self._io(functools.partial(self.registry.admit, key, self.cfg.max_workers,
+                                                   self.cfg.worker_expiry, salt=salt))
             if new:
                 log.info("admitted worker %s from %s", key.id, req.client)
-        return (201 if new else 200), {"worker": key.id, "upload": "presigned" if self._s3 else "body"}
+        salt = self.registry.salt(key.id)
+        if salt is None:  # expired between the admission and now: it may register again
+            raise Refusal(503, "full", "the key's admission expired; register again")
+        return (201 if new else 200), {"worker": key.id, "upload": "presigned" if self._s3 else "body",
+                                       "salt": salt.hex()}
 
     async def _run(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
@@ -424,8 +403,15 @@ class SubmissionService:
         step, k = query_ints(req, "step", "k")
         self._k(k)
         self._step(step)
-        idx = assign_prompts(len(self.tasks), key.id, step, k, self.prompts_per_submission)
-        tasks = [task_row(self.tasks[i]) for i in idx]
+        held = {r.k for r in self.registry.submissions(step, key.id)}
+        if not held.issuperset(range(k)):
+            raise Refusal(409, "out_of_range", f"submission {k} of step {step}: store submissions 0..{k - 1} "
+                          "first (a key may not look ahead at later draws)")
+        salt = self.registry.salt(key.id)
+        if salt is None:
+            raise Refusal(403, "not_registered", f"key {key.id} is not registered: POST /v1/register first")
+        idx = assign_prompts(len(self.tasks), key.id, step, k, self.prompts_per_submission, salt)
+        tasks = [{"id": self.tasks[i].id, "prompt": self.tasks[i].prompt} for i in idx]  # never the answers
         return 200, {"step": step, "k": k, "tasks": tasks}
 
     async def _status(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
@@ -478,9 +464,7 @@ class SubmissionService:
             raise Refusal(400, "wrong_mode", "local storage: PUT the file to /v1/submissions/N/K")
         step, k = self._step(req.args[0]), self._k(req.args[1])
         want = parse_json(UploadBody, bytes(body.buf))
-        if want.size > self.cfg.max_body_bytes:
-            raise Refusal(413, "too_large", f"{want.size} bytes declared, at most {self.cfg.max_body_bytes}")
-        self._quota(key.id, step, k, want.size)
+        self._quota(key.id, step, k, self._declared(want.size))
         return await self._io(self._s3.presign, key.id, step, k, want)
 
     async def _done(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:

@@ -3,11 +3,14 @@
 Every request is signed with the worker's key for the run (``audience``), its body's sha256 named
 in ``x-intellect-content-sha256`` (:func:`~intellect.trust.requests.sign_request`) so the service
 checks the signature before reading the body, and its Content-Length declared; the worker id is the
-key's id, so a client cannot speak for any other worker. Transport errors and ``busy`` or
-``too_slow`` answers are retried with a fresh signature (each try has its own nonce) a few times
-with backoff; every call is idempotent on the service's side (a repeated upload of the same bytes,
-a repeated done record, a repeated registration answer what is stored), so a retry after a lost
-answer is safe. Any other refusal raises :class:`ServiceError` with the service's reason.
+key's id, so a client cannot speak for any other worker. Transport errors and the service's "not
+now" (``busy``, ``rate_limited``, ``too_slow``, any 503) are retried with a fresh signature (each try
+has its own nonce), after pauses that double from ``first_pause`` up to ``max_pause``, each drawn
+between half and all of that (jitter: clients refused together do not come back together), at most
+``retries`` times and never past ``retry_for`` seconds in all (:func:`pauses`); every call is
+idempotent on the service's side (a repeated upload of the same bytes, a repeated done record, a
+repeated registration answer what is stored), so a retry after a lost answer is safe. Any other
+refusal raises :class:`ServiceError` with the service's reason.
 
 >>> from intellect.trust.keys import SigningKey
 >>> ServiceClient("http://127.0.0.1:1", SigningKey.from_seed(bytes(32)), audience="run-a").worker
@@ -18,17 +21,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import re
 import time
+from typing import Callable, Iterator
 
 import httpx
 
+from intellect.rl import work
+from intellect.rl.assignment import SALT_BYTES
 from intellect.rl.registry import SubmissionRecord
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import sign_request
 
 _ANSWER_CAP = 16 << 20
-_RETRIED = frozenset({"busy", "too_slow"})  # the service's "not now": a congested link or a full service
+_RETRIED = frozenset({"busy", "too_slow", "rate_limited"})  # "not now": a congested link or a full service
 _RECORD_FIELDS = set(SubmissionRecord.__dataclass_fields__)
+_SALT_HEX = re.compile(f"[0-9a-f]{{{2 * SALT_BYTES}}}")
 
 
 class ServiceError(RuntimeError):
@@ -46,16 +55,44 @@ def _record(doc: object) -> SubmissionRecord:
     return SubmissionRecord(**doc)
 
 
-class ServiceClient:
-    """Calls of one worker (``key``) to the submission service at ``url`` of run ``audience``."""
+def pauses(retries: int, retry_for: float, first_pause: float = 0.25, max_pause: float = 8.0,
+           rng: random.Random | None = None, sleep: Callable[[float], object] = time.sleep) -> Iterator[int]:
+    """The tries of one call: yields the try's number, the first at once, each later one after a
+    pause (``sleep``) of ``first_pause * 2**n`` capped at ``max_pause``, drawn in ``[half, all]`` of
+    that; it stops after ``retries`` retries, or before a pause that would end past ``retry_for``
+    seconds from the first try.
 
-    def __init__(self, url: str, key: SigningKey, *, audience: str, timeout: float = 30.0, retries: int = 3):
-        if not timeout > 0 or retries < 0:
-            raise ValueError("need timeout > 0 and retries >= 0")
+    >>> list(pauses(3, 60.0, first_pause=0.001))
+    [0, 1, 2, 3]
+    >>> list(pauses(3, 0.0))  # no time for a retry
+    [0]
+    """
+    rng = rng or random.Random()
+    start = time.monotonic()
+    for n in range(retries + 1):
+        if n:
+            pause = min(max_pause, first_pause * 2 ** (n - 1))
+            pause = rng.uniform(pause / 2, pause)
+            if time.monotonic() + pause - start > retry_for:
+                return
+            sleep(pause)
+        yield n
+
+
+class ServiceClient:
+    """Calls of one worker (``key``) to the submission service at ``url`` of run ``audience``: each
+    retried as :func:`pauses` says (``retries``, ``retry_for``)."""
+
+    def __init__(self, url: str, key: SigningKey, *, audience: str, timeout: float = 30.0, retries: int = 12,
+                 retry_for: float = 180.0):
+        if not timeout > 0 or retries < 0 or retry_for < 0:
+            raise ValueError("need timeout > 0, retries >= 0 and retry_for >= 0")
         self.url, self.key, self.audience, self.retries = url.rstrip("/"), key, audience, retries
+        self.retry_for = retry_for
         self.worker = key.public.id
         self._http = httpx.Client(timeout=timeout)
         self._upload: str | None = None  # "body" or "presigned", from the registration answer
+        self.salt: bytes | None = None  # what this key's assignments and seeds derive from, ditto
 
     def close(self) -> None:
         self._http.close()
@@ -72,9 +109,7 @@ class ServiceClient:
         if doc is not None:
             body = json.dumps(doc).encode()
         last = ServiceError(0, "unreachable", "no attempt")
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+        for _ in pauses(self.retries, self.retry_for):
             headers = sign_request(self.key, method, path, body, audience=self.audience)
             headers["content-type"] = "application/json" if doc is not None else "application/octet-stream"
             try:
@@ -107,11 +142,19 @@ class ServiceClient:
     # ---------------------------------------------------------------- calls
 
     def register(self) -> str:
-        """Admit this worker's key (idempotent); returns the worker id the service knows it by."""
-        answer = self._call("POST", "/v1/register", doc={})
-        if answer.get("worker") != self.worker or answer.get("upload") not in ("body", "presigned"):
+        """Admit this worker's key (idempotent), with the proof of work the service asks of a new key
+        (:mod:`intellect.rl.work`), and keep its salt (:attr:`salt`); returns the worker id the
+        service knows it by."""
+        bits = self._call("GET", "/v1/health").get("registration_work_bits", 0)
+        if not isinstance(bits, int) or not 0 <= bits <= work.MAX_BITS:
+            raise ServiceError(0, "bad_answer", f"registration work of {bits!r:.40} bits")
+        doc = {"work": work.solve(self.audience, self.key.public.raw, bits)} if bits else {}
+        answer = self._call("POST", "/v1/register", doc=doc)
+        salt = answer.get("salt")
+        if (answer.get("worker") != self.worker or answer.get("upload") not in ("body", "presigned")
+                or not (isinstance(salt, str) and _SALT_HEX.fullmatch(salt))):
             raise ServiceError(0, "bad_answer", f"registration answer {str(answer)[:200]}")
-        self._upload = answer["upload"]
+        self._upload, self.salt = answer["upload"], bytes.fromhex(salt)
         return self.worker
 
     def run_info(self) -> dict:
@@ -140,10 +183,8 @@ class ServiceClient:
         url, fields, rec = answer.get("url"), answer.get("fields"), _record(answer.get("record"))
         if not isinstance(url, str) or not isinstance(fields, dict):
             raise ServiceError(0, "bad_answer", f"not a presigned POST: {str(answer)[:200]}")
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+        last, tries = "no attempt", 0
+        for tries in pauses(self.retries, self.retry_for):
             try:
                 r = self._http.post(url, data=fields, files={"file": ("submission.parquet", bytes(data))})
             except httpx.TransportError as e:
@@ -154,7 +195,7 @@ class ServiceClient:
             if r.status_code < 500:
                 raise ServiceError(r.status_code, "upload_failed", r.text[:300])
             last = f"{r.status_code}: {r.text[:200]}"
-        raise ServiceError(0, "unreachable", f"S3 POST after {self.retries + 1} tries: {last}")
+        raise ServiceError(0, "unreachable", f"S3 POST after {tries + 1} tries: {last}")
 
     def finish(self, step: int, files: list[str], policy_step: int) -> None:
         """This worker's done record of ``step``: ``files`` are all its submissions for it."""

@@ -57,6 +57,10 @@ def trainer_dir(cfg: RLRunConfig) -> Path:
     return local_run_dir(cfg) / "trainer"
 
 
+#: The submission service's folder in :func:`trainer_dir` (its registry: admitted keys and salts).
+SERVICE_DIR = "service"
+
+
 def trainer_secret(cfg: RLRunConfig) -> bytes:
     """The run's secret (created on first use, mode 0600); ``PermissionError`` if others can read it."""
     path = trainer_dir(cfg) / "secret"

@@ -48,9 +48,10 @@ from intellect.inference.torch_engine import TorchEngine
 from intellect.ledger import StepMetrics
 from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.rl.advantages import nonzero_signal
+from intellect.rl.assignment import NO_SALT
 from intellect.ids import canonical_worker
 from intellect.rl.rollouts import (
-    KIND, RolloutLimits, load_submission, submission_path, write_submission,
+    KIND, RolloutLimits, load_submission, parse_submission_path, submission_path, write_submission,
 )
 from intellect.rl.submission import RewardFn, generate_submission, math_task_reward, signal_samples, torch_engine
 from intellect.rl.trainer import GRPOTrainer, Sample, load_accepted
@@ -187,12 +188,14 @@ def validate_files(
     cfg: RLRunConfig, storage: RunStorage, step: int, files: Sequence[str], tasks: Sequence[Task], tokenizer,
     *, limits: RolloutLimits, engines: CheckpointEngines, reward_fn: RewardFn = math_task_reward,
     extra_checks: Sequence[RowCheck] = (), recorded: Mapping[str, Any] | None = None,
+    salts: Mapping[str, bytes] | None = None,
 ) -> list[Verdict]:
     """The validator's verdicts on every sample of ``files`` (never raises on their content). With
     ``cfg.toploc``, every row's proofs are checked too, by one prefill with the checkpoint it claims
     (``engines``). ``recorded`` maps a file to what the submission service recorded of it (its
     ``worker``, ``sha256`` and ``size``): the file must be that worker's, of that size, and hash as
-    recorded."""
+    recorded. ``salts`` maps each worker the service admitted to the salt its registry holds; a
+    worker not in it is an operator-run one (:data:`~intellect.rl.assignment.NO_SALT`)."""
     if cfg.toploc is not None:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         # the check only prefills, which is all a serialized engine offers
@@ -201,11 +204,12 @@ def validate_files(
     out = []
     for rel in files:
         rec = (recorded or {}).get(rel)
+        salt = (salts or {}).get(parse_submission_path(rel)[1], NO_SALT)
         out += validate_submission(
             storage, rel, tasks=tasks, tokenizer=tokenizer, step=step, async_level=cfg.async_level,
             policy_lag=cfg.policy_lag, limits=limits, cfg=cfg.submission, run=cfg.run_name, reward_fn=reward_fn, extra_checks=extra_checks,
             worker=None if rec is None else rec.worker, sha256=None if rec is None else rec.sha256,
-            size=None if rec is None else rec.size,
+            size=None if rec is None else rec.size, salt=salt,
         )
     return out
 

@@ -8,19 +8,27 @@ Checks, in order (the first failing one is the recorded reason):
    or version, NaN, out-of-range values, an identity or step that disagrees with its path, or a
    policy step outside the lag bound (``stale``): one file-level verdict (``row = -1``) with the
    :class:`~intellect.rl.rollout_schema.RolloutRejected` reason.
-2. **The assignment** (:func:`~intellect.rl.assignment.check_assignment`, with group sizes and
-   prompt tokens): every row of a file that answers other prompts than its assigned ones is
-   rejected as ``assignment``.
-3. **The length** (:func:`length_check`): a completion longer than the submission's ``max_tokens``
+2. **The assignment** (:func:`~intellect.rl.assignment.check_assignment`, with group sizes,
+   prompt tokens and the worker's salt): every row of a file that answers other prompts than its
+   assigned ones is rejected as ``assignment``.
+3. **The seed** (:func:`assigned_seeds`, always on): a row whose seed is not the one its position
+   is assigned (:func:`~intellect.rl.submission.sample_seed` of worker, step, submission, group,
+   index and salt) is ``seed``. The validator computes the seed itself and hands the extra checks
+   the rows with that seed in place of the row's, so TOPLOC's seeded re-check replays the assigned
+   sampler: a worker can neither keep the best of many draws nor search a seed that "picks" tokens
+   it wrote. A copy of another worker's rows carries that worker's seeds, so it is ``seed`` too.
+4. **The length** (:func:`length_check`): a completion longer than the submission's ``max_tokens``
    is ``too_long``; one whose ``finish_reason`` does not match its tokens (``stop`` without a final
    EOS, ``length`` short of ``max_tokens`` or ending in EOS, an EOS before the last token) is
    ``finish_reason``.
-4. **Extra checks** (``extra_checks``: e.g. TOPLOC proofs, or :func:`seed_check`): each returns one
-   reason or ``None`` per row.
-5. **The reward**: the validator decodes each output and recomputes its reward with the same
-   :data:`~intellect.rl.submission.RewardFn` as the workers; a row whose claimed ``task_reward`` or
-   ``reward`` differs, or that claims a length penalty (no length shaping here yet), is rejected as
-   ``reward_mismatch``.
+5. **Extra checks** (``extra_checks``: e.g. TOPLOC proofs): each returns one reason or ``None`` per
+   row, given the rows with their assigned seeds.
+6. **The reward**: the validator decodes each output and recomputes its reward with the run's
+   :data:`~intellect.rl.submission.RewardFn`. An operator-run worker (no salt) holds the tasks and
+   claims its rewards, and a row whose claimed ``task_reward`` or ``reward`` differs is rejected
+   as ``reward_mismatch``; a worker of the service is told no reference answer, so it claims 0
+   (:func:`~intellect.rl.submission.unclaimed_reward`) and any other claim is ``reward_mismatch``.
+   A claimed length penalty (no length shaping here yet) is ``reward_mismatch`` too.
 
 Advantages are never taken from the worker: each group's are recomputed from the validator's
 rewards of the rows that passed the extra checks (the samples it believes the policy drew;
@@ -40,7 +48,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from intellect.rl.assignment import check_assignment
+from intellect.rl.assignment import NO_SALT, check_assignment
 from intellect.rl.lag import PolicyLag
 from intellect.rl.rollouts import Rollout, RolloutLimits, RolloutRejected, load_submission, parse_submission_path
 from intellect.rl.submission import (
@@ -101,18 +109,14 @@ def length_check(max_tokens: int, eos_ids: Sequence[int]) -> RowCheck:
     return check
 
 
-def seed_check(rows: Sequence[Rollout]) -> list[str | None]:
-    """``seed`` for rows whose seed is not the public one of their position (:func:`sample_seed`).
-
-    Off by default: a copy of another worker's rows carries that worker's seeds, so with this check
-    on, copies are rejected as ``seed`` before the ledger could call them ``duplicate``.
-    """
+def assigned_seeds(rows: Sequence[Rollout], salt: bytes = NO_SALT) -> list[int]:
+    """The seed each row of one submission is assigned: :func:`sample_seed` of its worker, step,
+    submission, group and index in its group (file order), with the worker's ``salt``."""
     seen: dict[int, int] = {}
-    out: list[str | None] = []
+    out = []
     for r in rows:
         i = seen[r.group_id] = seen.get(r.group_id, -1) + 1
-        ok = r.seed == sample_seed(r.worker, r.step, r.submission, r.group_id, i)
-        out.append(None if ok else SEED)
+        out.append(sample_seed(r.worker, r.step, r.submission, r.group_id, i, salt))
     return out
 
 
@@ -138,13 +142,16 @@ def validate_submission(
     worker: str | None = None,
     sha256: str | None = None,
     size: int | None = None,
+    salt: bytes = NO_SALT,
 ) -> list[Verdict]:
     """Verdicts on every sample of the submission at ``rel_path`` of ``step`` (see the module docstring).
 
     ``rel_path`` is the caller's (from the submission service's records, or
     :func:`~intellect.rl.rollouts.list_submissions` for operator-owned generation): one that is not a
     submission path of ``step`` is a ``ValueError``. ``worker``, ``sha256`` and ``size``, when given,
-    are what the service recorded for the file. Nothing in the file's content raises.
+    are what the service recorded for the file, and ``salt`` the worker's salt in the service's
+    registry (:data:`~intellect.rl.assignment.NO_SALT` for an operator-run worker). Nothing in the
+    file's content raises.
     """
     file_step, file_worker, k = parse_submission_path(rel_path)
     if file_step != step:
@@ -163,16 +170,20 @@ def validate_submission(
     by_id = {t.id: t for t in tasks}
     why = check_assignment(
         rows, [t.id for t in tasks], cfg.prompts_per_submission, group_size=cfg.group_size,
-        prompt_tokens=lambda task_id: prompt_tokens(tokenizer, by_id[task_id], cfg.prompt),
+        prompt_tokens=lambda task_id: prompt_tokens(tokenizer, by_id[task_id], cfg.prompt), salt=salt,
     )
     if why is not None:
         log.info("rejected %s: assignment: %s", rel_path, why)
         return [Verdict.of(r, rel_path, i, ASSIGNMENT) for i, r in enumerate(rows)]
 
+    seeds = assigned_seeds(rows, salt)
+    reasons: list[str | None] = [SEED if r.seed != s else None for r, s in zip(rows, seeds)]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    reasons: list[str | None] = list(length_check(cfg.max_tokens, eos)(rows))
+    reasons = [old or new for old, new in zip(reasons, length_check(cfg.max_tokens, eos)(rows))]
+    # the extra checks see the seed the validator computed, never the one the worker wrote
+    assigned = [r if r.seed == s else dataclasses.replace(r, seed=s) for r, s in zip(rows, seeds)]
     for check in extra_checks:
-        got = list(check(rows))
+        got = list(check(assigned))
         if len(got) != len(rows):
             raise ValueError(f"check {check!r} returned {len(got)} reasons for {len(rows)} rows")
         reasons = [old or new for old, new in zip(reasons, got)]
@@ -182,10 +193,11 @@ def validate_submission(
     # rows are scored in one call, so the reward's per-file time budget bounds what one file costs.
     kept = [i for i in range(len(rows)) if believed[i]]
     rewards = dict(zip(kept, task_rewards(reward_fn, [completion_text(tokenizer, rows[i].output_tokens) for i in kept],
-                                          [by_id[rows[i].prompt_id] for i in kept])))
+                                          [by_id[rows[i].prompt_id] for i in kept], worker=worker)))
     for i in kept:
         r, truth = rows[i], rewards[i]
-        if not (_same(r.task_reward, truth) and _same(r.reward, truth) and r.length_penalty == 0):
+        claim = truth if salt == NO_SALT else 0.0  # a worker of the service knows no reference answer
+        if not (_same(r.task_reward, claim) and _same(r.reward, claim) and r.length_penalty == 0):
             reasons[i] = REWARD_MISMATCH
 
     advantages = dict(zip(kept, advantages_of([rewards[i] for i in kept], [rows[i].group_id for i in kept])))

@@ -16,7 +16,10 @@ It registers, reads the run's description (:class:`WorkerRunInfo`: steps, lag bo
 TOPLOC, the SHARDCAST relays), and for each step from the first uncommitted one to the last: waits
 until a checkpoint the lag rule allows is on the relays (:func:`~intellect.rl.lag.policy_for`),
 downloads it (every version signed by the trainer's key, which the worker pins), asks the service
-for its assignment, generates with TOPLOC proofs, submits each file, and says it is done. A step
+for its assignment (prompts without reference answers), generates with the seeds its salt decides
+(the registration answer's) and TOPLOC proofs, submits each file, and says it is done. It claims no
+reward (the validator computes them) and keeps adding files while its groups' final answers carry
+too little spread (:func:`~intellect.rl.submission.spread_samples`). A step
 the service already holds as done is skipped, and one it holds submissions of is finished with
 them, so a restarted worker resumes where it stopped (:meth:`ServiceClient.status`).
 Nothing it sends is believed before the validator has checked it.
@@ -29,6 +32,7 @@ Exit codes: 0 after the last step, 3 when no fresh checkpoint appears within the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -43,15 +47,16 @@ import torch
 from pydantic import Field
 
 from intellect.config import ComputeConfig, StrictModel
-from intellect.data.loaders import TaskKind, task_of_row
+from intellect.data.loaders import CodeTask, MathTask, TaskKind
 from intellect.device import DeviceError, Precision, resolve_device, resolve_precision
 from intellect.inference.config import EngineConfig
+from intellect.progress import Progress
 from intellect.rl.lag import PolicyLag, policy_for
 from intellect.rl.rollouts import RolloutLimits, encode_submission, submission_path
 from intellect.rl.service_client import ServiceClient, ServiceError
 from intellect.rl.rewards.code import CodeRewardConfig
 from intellect.rl.submission import (
-    RewardFn, SubmissionConfig, generate_assigned, signal_samples, task_reward_fn, torch_engine,
+    SubmissionConfig, generate_assigned, spread_samples, torch_engine, unclaimed_reward,
 )
 from intellect.rl.weights import ShardcastWeights
 from intellect.shardcast.client import ShardcastClient, ShardcastError
@@ -121,12 +126,14 @@ class WorkerRunInfo(StrictModel):
         )
 
 
-def _tasks(rows: list[dict], kind: TaskKind) -> list:
-    """The assigned tasks of the service's answer; a malformed one is the service's bad answer."""
-    try:
-        return [task_of_row(t, kind) for t in rows]
-    except ValueError as e:
-        raise ServiceError(0, "bad_answer", f"assigned task: {e}") from None
+def _tasks(rows: list, kind: TaskKind) -> list:
+    """The assigned tasks of the service's answer: id and prompt (a worker is told no reference answer,
+    so a task's answer or tests are empty here); a malformed one is the service's bad answer."""
+    if not all(isinstance(t, dict) and all(isinstance(t.get(f), str) and t[f] for f in ("id", "prompt"))
+               for t in rows):
+        raise ServiceError(0, "bad_answer", f"assigned tasks: {str(rows)[:200]}")
+    return [MathTask(t["id"], t["prompt"], "") if kind == "math" else CodeTask(t["id"], t["prompt"], ())
+            for t in rows]
 
 
 def wait_for_policy(complete_steps: Callable[[], list[int]], step: int, async_level: int, timeout: float,
@@ -186,14 +193,12 @@ def run_worker(
     trainer_key: VerifyKey,
     cache: str | os.PathLike,
     *,
-    reward_fn: RewardFn | None = None,
     stop: Callable[[], bool] = lambda: False,
     timeout: float = 30.0,
     device: str = "auto",
 ) -> list[dict]:
     """Work for the run at ``url`` until its last step (see the module docstring); one record per step.
-    ``device`` is a ``compute.device`` value; the precision and the reward (unless ``reward_fn``) are
-    the run's."""
+    ``device`` is a ``compute.device`` value; the precision is the run's."""
     try:
         run = run_name(url, timeout)
     except httpx.HTTPError as e:
@@ -201,13 +206,17 @@ def run_worker(
     client = ServiceClient(url, key, audience=run, timeout=timeout)
     out: list[dict] = []
     weights = None
+    stack = contextlib.ExitStack()
     try:
         client.register()
         info = WorkerRunInfo.model_validate(client.run_info())
         compute = ComputeConfig(device=device, precision=info.precision)
-        reward_fn = reward_fn or task_reward_fn(info.task_kind, info.code_reward)
         weights = relay_weights(info, trainer_key, Path(cache))
         held, engine, tok, limits = None, None, None, None
+        # a heartbeat line at least every progress interval, also while waiting for a checkpoint
+        bar = Progress(f"worker {client.worker}", info.steps, start=info.committed + 1, heartbeat=True)
+        bar.begin(f"run {run}, steps {info.committed + 1}..{info.steps - 1} on {compute.device}")
+        stack.enter_context(bar)
         for step in range(info.committed + 1, info.steps):
             if stop():
                 break
@@ -215,8 +224,10 @@ def run_worker(
                 wait = time.monotonic() + info.checkpoint_timeout
                 status = _call(client.status, step, deadline=wait, poll=info.poll_interval)
                 if status["done"]:
+                    bar.update(step + 1)
                     continue
                 t0 = time.perf_counter()
+                bar.waiting(f"step {step}: waiting for a checkpoint")
                 policy = wait_for_policy(weights.complete_steps, step, info.async_level, info.checkpoint_timeout,
                                          info.poll_interval, stop, info.policy_lag)
                 if policy is None:
@@ -231,14 +242,16 @@ def run_worker(
                 if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
                     files = [submission_path(step, client.worker, k) for k in status["submissions"]]
                 for k in range(info.max_submissions if not files else 0):
+                    bar.waiting(f"step {step}: submission {k} with checkpoint {policy}")
                     tasks = _tasks(_call(client.assignment, step, k, deadline=wait, poll=info.poll_interval),
                                    info.task_kind)
                     rows = generate_assigned(engine, tok, tasks, client.worker, step, k, policy, info.submission,
-                                             run=info.run, reward_fn=reward_fn, proofs=info.toploc)
+                                             run=info.run, reward_fn=unclaimed_reward, proofs=info.toploc,
+                                             salt=client.salt or b"")
                     rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,
                                 poll=info.poll_interval)
                     files.append(rec.path)
-                    signal += signal_samples(rows)
+                    signal += spread_samples(tok, rows, info.task_kind)
                     if signal >= info.min_signal_samples:
                         break
                 _call(client.finish, step, files, policy, deadline=wait, poll=info.poll_interval)
@@ -246,12 +259,15 @@ def run_worker(
                        "seconds": round(time.perf_counter() - t0, 3)}
                 log.info("worker %s %s", client.worker, rec)
                 out.append(rec)
+                bar.update(step + 1, policy=policy, files=len(files))
             except ServiceError as e:
                 if e.reason != "closed":
                     raise
                 # the trainer committed this step without us (we were slow or restarted late): on to the next
                 log.info("step %d was committed without worker %s", step, client.worker)
+                bar.update(step + 1)
     finally:
+        stack.close()
         if weights is not None:
             weights.close()
         client.close()

@@ -27,7 +27,10 @@ reaches the CPU (:func:`~intellect.inference.sampling.score_tokens`).
 **Sampling** (``toploc_sampling``; which layer failed is logged, see :func:`sampling_detail`):
 
 * *seeded re-check* (``cfg.seeded_check``): the engines sample with seeded Gumbel-max, so the
-  validator recomputes each token's choice from its own logits and the request seed. A differing
+  validator recomputes each token's choice from its own logits and the request seed: the row's
+  ``seed``, which :func:`~intellect.rl.validator.validate_submission` sets to the seed the
+  assignment fixes before any extra check sees the row (a seed the worker chose or searched for
+  never reaches this check). A differing
   token that scores more than ``flip_margin`` below the seeded choice fails the rollout (an edited
   token, or the hybrid attack: a small model samples, the claimed one builds the proofs): rounding
   noise flips only near-ties. Near-tie flips fail it beyond ``max_resampled_fraction`` of its tokens

@@ -89,6 +89,10 @@ def test_rl_train_with_worker_processes(base):
     assert [e["step"] for e in load_evals(storage)] == [0, 2, 4]
     assert storage.read_bytes(CURVE)[:8] == b"\x89PNG\r\n\x1a\n"
     check_ledger(cfg, 4)
+    for worker in ("alice", "bob"):  # each `intellect worker` says where it is, without a terminal
+        text = (base / "rl" / "logs" / f"{worker}.log").read_text()
+        assert re.search(r"intellect\.progress worker \S+: step 4/4 \(100%\)", text), text[-2000:]
+        assert re.search(r"intellect\.progress worker \S+: done, 4 steps", text), text[-2000:]
     # a finished run run again has nothing left to do
     assert rl_train(cfg).steps == 0
 

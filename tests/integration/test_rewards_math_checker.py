@@ -1,6 +1,7 @@
 """Math rewards that reach the symbolic checker, which runs in processes of its own: symbolic equivalence,
-the time limit with a killed and replaced checker, and the row and file budgets of a bounded pool of
-checkers where one file's slow rows do not hold up another file (issue 17, attack 9)."""
+the time limit with a killed and replaced checker, and the row, file and worker budgets of a bounded
+pool of checkers where one file's slow rows do not hold up another file, nor one worker's files
+another worker's."""
 
 from __future__ import annotations
 
@@ -92,35 +93,40 @@ def test_a_file_of_hard_answers_stays_within_its_budget():
 
 @pytest.mark.slow
 def test_a_hard_file_does_not_delay_another_files_rows():
-    cfg = MathRewardConfig(checkers=2)
+    """Four files of hard answers from one worker beside one honest file of 16 symbolic rows, on two
+    checkers: the honest file is scored through, the hard worker draws no more than its bucket."""
+    cfg = MathRewardConfig(checkers=2, timeout_s=1.0, file_budget_s=20.0, worker_budget_s=5.0)
     assert warm_checkers(cfg) == 2
-    math_rewards(HONEST, HONEST_REFS, cfg)  # sympy's caches warm in the checkers
-    t0 = time.monotonic()
-    alone = math_rewards(HONEST, HONEST_REFS, cfg)
-    solo = time.monotonic() - t0
-    assert [r.reason for r in alone] == ["ok"] * len(HONEST)
+    honest, refs = [c for c in HONEST if c != "46"] * 4, [r for r in HONEST_REFS if r != "46"] * 4
+    honest, refs = honest[:16], refs[:16]
+    assert [r.reason for r in math_rewards(honest[:5], refs[:5], cfg)] == ["ok"] * 5  # sympy's caches warm
 
     hard: dict = {}
 
-    def hard_file():
+    def hard_file(n: int):
         t = time.monotonic()
-        hard["results"] = math_rewards(HARD, ["1/2"] * len(HARD), cfg, row_budget_s=1.0, total_budget_s=4.0)
-        hard["seconds"] = time.monotonic() - t
+        hard[n] = math_rewards(HARD, ["1/2"] * len(HARD), cfg, worker="mallory"), time.monotonic() - t
 
-    thread = threading.Thread(target=hard_file)
-    thread.start()
+    threads = [threading.Thread(target=hard_file, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
     try:
-        time.sleep(0.3)  # the hard file holds a checker now
+        time.sleep(0.5)  # mallory's files hold both checkers and queue for more
         t0 = time.monotonic()
-        honest = math_rewards(HONEST, HONEST_REFS, cfg)
+        scored = math_rewards(honest, refs, cfg, total_budget_s=10.0, worker="alice")
         latency = time.monotonic() - t0
         busy = checker_processes()
     finally:
-        thread.join(30)
-    assert [r.reason for r in honest] == ["ok"] * len(HONEST)
-    assert 2.5 < hard["seconds"] < 4.0 + 1.5 and {r.reason for r in hard["results"]} <= {"timeout", "budget"}
-    # with one shared checker the honest rows would have waited for the hard file's whole budget
-    assert latency < solo + 1.5 and latency < hard["seconds"] / 2, (latency, solo, hard["seconds"])
+        for thread in threads:
+            thread.join(60)
+    assert [r.reason for r in scored] == ["ok"] * 16, [r.detail for r in scored if r.reason != "ok"]
+    # one hard check in flight and a replaced checker's start-up at most, then alice keeps her checker
+    assert latency < 2 * cfg.timeout_s + 5.0, latency
+    reasons = [r.reason for n in hard for r in hard[n][0]]
+    assert set(reasons) <= {"timeout", "budget"} and "budget" in reasons
+    # every timeout drew a whole row budget from mallory's bucket: no more of them than it holds
+    assert reasons.count("timeout") <= cfg.worker_budget_s / cfg.timeout_s
+    assert max(seconds for _, seconds in hard.values()) < cfg.file_budget_s
     assert busy <= cfg.checkers
 
 

@@ -26,7 +26,7 @@ from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.checkpoints import CHECKPOINTS, CheckpointMismatch, digest, fetch_recorded, publish
 from intellect.rl.config import RLRunConfig
-from intellect.rl.setup import ledger_path, local_run_dir, run_storage
+from intellect.rl.setup import ledger_path, local_run_dir, run_storage, trainer_dir
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from tasks.rl import worker_key_file
@@ -39,6 +39,7 @@ PROMPTS, GROUP, STEPS = 2, 4, 3
 HONEST = {"alice": SigningKey.from_seed(b"a" * 32), "bob": SigningKey.from_seed(b"b" * 32)}
 MALLORY = SigningKey.from_seed(b"m" * 32)
 MAX_BODY = 1 << 20
+SECRET = bytes(range(32))
 
 
 def free_port() -> int:
@@ -63,6 +64,10 @@ def make_run(root: Path, *, adversary: bool) -> RLRunConfig:
     })
     for name, key in HONEST.items():  # the same honest identities in every run: same prompts, same seeds
         key.save(worker_key_file(cfg, name))
+    # ... and the same run secret, which keys the salts the service gives them
+    trainer_dir(cfg).mkdir(parents=True, exist_ok=True)
+    (trainer_dir(cfg) / "secret").write_text(SECRET.hex())
+    (trainer_dir(cfg) / "secret").chmod(0o600)
     return cfg
 
 

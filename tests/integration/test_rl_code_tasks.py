@@ -136,9 +136,11 @@ def test_a_malformed_assignment_is_the_services_bad_answer_not_a_worker_crash():
     from intellect.rl.service_client import ServiceError  # noqa: PLC0415 - this test's imports
     from intellect.rl.worker import _tasks  # noqa: PLC0415
 
-    assert _tasks([task_row(TASKS[0])], "code") == [TASKS[0]]
-    for bad, kind in (([{"id": "a", "prompt": "p"}], "math"), ([{"id": "a", "prompt": "p", "tests": ["x = ("]}], "code"),
-                      ([{"id": "a", "prompt": "p", "tests": []}], "code"), (["not an object"], "math")):
+    # the service sends no tests (nor math answers): the worker's tasks carry none
+    assert _tasks([{"id": TASKS[0].id, "prompt": TASKS[0].prompt}], "code") == [
+        dataclasses.replace(TASKS[0], tests=())]
+    for bad, kind in (([{"id": "a"}], "math"), ([{"id": "a", "prompt": ""}], "code"),
+                      ([{"id": 3, "prompt": "p"}], "code"), (["not an object"], "math")):
         with pytest.raises(ServiceError) as err:
             _tasks(bad, kind)
         assert err.value.reason == "bad_answer"

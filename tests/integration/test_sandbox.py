@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from intellect.rl.rewards import (
     run_python,
     sandbox_status,
 )
+from intellect.rl.rewards.sandbox_cgroup import cgroup_parent
 
 TIMEOUT = 4.0
 SLACK = 3.0  # process start and kill on a loaded CI machine
@@ -205,12 +207,63 @@ def test_filling_the_work_dir_stops_at_its_size():
     assert seconds < TIMEOUT
 
 
-@pytest.mark.parametrize("code", ["x = bytearray(1 << 40)", "x = []\nwhile True:\n    x.append(bytearray(1 << 20))"])
+# Allocates 1 MiB at a time until it dies; with forked copies of itself where the host lets it fork.
+ALLOCATION_LOOP = "x = []\nwhile True:\n    x.append(bytearray(1 << 20))"
+FORKED_ALLOCATION_LOOP = ("import os\nfor _ in range(6):\n    try:\n        if os.fork() == 0:\n            break\n"
+                          "    except OSError:\n        break\n" + ALLOCATION_LOOP)
+
+
+def sandbox_anon_bytes() -> int:
+    """Anonymous memory of every live process of the sandbox uid (pages shared after a fork count in each)."""
+    total = 0
+    for pid in sandbox_pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) << 10 for line in status.splitlines() if line.startswith("RssAnon:"))
+    return total
+
+
+@pytest.fixture(params=["host", "no-cgroup"])
+def memory_cfg(request, tmp_path) -> CodeRewardConfig:
+    """The host's way of bounding memory (a cgroup where it offers one), and the rlimit-only fallback,
+    forced by pointing the sandbox at a folder that is no cgroup."""
+    sandbox = CFG.sandbox.model_copy(update={"cgroup": str(tmp_path) if request.param == "no-cgroup" else None})
+    if request.param == "no-cgroup":
+        assert "no cgroup here" in sandbox_mod.memory_status(sandbox)
+    return CFG.model_copy(update={"sandbox": sandbox})
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(1 << 40)", ALLOCATION_LOOP, FORKED_ALLOCATION_LOOP],
+                         ids=["one-huge-block", "loop", "forked-loops"])
 @pytest.mark.usefixtures("bwrap")
-def test_memory_bomb_is_stopped(code):
-    result, seconds = judge(code, honest_tail=True)
-    assert result.reward == 0.0 and result.reason in ("failed", "killed:SIGKILL", "killed:SIGSEGV"), result
+def test_an_allocation_loop_dies_at_its_memory_limit(code, memory_cfg):
+    """The candidate's processes together never hold more than ``memory_mb`` (the slack: their shared
+    start-up pages, counted once per process, and the judge's), and the run ends as ``memory``."""
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], sandbox_anon_bytes())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result, seconds = judge(code, cfg=memory_cfg, honest_tail=True)
+    finally:
+        stop.set()
+        watcher.join()
+    assert (result.reward, result.reason) == (0.0, "memory"), result
     assert seconds < TIMEOUT + SLACK
+    if os.geteuid() == 0:  # only then does the sandbox run as a uid of its own, whose processes are watched here
+        limit = memory_cfg.sandbox.memory_mb << 20
+        assert peak[0] < limit + (64 << 20), f"the sandbox held {peak[0] >> 20} MiB, its limit is {limit >> 20} MiB"
+    assert judge("def add(a, b):\n    return a + b", cfg=memory_cfg)[0].reward == 1.0
+    parent = cgroup_parent(memory_cfg.sandbox.cgroup)
+    if parent is not None:  # each run's cgroup is gone with it
+        assert not list(parent.path.glob(f"intellect-sandbox-{os.getpid()}-*"))
 
 
 @pytest.mark.usefixtures("bwrap")
@@ -261,7 +314,9 @@ def test_endless_code_is_stopped_in_time(code):
 
 @pytest.mark.usefixtures("bwrap")
 def test_detached_children_die_with_the_sandbox():
-    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)"
+    # without a cgroup the candidate may not fork at all (test_an_allocation_loop_dies_at_its_memory_limit)
+    code = "import os, time\ntry:\n    pid = os.fork()\nexcept OSError:\n    pid = 1\nif pid == 0:\n" \
+           "    os.setsid()\n    time.sleep(3600)"
     before = sandbox_pids()
     result, _ = judge(code, honest_tail=True)
     assert result.reward == 1.0, result

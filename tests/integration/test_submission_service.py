@@ -35,6 +35,8 @@ def make_service(tmp_path: Path):
     started: list[SubmissionService] = []
 
     def make(run_info=lambda: INFO, committed: int = -1, **cfg) -> SubmissionService:
+        # raw registrations here bring no proof of work: test_rl_cherry_picking.py tests it
+        cfg = {"registration_work_bits": 0, **cfg}
         svc = SubmissionService(ServiceConfig(**cfg), run=RUN, storage=RunStorage(str(tmp_path / "run")),
                                 state_dir=tmp_path / "state", run_info=run_info, tasks=TASKS,
                                 prompts_per_submission=4, committed=committed)
@@ -112,8 +114,9 @@ def test_honest_round_trip(make_service, tmp_path: Path) -> None:
     with ServiceClient(svc.url, key, audience=RUN, timeout=10) as c:
         assert c.register() == key.public.id == c.register()  # idempotent
         assert c.run_info() == INFO
-        want = [TASKS[i] for i in assign_prompts(len(TASKS), key.public.id, 1, 0, 4)]
-        assert c.assignment(1, 0) == [{"id": t.id, "prompt": t.prompt, "answer": t.answer} for t in want]
+        assert c.salt == svc.registry.salt(key.public.id) and len(c.salt) == 32
+        want = [TASKS[i] for i in assign_prompts(len(TASKS), key.public.id, 1, 0, 4, c.salt)]
+        assert c.assignment(1, 0) == [{"id": t.id, "prompt": t.prompt} for t in want]  # no answers
         assert c.status(1) == {"step": 1, "submissions": [], "done": False}
         rec = c.submit(1, 0, b"parquet bytes")
         assert (rec.worker, rec.step, rec.k, rec.size) == (key.public.id, 1, 0, 13)
@@ -127,7 +130,7 @@ def test_honest_round_trip(make_service, tmp_path: Path) -> None:
     assert svc.submissions(1) == [rec] and svc.workers() == [key.public.id]
     assert svc.done(1)[key.public.id].files == [rec.path] and svc.done(1)[key.public.id].policy_step == 0
     assert svc.worker_key(key.public.id) == key.public.hex
-    assert _raw(svc.url, "GET", "/v1/health") == (200, {"ok": True, "run": RUN})
+    assert _raw(svc.url, "GET", "/v1/health") == (200, {"ok": True, "run": RUN, "registration_work_bits": 0})
 
 
 def test_signature_attacks_are_refused_and_store_nothing(make_service, tmp_path: Path) -> None:
@@ -488,7 +491,7 @@ def test_upload_slots_cannot_be_held_with_a_public_key(make_service) -> None:
 
 
 def test_a_slow_body_is_refused_and_frees_its_slot(make_service) -> None:
-    svc = make_service(max_concurrent_uploads=2, body_grace=0.5, min_body_rate=1024)
+    svc = make_service(max_concurrent_uploads=2, upload_reserve=0, body_grace=0.5, min_body_rate=1024)
     slow, other = _client(svc), _client(svc)
     path = "/v1/submissions/0/0"
     body = b"y" * 100_000
@@ -516,7 +519,7 @@ def test_a_slow_body_is_refused_and_frees_its_slot(make_service) -> None:
 
 
 def test_slow_heads_and_connection_floods_are_cut(make_service) -> None:
-    svc = make_service(header_timeout=0.5, max_connections_per_address=3)
+    svc = make_service(header_timeout=0.5, max_connections_per_prefix=3)
     c = _client(svc)
     u = urlsplit(svc.url)
     loris = socket.create_connection((u.hostname, u.port), timeout=10)
@@ -569,7 +572,7 @@ def test_registration_is_bounded_in_total_and_idle_keys_expire(make_service) -> 
     with pytest.raises(ServiceError) as e:  # the service-wide rate, whatever the address
         _client(svc, late)
     assert (e.value.status, e.value.reason) == (429, "rate_limited")
-    svc.limiter_total = type(svc.limiter_total)(60, max_addresses=1)  # a minute later
+    svc.limiter = type(svc.limiter)(60, 60, 0)  # a minute later
     with pytest.raises(ServiceError) as e:
         _client(svc, late)
     assert (e.value.status, e.value.reason) == (503, "full")
@@ -598,7 +601,7 @@ def test_one_key_cannot_fill_the_replay_guard(make_service) -> None:
 
 
 def test_many_keys_of_one_address_share_its_uploads(make_service) -> None:
-    svc = make_service(max_uploads_per_address=1)
+    svc = make_service(max_uploads_per_prefix=1)
     first, second = _client(svc), _client(svc)
     path = "/v1/submissions/0/0"
     sock = _open_upload(svc, sign_request(first.key, "PUT", path, b"held", audience=RUN), path, 4, b"he")
@@ -607,7 +610,7 @@ def test_many_keys_of_one_address_share_its_uploads(make_service) -> None:
         time.sleep(0.01)
     with pytest.raises(ServiceError) as e:
         second.submit(0, 0, b"x")
-    assert (e.value.status, e.value.reason) == (503, "busy") and "address" in e.value.detail
+    assert (e.value.status, e.value.reason) == (503, "busy") and "prefix" in e.value.detail
     sock.sendall(b"ld")
     assert _answer(sock)[0] == 201
     assert second.submit(0, 0, b"x").size == 1

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 import intellect.rl.rewards.base as base
-import intellect.rl.rewards.math as math_reward_mod
+import intellect.rl.rewards.math_checker as math_checker
 from intellect.config import DataConfig
 from intellect.data.arithmetic import sample_problem, verify_answer
 from intellect.rl.rewards import (
@@ -100,13 +100,13 @@ def test_anything_outside_the_allowlist_never_reaches_the_parser(answer, monkeyp
     def boom(*_args):
         raise AssertionError("the symbolic checker must not see this input")
 
-    monkeypatch.setattr(math_reward_mod._CHECKER, "check", boom)
+    monkeypatch.setattr(math_checker.CHECKERS, "check_all", boom)
     result = math_reward(f"Answer: {answer}", "1/2")
     assert (result.reward, result.reason) == (0.0, "invalid")
 
 
 def test_over_long_answer_is_invalid_unparsed(monkeypatch):
-    monkeypatch.setattr(math_reward_mod._CHECKER, "check", lambda *a: pytest.fail("parsed"))
+    monkeypatch.setattr(math_checker.CHECKERS, "check_all", lambda *a: pytest.fail("parsed"))
     long = "+".join(["1"] * 200)
     assert math_reward(long, "1/2", MathRewardConfig(max_answer_chars=100)).reason == "invalid"
 

@@ -20,11 +20,14 @@ from intellect.rl.submission import (
     SubmissionConfig,
     advantages_of,
     completion_text,
+    generate_assigned,
     generate_submission,
     math_task_reward,
     sample_seed,
+    spread_samples,
+    unclaimed_reward,
 )
-from intellect.rl.validator import seed_check, validate_submission
+from intellect.rl.validator import assigned_seeds, validate_submission
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 
@@ -94,7 +97,7 @@ def test_honest_submission_is_accepted_with_the_validators_advantages(env):
                                       for i, r in enumerate(rows)]
     # the worker's advantages are not trusted: whatever it claims, the ledger holds the recomputed ones
     rel = write_submission(env.storage, 0, "honest", 0, [dataclasses.replace(r, advantage=5.0) for r in rows])
-    got = env.validate(0, [rel], extra_checks=[seed_check])
+    got = env.validate(0, [rel])
     assert all_accepted(got[rel])
     truth = [math_task_reward(completion_text(env.tok, r.output_tokens), next(t for t in TASKS if t.id == r.prompt_id))
              for r in rows]
@@ -178,7 +181,7 @@ def test_prompts_not_matching_the_assignment_are_rejected(env):
     assert all_accepted(got[ok])
 
 
-def test_copy_of_another_workers_rollouts_is_a_duplicate(env):
+def test_copy_of_another_workers_rollouts_carries_seeds_not_its_own(env):
     original = env.honest("honest")
     mine = assign_prompts(len(TASKS), "honest", 0, 0, 2)
     # a submission index whose assignment shares a prompt with the original, so the copy passes it
@@ -190,14 +193,40 @@ def test_copy_of_another_workers_rollouts_is_a_duplicate(env):
     copied = iter(dataclasses.replace(r, worker="copier", submission=k, group_id=j) for r in source)
     rows = [next(copied) if r.group_id == j else r for r in rows]
     copy = write_submission(env.storage, 0, "copier", k, rows)
-    got = env.validate(0, [original, copy])
+    got = env.validate(0, [copy, original])  # the copy first: it cannot make the original a duplicate
     assert all_accepted(got[original])
     assert [(i, s, why) for i, s, why in got[copy] if rows[i].group_id == j] == [
-        (i, "rejected", "duplicate") for i, r in enumerate(rows) if r.group_id == j]
+        (i, "rejected", "seed") for i, r in enumerate(rows) if r.group_id == j]
     assert all_accepted([e for e in got[copy] if rows[e[0]].group_id != j])
-    # the seed check, when on, catches the same copy by its seeds (a copy keeps the original's)
-    reasons = seed_check(rows)
-    assert {reasons[i] for i, r in enumerate(rows) if r.group_id == j} == {"seed"}
+
+
+def test_a_seed_other_than_the_assigned_one_is_rejected_and_checks_see_the_assigned_one(env):
+    """The seed check is always on: a row sampled from a seed of the worker's choosing is ``seed``,
+    and the extra checks (TOPLOC's seeded re-check) get the validator's seed, never the row's."""
+    rows = env.rows("chooser")
+    want = assigned_seeds(rows)
+    rows[2] = dataclasses.replace(rows[2], seed=12345)
+    rel = write_submission(env.storage, 0, "chooser", 0, rows)
+    seen = []
+    got = env.validate(0, [rel], extra_checks=[lambda rs: seen.extend(r.seed for r in rs) or [None] * len(rs)])
+    assert [why for _, _, why in got[rel]] == [None, None, "seed"] + [None] * (len(rows) - 3)
+    assert seen == want and 12345 not in seen
+
+
+def test_a_salted_worker_answers_its_salted_assignment_and_claims_no_reward(env):
+    """A worker of the service has a salt (its registry's): its assignment and seeds derive from it,
+    and it claims reward 0 (it is told no answer); the same rows checked without the salt fail."""
+    salt = bytes(range(32))
+    assigned = [TASKS[i] for i in assign_prompts(len(TASKS), "salty", 0, 0, CFG.prompts_per_submission, salt)]
+    rows = generate_assigned(env.engine, env.tok, assigned, "salty", 0, 0, 0, CFG, run=RUN,
+                             reward_fn=unclaimed_reward, salt=salt)
+    rel = write_submission(env.storage, 0, "salty", 0, rows)
+    assert all_accepted(env.validate(0, [rel], salt=salt)[rel])
+    liar = write_submission(env.storage, 0, "salty", 1, [dataclasses.replace(r, submission=1) for r in rows])
+    assert {why for _, _, why in env.validate(0, [liar], salt=salt)[liar]} == {"assignment"}
+    unsalted = generate_submission(env.engine, env.tok, TASKS, "plain", 0, 0, 0, CFG, run=RUN)
+    rel = write_submission(env.storage, 0, "plain", 0, unsalted)
+    assert {why for _, _, why in env.validate(0, [rel], salt=salt)[rel]} == {"assignment"}
 
 
 def test_extra_checks_hook_rejects_rows_and_drops_them_from_the_baseline(env):
@@ -254,3 +283,13 @@ def test_outputs_past_max_tokens_or_with_a_false_finish_reason_are_rejected(env)
     early = [dataclasses.replace(r, output_tokens=(eos, 5), finish_reason="stop") for r in env.rows("lengthy", k=2)]
     rel = write_submission(env.storage, 0, "lengthy", 2, early)
     assert {reason for _, _, reason in env.validate(0, [rel])[rel]} == {"finish_reason"}
+
+
+def test_a_worker_without_answers_counts_groups_whose_final_answers_differ(env):
+    rows = env.rows("spread")
+    text = [tuple(env.tok(t, add_special_tokens=False)["input_ids"]) for t in ("12", "12", "13")]
+    # group 0: the same answer three times (no signal possible); group 1: two answers (maybe signal)
+    rows = [dataclasses.replace(r, output_tokens=text[0] if r.group_id == 0 else text[i % 3])
+            for i, r in enumerate(rows)]
+    assert spread_samples(env.tok, rows, "math") == CFG.group_size
+    assert spread_samples(env.tok, [r for r in rows if r.group_id == 0], "math") == 0

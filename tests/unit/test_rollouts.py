@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import doctest
 import io
+import pickle
 import random
 from dataclasses import replace
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -20,6 +22,7 @@ from intellect.rl.rollouts import (
     VERSION_KEY,
     RolloutLimits,
     RolloutRejected,
+    Tokens,
     content_hash,
     encode_submission,
     list_submissions,
@@ -325,3 +328,20 @@ def test_content_hash_is_what_the_sample_is():
     # token boundaries are encoded: moving a token from prompt to output changes the hash
     assert content_hash((1, 2), (3,), 0) != content_hash((1,), (2, 3), 0)
     assert content_hash((1, 2), (3,), 0) == "%s" % content_hash((1, 2), (3,), 0)
+
+
+def test_read_tokens_are_views_of_the_decoded_column_and_behave_as_tuples():
+    rows = read_submission(encode_submission(make_rows()), LIMITS)
+    tokens = [r.output_tokens for r in rows]
+    assert all(isinstance(t, Tokens) for t in tokens)
+    assert [tuple(t) for t in tokens] == [r.output_tokens for r in make_rows()]
+    # one int32 buffer behind every row, back to back (no Python int per token), read-only
+    arrays = [np.asarray(t) for t in tokens]
+    assert all(b.ctypes.data == a.ctypes.data + a.nbytes for a, b in zip(arrays, arrays[1:]))
+    assert arrays[0].dtype == np.int32 and not arrays[0].flags.writeable
+    t = rows[1].output_tokens
+    assert t == (4, 5) and (4, 5) == t and t != (4, 5, 6) and t != (4.5, 5) and t != "45" and hash(t) == hash((4, 5))
+    assert t[-1] == 5 and t[:1] == (4,) and 5 in t and 6 not in t and list(reversed(t)) == [5, 4]
+    assert pickle.loads(pickle.dumps(rows)) == rows == make_rows() and len({*rows, *make_rows()}) == len(rows)
+    assert rows_to_table(rows).equals(rows_to_table(make_rows()))  # read rows write back unchanged
+    assert rows[1].content_hash == make_rows()[1].content_hash

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import doctest
 import hashlib
 import json
+import random
+import time
 
 import pytest
 from pydantic import ValidationError
 
-from intellect.rl.admission import RateLimiter, Refusal, address_bucket, precheck, verify_digest
+from intellect import http_server
+from intellect.http_server import FairShare
+from intellect.rl import admission, service_client
+from intellect.rl.admission import (
+    RateLimiter, Refusal, RegistrationLimiter, address_prefix, precheck, submission_bytes, verify_digest,
+)
+from intellect.rl.rollout_schema import MAX_ID_CHARS, Rollout
+from intellect.rl.rollouts import encode_submission
 from intellect.rl.registry import DoneRecord, Registry, SubmissionRecord
 from intellect.rl.service import ServiceConfig
+from intellect.rl.service_client import pauses
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import AuthError, RequestVerifier, sign_request
 
@@ -93,15 +104,91 @@ def test_rate_limiter_never_forgets_a_live_bucket() -> None:
 
 
 def test_addresses_are_counted_by_what_one_client_controls() -> None:
-    # an IPv6 client is given a /64 at least: every address in it is one bucket
-    net = "2001:db8:1:2::/64"
-    assert address_bucket("2001:db8:1:2::1") == address_bucket("2001:db8:1:2:ffff:ffff:ffff:ffff") == net
-    assert address_bucket("2001:db8:1:3::1") != address_bucket("2001:db8:1:2::1")
-    assert address_bucket("::ffff:192.0.2.7") == address_bucket("192.0.2.7") == "192.0.2.7"
-    assert address_bucket("192.0.2.8") != "192.0.2.7"
-    assert address_bucket("unknown") == "unknown"
+    # an IPv6 end site is given a /48: every address in it is one prefix; an IPv4 client by its /24
+    net = "2001:db8:1::/48"
+    assert address_prefix("2001:db8:1:2::1") == address_prefix("2001:db8:1:ffff:ffff:ffff:ffff:ffff") == net
+    assert address_prefix("2001:db8:2::1") != address_prefix("2001:db8:1::1")
+    assert address_prefix("::ffff:192.0.2.7") == address_prefix("192.0.2.250") == "192.0.2.0/24"
+    assert address_prefix("192.0.3.7") != address_prefix("192.0.2.7")
+    assert address_prefix("unknown") == "unknown"
     lim = RateLimiter(per_minute=2)
-    assert [lim.allow(address_bucket(f"2001:db8::{i:x}"), 0.0) for i in range(3)] == [True, True, False]
+    assert [lim.allow(address_prefix(f"2001:db8:0:{i:x}::1"), 0.0) for i in range(3)] == [True, True, False]
+
+
+def test_a_few_prefixes_cannot_drain_the_shared_registrations() -> None:
+    lim = RegistrationLimiter(per_prefix=10, total=30, reserve=15)
+    drained = {p: sum(lim.allow(p, 0.0)[0] for _ in range(20)) for p in ("a", "b", "c")}
+    assert drained == {"a": 10, "b": 5, "c": 5}  # b and c stop at the reserve once they used half their own
+    got = [lim.allow("honest", 0.0) for _ in range(6)]
+    assert [ok for ok, _ in got] == [True] * 5 + [False]
+    assert "kept for address prefixes" in got[-1][1]
+    assert sum(lim.allow("late", 0.0)[0] for _ in range(10)) == 5  # the rest of the reserve: another light prefix
+    assert lim.allow("later", 0.0) == (False, "at most 30 new keys per minute")  # the shared total still holds
+    assert not lim.allow("a", 10.0)[0]  # 10 s later: 5 shared tokens back, none for a prefix that used its own
+    assert lim.allow("fresh", 10.0) == (True, "")
+    with pytest.raises(ValueError):
+        RegistrationLimiter(per_prefix=1, total=2, reserve=2)
+
+
+# --------------------------------------------------------------------- fair shares and sizes
+
+
+def test_fair_share_displaces_only_the_heaviest_group() -> None:
+    share: FairShare[str] = FairShare(capacity=6, reserve=2)
+    for i in range(4):  # untrusted holders fill all but the reserve
+        assert share.claim("flood", trusted=False) == (True, None)
+        share.add(f"f{i}", "flood", trusted=False)
+    assert share.claim("flood", trusted=False) == (False, None)  # its own share: nothing to displace
+    assert share.claim("honest", trusted=False) == (True, "flood")  # 4 > 0 + 1: its newest goes
+    assert share.displaceable("flood", trusted=False)[-1] == "f3"
+    share.remove("f3")
+    share.add("h0", "honest", trusted=False)
+    assert share.claim("trusted", trusted=True) == (True, None)  # the reserve is free
+    share.add("t0", "trusted", trusted=True)
+    share.add("t1", "trusted", trusted=True)
+    assert len(share) == 6 and share.held == {"flood": 3, "honest": 1, "trusted": 2}
+    assert share.claim("honest", trusted=False) == (True, "flood")  # 3 > 1 + 1
+    share.remove("f2")
+    share.add("h1", "honest", trusted=False)
+    # now 2/2/2: nobody holds more than a newcomer would after the move
+    assert share.claim("other", trusted=False) == (True, "flood") and share.held["flood"] == 2
+    assert share.claim("honest", trusted=False) == (False, None)
+    assert share.claim("trusted", trusted=True) == (False, None)
+    share.remove("nobody")  # a holder without a place: nothing happens
+    assert len(share) == 6
+    with pytest.raises(ValueError):
+        FairShare(capacity=2, reserve=2)
+
+
+def test_doctests() -> None:
+    for mod in (http_server, admission, service_client):
+        assert doctest.testmod(mod).failed == 0, mod.__name__
+
+
+def test_retries_back_off_with_jitter_within_their_budget() -> None:
+    slept: list[float] = []
+    assert list(pauses(6, 60.0, first_pause=0.25, max_pause=2.0, rng=random.Random(1), sleep=slept.append)) == [
+        0, 1, 2, 3, 4, 5, 6]
+    for n, pause in enumerate(slept):  # doubling, capped, each drawn in [half, all] of it
+        most = min(2.0, 0.25 * 2 ** n)
+        assert most / 2 <= pause <= most
+    other: list[float] = []
+    list(pauses(6, 60.0, first_pause=0.25, max_pause=2.0, rng=random.Random(2), sleep=other.append))
+    assert all(a != b for a, b in zip(slept, other))  # two clients refused together come back apart
+    t0 = time.monotonic()
+    tries = list(pauses(50, 0.3, first_pause=0.02, max_pause=0.1))  # the time budget ends it first
+    assert 2 <= len(tries) < 51 and time.monotonic() - t0 <= 0.3 + 0.2
+
+
+def test_an_honest_submission_fits_the_declared_size_cap() -> None:
+    rng = random.Random(0)
+    for rows, prompt, out, proof in [(32, 100, 16, 258), (4, 3000, 64, 516), (1, 1, 1, 0)]:
+        worst = [Rollout("r" * 64, 1, 0, "k" * 21, 0, rng.getrandbits(63), "\U0001F600" * MAX_ID_CHARS, i,
+                         tuple(rng.randrange(1 << 31) for _ in range(prompt)),
+                         tuple(rng.randrange(1 << 31) for _ in range(out)), "length", 0.5, 0.5, 0.0, 0.1, None,
+                         rng.randbytes(proof)) for i in range(rows)]
+        size = len(encode_submission(worst))  # incompressible ids, the longest strings, random proofs
+        assert size <= submission_bytes(rows, prompt, out, proof) < 64 * size, (rows, prompt, out, proof)
 
 
 # --------------------------------------------------------------------- the registry
@@ -166,7 +253,8 @@ def test_registry_cuts_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path) -> N
     again.admit(OTHER.public)  # appends start on a clean line
     again.close()
     assert Registry(tmp_path).workers() == [KEY.public.id, OTHER.public.id]
-    forged = json.dumps({"type": "worker", "worker": "k" + "0" * 20, "public": KEY.public.hex, "time": 1.0})
+    forged = json.dumps({"type": "worker", "worker": "k" + "0" * 20, "public": KEY.public.hex, "time": 1.0,
+                         "salt": "00" * 32})
     reg.path.write_bytes(good + forged.encode() + b"\n")
     with pytest.raises(RuntimeError, match="not the id of its key"):
         Registry(tmp_path)
@@ -211,6 +299,6 @@ def test_service_config_is_strict() -> None:
     assert ServiceConfig(allowlist=[KEY.public.hex.upper()]).allowlist == [KEY.public.hex]
     for bad in ({"allowlist": ["00" * 31]}, {"port": 70000}, {"admission": "anyone"}, {"max_json_bytes": 1 << 30},
                 {"typo": 1}, {"ahead": -1}, {"min_body_rate": 0}, {"header_timeout": 0},
-                {"max_connections_per_address": 0}, {"replay_per_key": 1}, {"worker_expiry": 0}):
+                {"max_connections_per_prefix": 0}, {"replay_per_key": 1}, {"worker_expiry": 0}):
         with pytest.raises(ValidationError):
             ServiceConfig(**bad)

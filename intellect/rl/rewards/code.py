@@ -10,7 +10,7 @@ forge their verdict (:mod:`intellect.rl.rewards.sandbox`).
 
 **Verdict.** 1.0 only if the code and every test run to completion inside the
 sandbox of :mod:`intellect.rl.rewards.sandbox` within its limits; otherwise 0.0
-with the sandbox's reason (``failed``, ``timeout``, ``killed:SIGXCPU``,
+with the sandbox's reason (``failed``, ``timeout``, ``memory``, ``killed:SIGXCPU``,
 ``early_exit``...). ``no_code`` and ``too_long`` are decided before anything runs.
 """
 

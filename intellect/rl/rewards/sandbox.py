@@ -16,6 +16,13 @@ Containment, outermost first:
   validator running as root starts the sandbox as ``SandboxConfig.uid``
   (``nobody``). Since Linux 5.14 the count is kept per user namespace, so the
   limit bounds the processes of this one sandbox, not of every ``nobody``.
+* **Memory in total**: where the host lets the validator make cgroups
+  (:mod:`intellect.rl.rewards.sandbox_cgroup`), the candidate's processes run in
+  a cgroup of their own whose memory limit is ``memory_mb`` (swap included):
+  past it the kernel kills one of them. Elsewhere the candidate is one process
+  with one thread (``RLIMIT_NPROC`` at 1: a fork or a new thread fails), so
+  that its address-space limit of ``memory_mb`` bounds all it holds. Either
+  way a run that ends for lack of memory scores 0 as ``memory``.
 * **rlimits**, set by a small trusted runner before the candidate's first line:
   CPU seconds, address space, processes (threads included), file size, open
   files, no core dumps.
@@ -48,9 +55,9 @@ counts every process of the uid, and a child that calls ``setsid`` escapes the
 final kill), and a warning says so.
 
 Not covered: no seccomp filter (the whole kernel interface is reachable from
-inside, as with any plain bwrap), and memory is bounded per process, not in
-total: at most ``(max_processes + 1) * memory_mb + 6 * work_mb`` (a cgroup
-would be needed for less).
+inside, as with any plain bwrap). Without a cgroup, memory the kernel holds for
+the candidate (pipe buffers, its tmpfs mounts: ``3 * work_mb``) is outside the
+address-space limit; the judge's process has a limit of its own.
 """
 
 from __future__ import annotations
@@ -73,10 +80,13 @@ from typing import Sequence
 from pydantic import Field
 
 from intellect.config import StrictModel
+from intellect.rl.rewards.sandbox_cgroup import GATE, MemoryCgroup, cgroup_parent
 from intellect.rl.rewards.sandbox_processes import finish, kill_group, pipes, pump, wait_exit
-from intellect.rl.rewards.sandbox_runner import FAILED_EXIT
+from intellect.rl.rewards.sandbox_runner import FAILED_EXIT, MEMORY_EXIT
 
-__all__ = ["RunResult", "SandboxConfig", "SandboxError", "SandboxUnavailable", "run_python", "sandbox_status"]
+__all__ = [
+    "RunResult", "SandboxConfig", "SandboxError", "SandboxUnavailable", "memory_status", "run_python", "sandbox_status",
+]
 
 log = logging.getLogger("intellect.rl.rewards")
 
@@ -105,9 +115,19 @@ class SandboxConfig(StrictModel):
     cpu_s: int = Field(
         default=5, ge=1, le=600, description="RLIMIT_CPU per process: SIGXCPU after this many CPU seconds.",
     )
-    memory_mb: int = Field(default=512, ge=64, le=65536, description="RLIMIT_AS: address space per process, in MiB.")
+    memory_mb: int = Field(
+        default=512, ge=64, le=65536,
+        description="Memory of the candidate's processes together, MiB: its cgroup's limit where the host allows "
+        "one, else the address space (RLIMIT_AS) of its only process. Each process's RLIMIT_AS too.",
+    )
     max_processes: int = Field(
-        default=32, ge=1, le=4096, description="RLIMIT_NPROC: processes plus threads the code may have at once."
+        default=32, ge=1, le=4096,
+        description="RLIMIT_NPROC: processes plus threads the code may have at once, in a cgroup; 1 without one.",
+    )
+    cgroup: str | None = Field(
+        default=None,
+        description="A cgroup v2 directory delegated to the validator, with memory in its cgroup.subtree_control, "
+        "for the runs' cgroups. Unset: the validator's own memory cgroup where it may have such children.",
     )
     max_file_mb: int = Field(
         default=8, ge=0, le=4096, description="RLIMIT_FSIZE: largest file the code may write, in MiB.",
@@ -141,9 +161,10 @@ class SandboxConfig(StrictModel):
 @dataclass(frozen=True, slots=True)
 class RunResult:
     """One sandboxed run. ``reason``: ``ok``, ``failed`` (the code or a test raised), ``timeout``,
-    ``killed:<SIG>`` (e.g. ``killed:SIGXCPU``), ``early_exit`` (the candidate's process ended
-    with status 0 before the tests finished) or ``exit:<n>``. ``tests_passed`` of ``tests_total``
-    passed, as the judge counted them."""
+    ``killed:<SIG>`` (e.g. ``killed:SIGXCPU``), ``memory`` (the code ran out of its memory:
+    ``MemoryError`` at its address-space limit, or an OOM kill in its cgroup), ``early_exit`` (the
+    candidate's process ended with status 0 before the tests finished) or ``exit:<n>``.
+    ``tests_passed`` of ``tests_total`` passed, as the judge counted them."""
 
     passed: bool
     reason: str
@@ -189,7 +210,16 @@ def sandbox_status(cfg: SandboxConfig | None = None) -> str:
     "interpreter '/nonexistent/python3' does not exist"
     """
     cfg = cfg or SandboxConfig()
-    return _probe(shutil.which("bwrap"), cfg.python, cfg.uid)[1]
+    ok, line = _probe(shutil.which("bwrap"), cfg.python, cfg.uid)
+    return f"{line}; {memory_status(cfg)}" if ok else line
+
+
+def memory_status(cfg: SandboxConfig) -> str:
+    """How the candidate's memory is bounded on this host (see the module docstring)."""
+    parent = cgroup_parent(cfg.cgroup)
+    if parent is None:
+        return f"memory: {cfg.memory_mb} MiB address space of one process (no cgroup here: no forks or threads)"
+    return f"memory: {cfg.memory_mb} MiB in all, cgroup v{parent.version} under {parent.path}"
 
 
 def _usable_bwrap(cfg: SandboxConfig) -> str | None:
@@ -254,13 +284,13 @@ def _drop_uid(cfg: SandboxConfig) -> int | None:
     return cfg.uid if os.geteuid() == 0 else None
 
 
-def _limits(cfg: SandboxConfig) -> str:
+def _limits(cfg: SandboxConfig, processes: int) -> str:
     mib = 1 << 20
     return json.dumps({
         # soft < hard: SIGXCPU at the soft limit names the cause; SIGKILL one second later if ignored.
         "RLIMIT_CPU": [cfg.cpu_s, cfg.cpu_s + 1],
         "RLIMIT_AS": [cfg.memory_mb * mib] * 2,
-        "RLIMIT_NPROC": [cfg.max_processes] * 2,
+        "RLIMIT_NPROC": [processes] * 2,
         "RLIMIT_FSIZE": [cfg.max_file_mb * mib] * 2,
         "RLIMIT_NOFILE": [cfg.max_open_files] * 2,
         "RLIMIT_CORE": [0, 0],
@@ -290,8 +320,31 @@ def _bwrap_argv(bwrap: str, cfg: SandboxConfig) -> list[str]:
     return argv + ["--"]
 
 
+def _memory_cgroup(cfg: SandboxConfig) -> MemoryCgroup | None:
+    parent = cgroup_parent(cfg.cgroup)
+    if parent is None:
+        return None
+    try:
+        return parent.create(cfg.memory_mb << 20)
+    except OSError as exc:  # this run falls back to one process under its address-space limit
+        log.warning("no memory cgroup for a sandboxed run under %s: %s", parent.path, exc)
+        return None
+
+
 def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> RunResult:
-    limits = _limits(cfg)
+    group = _memory_cgroup(cfg)
+    try:
+        return _run_in(code, tests, cfg, bwrap, group)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _run_in(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None, group: MemoryCgroup | None
+            ) -> RunResult:
+    # without a cgroup the candidate is one process, so that its address-space limit bounds all of it
+    cand_limits = _limits(cfg, cfg.max_processes if group is not None else 1)
+    judge_limits = _limits(cfg, cfg.max_processes)
     cand_sock, judge_sock = socket.socketpair()
     status_r, status_w = os.pipe()
     verdict_r, verdict_w = os.pipe()
@@ -301,9 +354,9 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
     deadline = start + cfg.timeout_s
     try:
         # each process inherits only its own ends: the candidate never holds the verdict's descriptor
-        procs.append(_spawn(cfg, bwrap, ["candidate", str(cand_sock.fileno()), str(status_w), limits],
-                            (cand_sock.fileno(), status_w), workdirs))
-        procs.append(_spawn(cfg, bwrap, ["judge", str(judge_sock.fileno()), str(verdict_w), limits],
+        procs.append(_spawn(cfg, bwrap, ["candidate", str(cand_sock.fileno()), str(status_w), cand_limits],
+                            (cand_sock.fileno(), status_w), workdirs, group))
+        procs.append(_spawn(cfg, bwrap, ["judge", str(judge_sock.fileno()), str(verdict_w), judge_limits],
                             (judge_sock.fileno(), verdict_w), workdirs))
     except BaseException:
         for fd in (status_r, verdict_r):
@@ -320,7 +373,8 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
     cap = cfg.max_output_kb << 10
     cand_err, judge_err = cand_stderr.fileno(), judge_stderr.fileno()
     streams = {cand_out.fileno(): cap, cand_err: cap, status_r: 16, verdict_r: MAX_VERDICT_BYTES, judge_err: cap}
-    feeds = {cand_in.fileno(): (code.encode("utf-8", "surrogatepass"), cand_in.close),
+    gate = b"\n" if group is not None else b""  # the candidate's process is in its cgroup: it may start
+    feeds = {cand_in.fileno(): (gate + code.encode("utf-8", "surrogatepass"), cand_in.close),
              judge_in.fileno(): (json.dumps(tests).encode(), judge_in.close)}
     ended_rc = None
     try:
@@ -337,6 +391,7 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
         os.close(status_r)
         os.close(verdict_r)
         finish(procs, workdirs)
+    oom = group.oom_kills() if group is not None else 0
     seconds = time.monotonic() - start
     err = got[cand_err].decode("utf-8", "replace").strip()
     failures = "\n".join(verdict["why"][:2])[:600]
@@ -351,12 +406,14 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
         raise SandboxError(f"the judge's sandbox exited before it ran (status {judge.returncode}): "
                            f"{why or 'no output'}")
     if timed_out and not verdict["done"]:
-        return result("timeout")
+        return result("memory" if oom else "timeout")
     if not got[status_r].startswith(b"S"):
         raise SandboxError(f"the sandbox exited with status {cand.returncode} before the code ran: "
                            f"{err[-300:] or 'no output'}")
     if verdict["done"] and verdict["passed"] == len(tests):
         return result("ok", passed=True)
+    if oom or ended_rc == MEMORY_EXIT:
+        return result("memory")
     if ended_rc is None or ended_rc == FAILED_EXIT:
         return result("failed")
     sig = -ended_rc if ended_rc < 0 else (ended_rc - 128 if sandboxed and 128 < ended_rc < 128 + 65 else 0)
@@ -369,7 +426,9 @@ def _run(code: str, tests: list[str], cfg: SandboxConfig, bwrap: str | None) -> 
 
 
 def _spawn(cfg: SandboxConfig, bwrap: str | None, args: list[str], fds: tuple[int, ...],
-           workdirs: list[str]) -> subprocess.Popen:
+           workdirs: list[str], group: MemoryCgroup | None = None) -> subprocess.Popen:
+    """The process of one sandbox; with ``group``, held at :data:`GATE` until it is in that cgroup
+    (the caller's first line on its stdin lets it go on)."""
     argv = [cfg.python, "-I", "-S", "-c", _RUNNER, *args]
     uid = _drop_uid(cfg)
     kwargs: dict = {}
@@ -384,8 +443,17 @@ def _spawn(cfg: SandboxConfig, bwrap: str | None, args: list[str], fds: tuple[in
         kwargs.update(cwd=workdir, env={"PATH": _SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
     if uid is not None:
         kwargs.update(user=uid, group=uid, extra_groups=[])
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    if group is not None:
+        argv = GATE + argv
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             pass_fds=fds, start_new_session=True, **kwargs)
+    if group is not None:
+        try:
+            group.add(proc.pid)
+        except OSError as exc:
+            finish([proc], [])
+            raise SandboxError(f"could not move the sandbox into its cgroup {group.path}: {exc}") from exc
+    return proc
 
 
 def _parse_verdict(raw: bytes) -> dict:

@@ -27,6 +27,7 @@ import traceback
 MAX_MESSAGE = 16 << 20
 MAX_DEPTH = 64
 FAILED_EXIT = 101
+MEMORY_EXIT = 102  # the candidate's code ran out of memory (MemoryError at its address-space limit)
 _TAGS = ("t", "d", "s", "fs", "b", "c", "i", "h")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
@@ -167,13 +168,16 @@ def candidate(sock, status, limits):
     try:
         exec(compile(code, "<solution>", "exec"), scope)
     except BaseException as exc:  # noqa: BLE001 - the candidate's code may raise anything, SystemExit included
-        line = "FAILED <solution>: %s" % _one_line(exc)
+        status = MEMORY_EXIT if isinstance(exc, MemoryError) else FAILED_EXIT
+        scope.clear()  # what the code allocated goes, so that reporting it does not run out of memory too
+        exc = exc.with_traceback(None)
         try:
+            line = "FAILED <solution>: %s" % _one_line(exc)
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
             send(sock, {"error": line})
         finally:
-            os._exit(FAILED_EXIT)
+            os._exit(status)
     sys.stdout.flush()
     refs, ids = {}, {}
 
@@ -365,7 +369,7 @@ def judge(sock, verdict, limits):
         first = {"error": "the candidate broke the protocol: %s" % exc}
     if first != {"ready": True}:
         if type(first) is dict and type(first.get("error")) is str:
-            channel.gone = first["error"][:600]
+            channel.gone, channel.ended = first["error"][:600], True  # its process exits after saying so
         else:
             channel.gone = "the candidate's process ended before its code finished"
             channel.ended = first is None
