@@ -266,14 +266,20 @@ def prepare_model(model: torch.nn.Module, compute: ComputeConfig, device: torch.
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     if train and compute.activation_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
-            raise TypeError(f"{type(model).__name__} has no gradient_checkpointing_enable()")
-        # non-reentrant: works under autocast and with inputs that need no grad
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if train and compute.compile:
         model.compile()
     return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder block's activations in the backward pass (``transformers``' own
+    per-layer checkpointing), here and under FSDP (:func:`intellect.parallel.parallelize`)."""
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise TypeError(f"{type(model).__name__} has no gradient_checkpointing_enable()")
+    # non-reentrant: works under autocast, with FSDP2's hooks and with inputs that need no grad
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,11 +11,11 @@ One outer step ``t`` (:meth:`DilocoWorker.outer_step`) is four phases:
    steps. With a text corpus (``data.kind = "text"``) the shard is member ``i`` of the ``n``
    members of the step (:class:`~intellect.data.text.PackedStream`, resharded whenever the
    membership changes), so live workers read disjoint documents.
-3. :meth:`DilocoWorker.sync` all-reduces the pseudo-gradient in int8 with fp32 accumulation over
-   the attempt's agreed plan and commits only when every member succeeded
-   (:class:`~intellect.diloco.protocol.Quorum`); otherwise everyone discards and retries with the
-   survivors (Decoupled DiLoCo: the average is over the contributors; a non-finite
-   pseudo-gradient contributes nothing).
+3. The :class:`~intellect.diloco.sync.Synchronizer` all-reduces the pseudo-gradient in int8 with fp32
+   accumulation (``start``, a handle), votes and commits only when every member succeeded
+   (``finish``, ``should_commit``); otherwise everyone discards and retries with the survivors
+   (Decoupled DiLoCo: the average is over the contributors; a non-finite pseudo-gradient
+   contributes nothing). :meth:`DilocoWorker.commit` then records the committed step.
 4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer state to run storage
    (the first member by admission order does it, every N steps).
 
@@ -33,9 +33,9 @@ written to ``DIGEST(t, w)`` for anyone to compare).
 
 Devices. Whatever the inner device and precision, ``theta_sync``, the pseudo-gradients and the outer
 momentum are fp32 on the CPU (:class:`~intellect.diloco.outer.OuterState`), so the collectives run on
-gloo (:meth:`DilocoWorker._group`), and checkpoints are fp32 CPU weights. Each committed step's
-:class:`StepReport` (compute utilization, tokens/s, MFU among its fields) goes to the rendezvous
-(``METRICS``) and as one row to the worker's series in run storage (:func:`metrics_series`).
+gloo (:meth:`~intellect.diloco.sync.Synchronizer.group`), and checkpoints are fp32 CPU weights. Each
+committed step's :class:`StepReport` (compute utilization, tokens/s, MFU among its fields) goes to the
+rendezvous (``METRICS``) and as one row to the worker's series in run storage (:func:`metrics_series`).
 """
 
 from __future__ import annotations
@@ -53,32 +53,23 @@ import torch.distributed as dist
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
 from intellect.data.text import PackedStream
-from intellect.device import dist_backend, local_rank, prepare_model, resolve_device
+from intellect.device import local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco import worker_state
 from intellect.diloco.data import align_to_members, data_sketch, position_claim, sketched_batches, worker_stream
-from intellect.diloco.allreduce import AllReduceError, Misbehaviour, all_reduce_mean
-from intellect.diloco.bandwidth import measure_ring
 from intellect.diloco.faults import NO_FAULTS, Faults
-from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
+from intellect.diloco.membership import Membership, StoreLost
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
-from intellect.diloco.plan import SCREENED, fallback_plan, own_plan, settle_plan
 from intellect.diloco.report import StepReport, WorkerLog
-from intellect.diloco.protocol import (ARRIVE, BAN, BLAME, BW, COMMITTED, DATA_AT, DIGEST, FLAGS, LAUNCHED, LEFT,
-                                       METRICS, PG, PROBE, PROGRESS, Quorum, ban_record, read_count)
+from intellect.diloco.protocol import ARRIVE, COMMITTED, DATA_AT, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum, read_count
 from intellect.diloco.rendezvous import allreduce_root, peer_key
-from intellect.diloco.robust import Screen, Strikes, majority_flagged, reported
-from intellect.diloco.transport import CommError, new_group
+from intellect.diloco.sync import Excluded, Synchronizer
+from intellect.diloco.transport import CommError
 from intellect.metrics import Peak, flops_per_token
 from intellect.storage import RunStorage
 from intellect.train import Trainer
-from intellect.trust.mac import derive_key
 
 log = logging.getLogger("intellect.diloco")
-
-
-class Excluded(RuntimeError):
-    """This worker was left out of a step's membership; it rejoins at a later boundary."""
 
 
 class Banned(RuntimeError):
@@ -106,9 +97,6 @@ class DilocoWorker:
                 raise ValueError("a worker needs its credentials (key, allreduce_key) or the run secret")
             key = key if key is not None else peer_key(secret, run.run_name, worker)
             allreduce_key = allreduce_key if allreduce_key is not None else allreduce_root(secret, run.run_name)
-        self.allreduce_root = allreduce_key
-        self.strikes = Strikes(self.cfg.exclude_after)
-        self.banned_here: set[str] = set()  # whom our own strikes banned: out of our proposals at once
         self.m = Membership(store_host, store_port, worker, None, run.run_name, self.cfg.heartbeat_interval,
                             self.cfg.heartbeat_timeout, store_timeout=max(30.0, self.cfg.heartbeat_timeout),
                             startup_grace=self.cfg.boundary_timeout, key=key)
@@ -125,6 +113,7 @@ class DilocoWorker:
                                 device=self.device)
         load_outer_state(self.storage, n, self.outer)
         prepare_model(self.model, run.compute, self.device)
+        self.sync = Synchronizer(self.m, self.model, self.outer, self.cfg, run.run_name, allreduce_key, faults)
         log.info("%s: device %s (local rank %d), precision %s", worker, self.device, local_rank(), run.compute.precision)
         self._host: torch.nn.Module | None = None  # the fp32 CPU model checkpoints are published from
         self.committed: int = n  # outer steps committed into theta_sync
@@ -153,9 +142,6 @@ class DilocoWorker:
         self._started = time.perf_counter()  # the current outer step's start (boundary)
         self.members: list[str] = []
         self.prev_members: list[str] = []
-        self.attempt = 0
-        self.rates: dict[tuple[str, str], float] = {}  # (sender, receiver) -> bytes/s
-        self.last_algorithm = ""  # logged when it changes
         self.m.start_heartbeat()
 
     # ------------------------------------------------------------------ helpers
@@ -168,14 +154,7 @@ class DilocoWorker:
     def launched(self) -> list[str]:
         """:meth:`admitted`, banned ones left out."""
         names = self.admitted()
-        return [w for w in names if w not in self.banned_here and not self.m.banned(w, names)]
-
-    def _group(self, step: int, attempt: int | str, members: list[str]):
-        # a fresh store prefix per membership: a dead member's half-written keys cannot leak in.
-        # Every tensor reduced or broadcast here (pseudo-gradients, the onboarding state, probes) is
-        # fp32 on the host, whatever the inner device: the group is gloo, NCCL would need them on CUDA
-        return new_group(self.m.store, PG(step, attempt), members.index(self.worker), len(members),
-                         timeout=self.cfg.collective_timeout, backend=dist_backend(self.outer.params[0].device))
+        return [w for w in names if w not in self.sync.banned_here and not self.m.banned(w, names)]
 
     def seq_len(self) -> int:
         """Tokens per training sequence, for the attention FLOPs: the packed length of a corpus; for the
@@ -249,10 +228,10 @@ class DilocoWorker:
             members = q.members(0) or []
         if me not in members:
             raise Excluded(f"{me} arrived after the members of step {t} were decided")
-        self.members, self.attempt = members, 0
+        self.members = members
         self.reshard(members)
         behind = self._onboard(members)
-        self._probe(members)
+        self.sync.probe(self.step, members)
         return behind
 
     def _onboard(self, members: list[str]) -> bool:
@@ -266,7 +245,7 @@ class DilocoWorker:
         behind = progress[self.worker] < newest
         flat = self.outer.flat(self.committed)
         try:
-            self._group(self.step, "onboard", members).broadcast(flat, src).wait()
+            self.sync.group(self.step, "onboard", members).broadcast(flat, src).wait()
         except (CommError, dist.DistError, RuntimeError) as e:
             if behind:  # without the state we cannot contribute: try again at the next boundary
                 raise Excluded(f"{self.worker}: onboarding at step {self.step} failed: {e}") from e
@@ -278,39 +257,6 @@ class DilocoWorker:
             self.trainer.step = self.committed * self.cfg.inner_steps
             self.outer.load_into(self.model)
         return behind
-
-    def _probe(self, members: list[str]) -> None:
-        """Measure the pairs of a new membership (best effort: on failure the ring is unordered)."""
-        if self.cfg.bandwidth_probe_bytes == 0 or len(members) < 3:
-            return
-        known = all((a, b) in self.rates for a in members for b in members if a != b)
-        # one decision for all: a restarted worker that forgot its rates must not probe alone
-        if self.m.decide(PROBE(self.step), "no" if known else "yes") == "no":
-            return
-        try:
-            group = self._group(self.step, "bw", members)
-            store = dist.PrefixStore(BW(self.step), self.m.store)  # pyright: ignore[reportPrivateImportUsage]
-            _, columns = measure_ring(group, store, "col",
-                                      self.cfg.bandwidth_probe_bytes)
-        except (CommError, dist.DistError, RuntimeError) as e:
-            log.warning("%s: bandwidth probe at step %d failed: %s", self.worker, self.step, e)
-            return
-        for j, receiver in enumerate(members):
-            for i, sender in enumerate(members):
-                if i != j:
-                    self.rates[(sender, receiver)] = columns[j][i]
-
-    def bandwidth(self, members: list[str]) -> list[list[float]] | None:
-        """Probed bytes/s between ``members`` (row: sender, in group rank order), if measured."""
-        if len(members) < 3 or not all((a, b) in self.rates for a in members for b in members if a != b):
-            return None
-        return [[self.rates[(a, b)] if a != b else 0.0 for b in members] for a in members]
-
-    def plan(self, members: list[str], attempt: int) -> dict | None:
-        """This worker's own plan for an attempt (``plan.own_plan``; ``plan.settle_plan`` says what runs)."""
-        probed = bool(self.cfg.bandwidth_probe_bytes) and len(members) >= 3
-        nbytes = sum(p.numel() for p in self.outer.params)
-        return own_plan(self.cfg.algorithm, self.bandwidth(members), nbytes, attempt, probed)
 
     def batches(self, seen: list[str]) -> Iterator:
         """Training batches of this worker's shard; ``seen`` keeps the :func:`data_sketch` of their sequences."""
@@ -336,104 +282,14 @@ class DilocoWorker:
         report.tokens_per_s = report.tokens / wall if wall > 0 else 0.0
         report.mfu = self.peak.mfu(report.tokens_per_s, self.flops_per_token)
 
-    def sync(self, report: StepReport) -> None:
-        """All-reduce, vote, commit or retry with the survivors (bounded attempts)."""
-        t, me, m = self.step, self.worker, self.m
-        q = Quorum(m, me, t)
-        pseudo = self.outer.pseudo_gradient(self.model)
-        self.faults.pseudo_gradient(t, me, pseudo)
-        contribute = all(bool(torch.isfinite(g).all()) for g in pseudo)
-        if not contribute:
-            log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", me, t)
-        members, a = self.members, self.attempt
-        for _ in range(self.cfg.max_attempts):
-            report.attempts += 1
-            present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout))
-            if absent:
-                members, a = self._next_attempt(q, a, present)
-                continue
-            self.faults.before_allreduce(t, a, me)
-            t0 = time.perf_counter()
-            average = [g.clone() for g in pseudo]  # reduced in place; keep ours for a retry
-            try:
-                # built only once every member is ready: a member that died before then cannot stall it
-                group = self._group(t, a, members)
-                own = self.plan(members, a)
-                plan, refused = settle_plan(own, q.plan(a, own or fallback_plan(self.cfg.algorithm)),
-                                            len(members), self.cfg.algorithm)
-                if refused:
-                    log.warning("%s: step %d attempt %d: refused the decided plan (%s); running %s over %s",
-                                me, t, a, refused, plan["algorithm"], plan["order"])
-                algorithm = plan["algorithm"]
-                if algorithm != self.last_algorithm:
-                    log.info("%s: step %d attempt %d: all-reduce %s over ring %s (estimated s: %s)",
-                             me, t, a, algorithm, plan["order"], plan["estimates"] or "unmeasured")
-                    self.last_algorithm = algorithm
-                # a ring of partial sums runs only where the config names it, with outlier_clip 0 (DilocoConfig)
-                robust = self.cfg.outlier_clip if algorithm in SCREENED else 0.0
-                stats = all_reduce_mean(average, group, order=plan["order"], contribute=contribute,
-                                        algorithm=algorithm, clip_sigmas=tuple(self.cfg.clip_sigmas),
-                                        codec=self.cfg.wire_codec, outlier_clip=robust,
-                                        screen=Screen(self.cfg.outlier_clip_crowd, self.cfg.direction_screen),
-                                        mac_key=derive_key(self.allreduce_root, "allreduce", self.run.run_name, t, a))
-                q.report(a, flagged=reported(stats.outliers, members))
-                ok = True
-            except Misbehaviour as e:
-                log.warning("%s: all-reduce of step %d attempt %d: %s", me, t, a, e)
-                q.report(a, blamed=[members[r] for r in e.blamed if r < len(members)])
-                ok, average, stats = False, None, None
-            except StoreLost:
-                raise
-            except (AllReduceError, CommError, dist.DistError, RuntimeError) as e:
-                # RuntimeError: gloo's own, e.g. a group whose connection handshake someone who
-                # reaches its ports broke (gloo's listeners are unauthenticated): the attempt fails
-                log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, t, a, e)
-                ok, average, stats = False, None, None
-            report.allreduce_seconds += time.perf_counter() - t0
-            deadline = self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout)
-            if q.should_commit(a, ok, members, deadline):
-                assert stats is not None and average is not None  # a commit needs our own ok vote
-                if stats.contributors:
-                    self.outer.step(average)
-                self.outer.load_into(self.model)
-                self.committed = t + 1
-                self.prev_members, self.members, self.attempt = members, members, a
-                report.members, report.contributors = members, len(stats.contributors)
-                report.bytes_sent += stats.bytes_sent
-                report.algorithm, report.estimates = stats.algorithm, plan["estimates"]
-                report.committed, report.digest = True, self.outer.digest()
-                self.timing(report)
-                m.set(DIGEST(t, me), report.digest)
-                self._judge(q, a, members, report)
-                if me == members[0]:
-                    m.set(PROGRESS(), json.dumps(self.committed))
-                return
-            blamed = majority_flagged(q.reports(BLAME, a, members), members)
-            self._ban(self.strikes.add(blamed), t, a)  # strikes for a majority's blame, and out of the retry
-            survivors = [w for w in q.voted(a, members) if m.alive(w) and w not in blamed]
-            members, a = self._next_attempt(q, a, survivors)
-        raise MembershipTimeout(f"outer step {t} did not commit in {self.cfg.max_attempts} attempts")
-
-    def _judge(self, q: Quorum, a: int, members: list[str], report: StepReport) -> None:
-        """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
-        report.flagged = majority_flagged(q.reports(FLAGS, a, members), members)
-        report.banned = self.strikes.add(report.flagged)
-        self._ban(report.banned, q.step, a)
-        if report.flagged:
-            log.warning("%s: step %d: outlier contributions from %s", self.worker, q.step, report.flagged)
-
-    def _ban(self, workers: list[str], t: int, a: int) -> None:
-        """Record our ban of ``workers``; it takes effect once a majority of attempt ``a``'s members record it."""
-        for w in workers:
-            log.warning("%s: banning %s: outlying contributions in %d steps", self.worker, w, self.cfg.exclude_after)
-            self.banned_here.add(w)
-            self.m.set(BAN(w, self.worker), ban_record(t, a))
-
-    def _next_attempt(self, q: Quorum, a: int, candidates: list[str]) -> tuple[list[str], int]:
-        members = q.propose_members(a + 1, candidates)
-        if self.worker not in members:
-            raise Excluded(f"{self.worker} was left out of step {q.step} attempt {a + 1}")
-        return members, a + 1
+    def commit(self, members: list[str], report: StepReport) -> None:
+        """Record the step the synchronizer committed among ``members``: the next boundary's veterans,
+        the step's timing, and (its first member) the run's progress."""
+        self.committed = self.step + 1
+        self.prev_members, self.members = members, members
+        self.timing(report)
+        if self.worker == members[0]:
+            self.m.set(PROGRESS(), json.dumps(self.committed))
 
     def checkpoint_step(self, n: int) -> bool:
         """Whether committing outer step ``n - 1`` publishes checkpoint ``n``."""
@@ -467,7 +323,9 @@ class DilocoWorker:
             report.step = self.step
             self.inner(report)
             self.save_state()
-            self.sync(report)
+            self.sync.start(self.step, self.members, report)
+            members = self.sync.finish()
+            self.commit(members, report)
             self.checkpoint()
         except Excluded as e:
             log.warning("%s", e)

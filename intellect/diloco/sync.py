@@ -1,0 +1,347 @@
+"""The synchronizer: one outer step's reduction of the pseudo-gradient, the vote, and the outer step.
+
+A :class:`DilocoWorker` drives it in torchft's shape, once per outer step::
+
+    worker.boundary()                  # the step's members (and onboarding)
+    worker.inner(report)               # H inner steps
+    sync.start(step, members, report)  # the pseudo-gradient, and its reduction begun: a Reduction
+    members = sync.finish()            # wait, vote, then the outer step (and DIGEST), or roll back and retry
+    worker.commit(members, report)     # the committed count, the step's timing, PROGRESS
+
+:meth:`Synchronizer.start` computes ``theta_sync - theta_local`` on the caller's thread (it reads the
+model) and hands the attempt (mark ``ready``, the plan, the group, ``all_reduce_mean``, the
+``FLAGS``/``BLAME`` report) to a background thread; it returns a :class:`Reduction` at once.
+:meth:`Synchronizer.finish` waits for it and asks :meth:`Synchronizer.should_commit`: this rank's
+result ANDed over the worker's local ranks (:func:`local_and`; today a worker is one rank), then the
+quorum's vote and decision (:meth:`~intellect.diloco.protocol.Quorum.should_commit`). On commit it
+applies the outer step to ``theta_sync`` and loads it into the model, then strikes and bans the
+members a majority flagged. On abort nothing changed: the outer state and the model are as
+:meth:`start` found them (the average was reduced into a copy; the pseudo-gradient is kept for the
+retry), a majority's blame costs strikes, and the next attempt runs with the survivors who voted,
+up to ``diloco.max_attempts``. A worker left out of a retry gets :class:`Excluded`; attempts run out,
+:class:`~intellect.diloco.membership.MembershipTimeout`.
+
+Threads. While a reduction is in flight its thread owns the worker's rendezvous connection (TCPStore
+clients are not shared across threads): the caller may compute (an inner phase touches only the
+heartbeat thread's liveness flag) but must not talk to the store until :meth:`finish` returns.
+
+A delayed outer step (the next inner phase overlapping the reduction, as Streaming DiLoCo does)
+reuses this interface as it is: the worker's phases stay
+``boundary -> inner -> start -> finish -> commit`` and only the place of ``finish`` moves::
+
+    handle = sync.start(t, members, report_t)   # after inner phase t
+    worker.inner(report_t1)                     # inner phase t+1 while the reduction of t runs
+    members = sync.finish()                     # the outer step of t, one inner phase late
+
+What changes then is only :meth:`Synchronizer.apply`, the one place ``theta_sync`` enters the model
+(today: overwrite it; delayed: fold the committed outer update into the weights trained meanwhile),
+and where the boundary of ``t+1`` goes: it talks to the store, so it runs before ``start(t)`` or once
+the reduction has a rendezvous connection of its own (as the heartbeat thread has).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from intellect.device import dist_backend
+from intellect.diloco.allreduce import AllReduceError, AllReduceStats, Misbehaviour, all_reduce_mean
+from intellect.diloco.bandwidth import measure_ring
+from intellect.diloco.config import DilocoConfig
+from intellect.diloco.faults import NO_FAULTS, Faults
+from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
+from intellect.diloco.outer import OuterState
+from intellect.diloco.plan import SCREENED, fallback_plan, own_plan, settle_plan
+from intellect.diloco.protocol import BAN, BLAME, BW, DIGEST, FLAGS, PG, PROBE, Quorum, ban_record
+from intellect.diloco.report import StepReport
+from intellect.diloco.robust import Screen, Strikes, majority_flagged, reported
+from intellect.diloco.transport import CommError, new_group
+from intellect.trust.mac import derive_key
+
+log = logging.getLogger("intellect.diloco")
+
+
+class Excluded(RuntimeError):
+    """This worker was left out of a step's membership; it rejoins at a later boundary."""
+
+
+def local_and(ok: bool, group: dist.ProcessGroup | None) -> bool:
+    """``ok`` ANDed over the worker's local ranks (``group``; None or one rank: ``ok`` itself), so
+    that the worker votes ``ok`` only when every one of its shards reduced. A sibling that cannot
+    answer (dead, timed out) counts as a failure."""
+    if group is None or group.size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    except (dist.DistError, RuntimeError) as e:
+        log.warning("local ranks could not agree on the attempt: %s", e)
+        return False
+    return bool(flag.item())
+
+
+@dataclass
+class Attempt:
+    """What one attempt's reduction gave: ``absent`` members that never became ready (no vote then),
+    else ``ok`` with the ``average``, its ``stats`` and the ``plan`` that ran."""
+
+    step: int
+    attempt: int
+    members: list[str]
+    present: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+    ok: bool = False
+    average: list[torch.Tensor] | None = None
+    stats: AllReduceStats | None = None
+    plan: dict | None = None
+    seconds: float = 0.0
+
+
+class Reduction:
+    """One attempt's reduction, running on a daemon thread: :meth:`done` polls, :meth:`wait` joins
+    and returns its :class:`Attempt` or raises what the thread raised."""
+
+    def __init__(self, body: Callable[[], Attempt], name: str):
+        self._result: Attempt | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(body,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, body: Callable[[], Attempt]) -> None:
+        try:
+            self._result = body()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Attempt:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class Synchronizer:
+    """Worker ``m.worker``'s reductions of ``model``'s pseudo-gradient against ``outer``, under ``cfg``
+    (``diloco.*``), sealed with keys derived from ``allreduce_root`` for ``run_name``. ``local_group``:
+    the worker's own ranks (None: it is one rank). It keeps what outlives a step: the bandwidth
+    rates measured at boundaries, the strikes, whom this worker banned."""
+
+    def __init__(self, m: Membership, model: torch.nn.Module, outer: OuterState, cfg: DilocoConfig, run_name: str,
+                 allreduce_root: bytes, faults: Faults = NO_FAULTS, local_group: dist.ProcessGroup | None = None):
+        self.m, self.worker, self.model, self.outer, self.cfg = m, m.worker, model, outer, cfg
+        self.run_name, self.allreduce_root, self.faults, self.local_group = run_name, allreduce_root, faults, local_group
+        self.strikes = Strikes(cfg.exclude_after)
+        self.banned_here: set[str] = set()  # whom our own strikes banned: out of our proposals at once
+        self.rates: dict[tuple[str, str], float] = {}  # (sender, receiver) -> bytes/s
+        self.last_algorithm = ""  # logged when it changes
+        self._step = 0
+        self._report = StepReport(step=0, worker=self.worker)
+        self._pseudo: list[torch.Tensor] = []
+        self._contribute = True
+        self._handle: Reduction | None = None
+        self._tries = 0
+
+    def _deadline(self, seconds: float) -> float:
+        return time.monotonic() + seconds
+
+    def group(self, step: int, attempt: int | str, members: list[str]):
+        """A gloo group of ``members`` under ``PG(step, attempt)``. A fresh store prefix per membership: a
+        dead member's half-written keys cannot leak in. Every tensor reduced or broadcast on it (pseudo-
+        gradients, the onboarding state, probes) is fp32 on the host, whatever the inner device."""
+        return new_group(self.m.store, PG(step, attempt), members.index(self.worker), len(members),
+                         timeout=self.cfg.collective_timeout, backend=dist_backend(self.outer.params[0].device))
+
+    # ------------------------------------------------------------------ planning
+
+    def probe(self, step: int, members: list[str]) -> None:
+        """Measure the pairs of a new membership (best effort: on failure the ring is unordered)."""
+        if self.cfg.bandwidth_probe_bytes == 0 or len(members) < 3:
+            return
+        known = all((a, b) in self.rates for a in members for b in members if a != b)
+        # one decision for all: a restarted worker that forgot its rates must not probe alone
+        if self.m.decide(PROBE(step), "no" if known else "yes") == "no":
+            return
+        try:
+            group = self.group(step, "bw", members)
+            store = dist.PrefixStore(BW(step), self.m.store)  # pyright: ignore[reportPrivateImportUsage]
+            _, columns = measure_ring(group, store, "col", self.cfg.bandwidth_probe_bytes)
+        except (CommError, dist.DistError, RuntimeError) as e:
+            log.warning("%s: bandwidth probe at step %d failed: %s", self.worker, step, e)
+            return
+        for j, receiver in enumerate(members):
+            for i, sender in enumerate(members):
+                if i != j:
+                    self.rates[(sender, receiver)] = columns[j][i]
+
+    def bandwidth(self, members: list[str]) -> list[list[float]] | None:
+        """Probed bytes/s between ``members`` (row: sender, in group rank order), if measured."""
+        if len(members) < 3 or not all((a, b) in self.rates for a in members for b in members if a != b):
+            return None
+        return [[self.rates[(a, b)] if a != b else 0.0 for b in members] for a in members]
+
+    def plan(self, members: list[str], attempt: int) -> dict | None:
+        """This worker's own plan for an attempt (``plan.own_plan``; ``plan.settle_plan`` says what runs)."""
+        probed = bool(self.cfg.bandwidth_probe_bytes) and len(members) >= 3
+        nbytes = sum(p.numel() for p in self.outer.params)
+        return own_plan(self.cfg.algorithm, self.bandwidth(members), nbytes, attempt, probed)
+
+    def _settle(self, q: Quorum, a: int, members: list[str]) -> dict:
+        own = self.plan(members, a)
+        plan, refused = settle_plan(own, q.plan(a, own or fallback_plan(self.cfg.algorithm)), len(members),
+                                    self.cfg.algorithm)
+        if refused:
+            log.warning("%s: step %d attempt %d: refused the decided plan (%s); running %s over %s",
+                        self.worker, q.step, a, refused, plan["algorithm"], plan["order"])
+        if plan["algorithm"] != self.last_algorithm:
+            log.info("%s: step %d attempt %d: all-reduce %s over ring %s (estimated s: %s)", self.worker, q.step, a,
+                     plan["algorithm"], plan["order"], plan["estimates"] or "unmeasured")
+            self.last_algorithm = plan["algorithm"]
+        return plan
+
+    # ------------------------------------------------------------------ one attempt (its own thread)
+
+    def _reduce(self, step: int, a: int, members: list[str]) -> Attempt:
+        """Ready, plan, reduce and report one attempt; the vote is :meth:`finish`'s."""
+        me, q = self.worker, Quorum(self.m, self.worker, step)
+        present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout))
+        if absent:
+            return Attempt(step, a, members, present=present, absent=absent)
+        self.faults.before_allreduce(step, a, me)
+        t0 = time.perf_counter()
+        out = Attempt(step, a, members, present=present)
+        average = [g.clone() for g in self._pseudo]  # reduced in place; keep ours for a retry
+        try:
+            # built only once every member is ready: a member that died before then cannot stall it
+            group = self.group(step, a, members)
+            out.plan = plan = self._settle(q, a, members)
+            # a ring of partial sums runs only where the config names it, with outlier_clip 0 (DilocoConfig)
+            robust = self.cfg.outlier_clip if plan["algorithm"] in SCREENED else 0.0
+            stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute,
+                                    algorithm=plan["algorithm"], clip_sigmas=tuple(self.cfg.clip_sigmas),
+                                    codec=self.cfg.wire_codec, outlier_clip=robust,
+                                    screen=Screen(self.cfg.outlier_clip_crowd, self.cfg.direction_screen),
+                                    mac_key=derive_key(self.allreduce_root, "allreduce", self.run_name, step, a))
+            q.report(a, flagged=reported(stats.outliers, members))
+            out.ok, out.average, out.stats = True, average, stats
+        except Misbehaviour as e:
+            log.warning("%s: all-reduce of step %d attempt %d: %s", me, step, a, e)
+            q.report(a, blamed=[members[r] for r in e.blamed if r < len(members)])
+        except StoreLost:
+            raise
+        except (AllReduceError, CommError, dist.DistError, RuntimeError) as e:
+            # RuntimeError: gloo's own, e.g. a group whose connection handshake someone who
+            # reaches its ports broke (gloo's listeners are unauthenticated): the attempt fails
+            log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, step, a, e)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _begin(self, a: int, members: list[str]) -> Reduction:
+        self._report.attempts += 1
+        self._tries += 1
+        step = self._step
+        self._handle = Reduction(lambda: self._reduce(step, a, members), f"reduce-{self.worker}-{step}-{a}")
+        return self._handle
+
+    # ------------------------------------------------------------------ the interface
+
+    def start(self, step: int, members: list[str], report: StepReport | None = None) -> Reduction:
+        """Begin outer step ``step``'s reduction among ``members`` (its first attempt) and return at once.
+        ``report``: the step's report, whose attempts, all-reduce time, bytes and verdicts it fills."""
+        if self._handle is not None and not self._handle.done():
+            raise RuntimeError("start: the previous reduction is still in flight; finish it first")
+        self._step, self._tries = step, 0
+        self._report = report if report is not None else StepReport(step=step, worker=self.worker)
+        pseudo = self.outer.pseudo_gradient(self.model)
+        self.faults.pseudo_gradient(step, self.worker, pseudo)
+        self._contribute = all(bool(torch.isfinite(g).all()) for g in pseudo)
+        if not self._contribute:
+            log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", self.worker, step)
+        self._pseudo = pseudo
+        return self._begin(0, members)
+
+    def should_commit(self, ok: bool) -> bool:
+        """Whether everyone commits the attempt in flight: ``ok`` ANDed over the worker's local ranks,
+        then the quorum's vote and its one decision (any member's failure makes it False for all)."""
+        assert self._handle is not None
+        r = self._handle.wait()
+        q = Quorum(self.m, self.worker, r.step)
+        deadline = self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout)
+        return q.should_commit(r.attempt, local_and(ok, self.local_group), r.members, deadline)
+
+    def finish(self) -> list[str]:
+        """Wait for the reduction; commit (the outer step, into ``theta_sync`` and the model) or roll back
+        and retry with the survivors. Returns the committed attempt's members; raises :class:`Excluded`
+        when a retry leaves this worker out and ``MembershipTimeout`` when the attempts run out, with
+        the outer state and the model as :meth:`start` found them."""
+        assert self._handle is not None, "finish without start"
+        me, report = self.worker, self._report
+        q = Quorum(self.m, me, self._step)
+        while True:
+            r = self._handle.wait()
+            if r.absent:
+                members, a = self._next_attempt(q, r.attempt, r.present)
+            else:
+                report.allreduce_seconds += r.seconds
+                if self.should_commit(r.ok):
+                    assert r.stats is not None and r.average is not None and r.plan is not None  # our own ok vote
+                    self._commit(r, report)
+                    self._judge(q, r.attempt, r.members, report)
+                    return r.members
+                blamed = majority_flagged(q.reports(BLAME, r.attempt, r.members), r.members)
+                self._ban(self.strikes.add(blamed), q.step, r.attempt)  # strikes for a majority's blame, out of the retry
+                survivors = [w for w in q.voted(r.attempt, r.members) if self.m.alive(w) and w not in blamed]
+                members, a = self._next_attempt(q, r.attempt, survivors)
+            if self._tries >= self.cfg.max_attempts:
+                raise MembershipTimeout(f"outer step {q.step} did not commit in {self.cfg.max_attempts} attempts")
+            self._begin(a, members)
+
+    def apply(self) -> None:
+        """Bring the committed ``theta_sync`` into the model for the next inner phase."""
+        self.outer.load_into(self.model)
+
+    # ------------------------------------------------------------------ after the vote
+
+    def _commit(self, r: Attempt, report: StepReport) -> None:
+        assert r.stats is not None and r.average is not None and r.plan is not None
+        if r.stats.contributors:
+            self.outer.step(r.average)
+        self.apply()
+        report.members, report.contributors = r.members, len(r.stats.contributors)
+        report.bytes_sent += r.stats.bytes_sent
+        report.algorithm, report.estimates = r.stats.algorithm, r.plan["estimates"]
+        report.committed, report.digest = True, self.outer.digest()
+        self.m.set(DIGEST(r.step, self.worker), report.digest)
+
+    def _judge(self, q: Quorum, a: int, members: list[str], report: StepReport) -> None:
+        """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
+        report.flagged = majority_flagged(q.reports(FLAGS, a, members), members)
+        report.banned = self.strikes.add(report.flagged)
+        self._ban(report.banned, q.step, a)
+        if report.flagged:
+            log.warning("%s: step %d: outlier contributions from %s", self.worker, q.step, report.flagged)
+
+    def _ban(self, workers: list[str], t: int, a: int) -> None:
+        """Record our ban of ``workers``; it takes effect once a majority of attempt ``a``'s members record it."""
+        for w in workers:
+            log.warning("%s: banning %s: outlying contributions in %d steps", self.worker, w, self.cfg.exclude_after)
+            self.banned_here.add(w)
+            self.m.set(BAN(w, self.worker), ban_record(t, a))
+
+    def _next_attempt(self, q: Quorum, a: int, candidates: list[str]) -> tuple[list[str], int]:
+        members = q.propose_members(a + 1, candidates)
+        if self.worker not in members:
+            raise Excluded(f"{self.worker} was left out of step {q.step} attempt {a + 1}")
+        return members, a + 1
+
+
+__all__ = ["Attempt", "Excluded", "Reduction", "Synchronizer", "local_and"]
