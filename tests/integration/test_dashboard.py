@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -45,10 +46,13 @@ class Browser:
             pytest.skip("headless Chromium missing: apt-get install chromium (.ci/run does)")
         profile = tmp_path / "chromium-profile"
         self.log = open(tmp_path / "chromium.log", "ab")
-        # its own temporary folders (org.chromium.*) in the test's, not in /tmp for good
+        # its own temporary folders (org.chromium.*, with its singleton socket) in a short folder removed
+        # at close, never in /tmp for good: a socket path over 107 bytes aborts Chromium, and an xdist
+        # worker's tmp_path is longer than that
+        self.tmp = tempfile.mkdtemp(prefix="chromium-", dir="/tmp")
         self.proc = subprocess.Popen([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TMPDIR": str(tmp_path)})
+                                     env={**os.environ, "TMPDIR": self.tmp})
         try:
             port_file = profile / "DevToolsActivePort"
             deadline = time.monotonic() + timeout
@@ -118,6 +122,7 @@ class Browser:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def test_the_dashboard_shows_a_finished_rl_run_and_its_artifacts(tmp_path):
