@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.proc_memory import reset_peak, status_kb  # noqa: E402
 from intellect.config import ComputeConfig, ModelConfig  # noqa: E402
 from intellect.diloco.mesh import WorkerMesh  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
@@ -57,18 +58,6 @@ from intellect.parallel import parallelize  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MB = 1024 * 1024
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_peak() -> int:
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kb("VmRSS")
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -85,14 +74,14 @@ def _rank(rank: int, ranks: int, port: int, args: argparse.Namespace, out: str) 
                                        timeout=datetime.timedelta(seconds=600))
     mesh = WorkerMesh.create(torch.device("cpu"), rank, ranks, store=store, timeout=600)
     gc.collect()
-    before_build = _reset_peak()
+    before_build = reset_peak()
     model, _ = build_model(ModelConfig(preset=args.preset))
     vocab = int(model.config.vocab_size)
     model = parallelize(model.train(), mesh.fsdp_mesh, ComputeConfig(device="cpu", precision=args.precision))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gc.collect()
-    build_peak = _status_kb("VmHWM") - before_build
-    before_train = _reset_peak()
+    build_peak = status_kb("VmHWM") - before_build
+    before_train = reset_peak()
     per = args.batch // ranks
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.steps):
@@ -100,7 +89,7 @@ def _rank(rank: int, ranks: int, port: int, args: argparse.Namespace, out: str) 
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)  # gradients kept, so they are counted below
-    train_peak = _status_kb("VmHWM") - before_train
+    train_peak = status_kb("VmHWM") - before_train
     params = list(model.parameters())
     res = {
         "rank": rank,

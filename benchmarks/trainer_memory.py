@@ -49,6 +49,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.proc_memory import reset_peak, status_kb  # noqa: E402
 from intellect.rl.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs, split_causal_lm  # noqa: E402
 from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs  # noqa: E402
 from intellect.rl.packing import output_mask, pack, unpack  # noqa: E402
@@ -64,18 +65,6 @@ def qwen_half_b(layers: int) -> Qwen2ForCausalLM:
                          max_position_embeddings=32768)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).float().train()
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_peak() -> int:
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kb("VmRSS")
 
 
 def _sample(prompt: int, completion: int, seed: int = 0) -> Sample:
@@ -112,7 +101,7 @@ def measure(args) -> dict:
     if args.part == "head":
         g = torch.Generator().manual_seed(1)
         hidden = torch.randn(ids.shape[1], HIDDEN, generator=g).requires_grad_()  # RMSNorm-scaled states
-    before_kb = _reset_peak()
+    before_kb = reset_peak()
     t0 = time.perf_counter()
     if args.part == "pipeline" and args.measure == "old":
         loss = _old_loss(model(input_ids=ids).logits[:, :-1], ids, s, cfg, 1.0)
@@ -135,7 +124,7 @@ def measure(args) -> dict:
         loss.backward()
         value = loss.item()
     seconds = time.perf_counter() - t0
-    peak_kb = _status_kb("VmHWM")
+    peak_kb = status_kb("VmHWM")
     return {"part": args.part, "measure": args.measure, "peak_mb": (peak_kb - before_kb) / 1024,
             "seconds": seconds, "loss": value}
 
