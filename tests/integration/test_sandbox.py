@@ -63,7 +63,7 @@ def judge(code: str, tests=TESTS, cfg=CFG, honest_tail: bool = False):
     return result, time.monotonic() - start
 
 
-def sandbox_pids() -> set[int]:
+def sandbox_pids(uid: int = CFG.sandbox.uid) -> set[int]:
     """Live processes of the sandbox uid (only meaningful when the tests run as root, which drops to it).
 
     Zombies are left out: bwrap's own helpers end reparented to the host's init,
@@ -75,7 +75,7 @@ def sandbox_pids() -> set[int]:
             fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
         except (OSError, ValueError):
             continue
-        if fields.get("Uid", "").split()[:1] == [str(CFG.sandbox.uid)] and not fields["State"].strip().startswith("Z"):
+        if fields.get("Uid", "").split()[:1] == [str(uid)] and not fields["State"].strip().startswith("Z"):
             pids.add(int(entry.name))
     return pids
 
@@ -213,10 +213,10 @@ FORKED_ALLOCATION_LOOP = ("import os\nfor _ in range(6):\n    try:\n        if o
                           "    except OSError:\n        break\n" + ALLOCATION_LOOP)
 
 
-def sandbox_anon_bytes() -> int:
-    """Anonymous memory of every live process of the sandbox uid (pages shared after a fork count in each)."""
+def sandbox_anon_bytes(uid: int) -> int:
+    """Anonymous memory of every live process of ``uid`` (pages shared after a fork count in each)."""
     total = 0
-    for pid in sandbox_pids():
+    for pid in sandbox_pids(uid):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
@@ -229,7 +229,10 @@ def sandbox_anon_bytes() -> int:
 def memory_cfg(request, tmp_path) -> CodeRewardConfig:
     """The host's way of bounding memory (a cgroup where it offers one), and the rlimit-only fallback,
     forced by pointing the sandbox at a folder that is no cgroup."""
-    sandbox = CFG.sandbox.model_copy(update={"cgroup": str(tmp_path) if request.param == "no-cgroup" else None})
+    # a uid of this test process's own: another xdist worker's sandboxes (the default uid) would count
+    # in the measured memory, and in the fallback's RLIMIT_NPROC
+    sandbox = CFG.sandbox.model_copy(update={"cgroup": str(tmp_path) if request.param == "no-cgroup" else None,
+                                             "uid": 60000 + os.getpid() % 5000})
     if request.param == "no-cgroup":
         assert "no cgroup here" in sandbox_mod.memory_status(sandbox)
     return CFG.model_copy(update={"sandbox": sandbox})
@@ -245,7 +248,7 @@ def test_an_allocation_loop_dies_at_its_memory_limit(code, memory_cfg):
 
     def watch():
         while not stop.is_set():
-            peak[0] = max(peak[0], sandbox_anon_bytes())
+            peak[0] = max(peak[0], sandbox_anon_bytes(memory_cfg.sandbox.uid))
             time.sleep(0.005)
 
     watcher = threading.Thread(target=watch)

@@ -62,7 +62,8 @@ def test_mesh_reaches_every_pair_shapes_each_link_and_tears_down(wan_testbed):
     tb = wan_testbed(4, rate_mbit=rate)
     assert set(tb.hosts) <= _netns()
 
-    rtts = tb.rtt_ms(_pairs(4), n=3)  # each host reaches each other's one address
+    # each host reaches each other's one address; the median of 9 round trips, as a loaded machine stalls a few
+    rtts = tb.rtt_ms(_pairs(4), n=9)
     assert max(rtts) < 50, rtts
 
     # the slow link is slow while the others, loaded at the same time, are fast
@@ -81,7 +82,7 @@ def test_mesh_reaches_every_pair_shapes_each_link_and_tears_down(wan_testbed):
 @pytest.mark.slow  # ~3 s
 def test_star_shapes_uplink_and_downlink_per_host(wan_testbed):
     tb = wan_testbed(3, topology="star", rate_mbit=[30, 100, 100], downlink_mbit=[100, 100, 10])
-    assert max(tb.rtt_ms(_pairs(3), n=3)) < 50
+    assert max(tb.rtt_ms(_pairs(3), n=9)) < 50
     _assert_goodput(tb, [(0, 1), (1, 2)], [30, 10], nbytes=2 * MB)  # host 0's uplink, host 2's downlink
     tb.set_uplink(0, rate_mbit=60)
     tb.set_downlink(2, rate_mbit=None)
