@@ -14,6 +14,8 @@
 #   tokenizer  the byte-level BPE tokenizer of the text runs, trained on the standard library's source;
 #   smoke      a short bf16-mixed smoke run of a ~150M Llama (llama-150m preset) on that source;
 #   diloco     a 2-worker DiLoCo run of the same model (one GPU each when there are two, else both on GPU 0);
+#   fsdp       one DiLoCo worker of 2 ranks (FSDP2 over NCCL, diloco.ranks_per_worker = 2) of that model,
+#              with its peak memory per GPU: needs 2 GPUs, else skipped;
 # then prints each step's status and the tokens/s and MFU lines of the two runs last. A failed step
 # does not stop the ones after it (one call tells all). Exit status: 0 all passed, 1 a step failed,
 # 2 no CUDA device. Figures on a GPU are quoted only from this script.
@@ -84,9 +86,18 @@ run_step smoke 100 "${CLI[@]}" smoke --config configs/pretrain-text.toml "${MODE
   train.steps=60 train.batch_size=16 data.text.seq_len=1024 train.warmup_steps=10
 
 # 2 workers, llama-150m, bf16-mixed, 2 outer steps of 20 inner steps (each all-reduces 150M values on the CPU)
-run_step diloco 130 "${CLI[@]}" diloco --config configs/diloco-text.toml "${MODEL[@]}" run_name=gpu-diloco \
+run_step diloco 90 "${CLI[@]}" diloco --config configs/diloco-text.toml "${MODEL[@]}" run_name=gpu-diloco \
   diloco.workers=2 diloco.inner_steps=20 diloco.outer_steps=2 train.batch_size=8 data.text.seq_len=1024 \
   train.warmup_steps=10
+
+# one worker of 2 ranks (FSDP2 over NCCL, one GPU each), llama-150m: needs 2 GPUs
+if (( $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0) >= 2 )); then
+  run_step fsdp 50 "${CLI[@]}" diloco --config configs/diloco-text.toml "${MODEL[@]}" run_name=gpu-fsdp \
+    diloco.workers=1 diloco.ranks_per_worker=2 diloco.inner_steps=20 diloco.outer_steps=2 train.batch_size=8 \
+    data.text.seq_len=1024 train.warmup_steps=10
+else
+  STATUS+=("$(printf '%-10s %-16s %4d s' fsdp "skipped (1 GPU)" 0)")
+fi
 
 {
   echo "== steps"
@@ -95,6 +106,8 @@ run_step diloco 130 "${CLI[@]}" diloco --config configs/diloco-text.toml "${MODE
   grep -h "^Pretraining: " "$LOGS/smoke.txt" 2>/dev/null | sed 's/^/smoke  /'
   grep -h "committed: {" "$LOGS/diloco.txt" 2>/dev/null |
     sed -E "s/.*(outer step [0-9]+\/[0-9]+) committed.*'tokens_per_s': ([0-9.]+), 'mfu': ([0-9.]+).*/diloco \1: \2 tokens\/s, MFU \3 (a fraction)/"
+  grep -h "committed: {" "$LOGS/fsdp.txt" 2>/dev/null |
+    sed -E "s/.*(outer step [0-9]+\/[0-9]+) committed.*'tokens_per_s': ([0-9.]+), 'mfu': ([0-9.]+), 'device_memory_mb': ([0-9.]+).*/fsdp \1: \2 tokens\/s, MFU \3, peak GPU memory \4 MiB/"
 } > "$LOGS/summary.txt"
 if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then  # the device machine returns what is in $OUT (8 files at most)
   cp "$LOGS"/*.txt "$OUT"/

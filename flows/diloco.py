@@ -1,8 +1,8 @@
 """``diloco-train``: start the rendezvous store and N workers, watch them, report.
 
-Each worker is a long-lived process that drives its own outer steps and records each one as a
-flow run (``diloco-outer-step``, ``flows.diloco_worker``), so the dashboard shows one run per
-worker per outer step; this flow publishes the run-level table and progress. Workers are
+Each worker is a long-lived process that runs each of its outer steps as a flow run
+(``diloco-outer-step``, ``flows.diloco_worker``) of its phases as task runs, so the dashboard
+shows one live run per worker per outer step; this flow publishes the run-level table and progress. Workers are
 subprocesses of this flow run (``dispatch.mode = "local"``) or flow runs of the
 ``diloco-worker`` deployment on its work pool (``"deployments"``,
 :func:`deployment_launcher`). Members that the robust all-reduce flags or bans
@@ -108,15 +108,18 @@ def start_run(cfg: DilocoRunConfig) -> int:
 
 def deployment_launcher(run: DilocoRunConfig) -> DeploymentLauncher:
     """Each worker as a flow run of the ``diloco-worker`` deployment, a child of this flow run, on the
-    deployment's work pool (e.g. one per GPU host). The run's config travels as a parameter, so its
-    storage secret does not: remote workers take S3 credentials from their own ``AWS_*`` environment."""
+    deployment's work pool (e.g. one per GPU host), asking the pool worker for
+    ``diloco.ranks_per_worker`` devices of its own (the ``devices`` job variable). The run's config
+    travels as a parameter, so its storage secret does not: remote workers take S3 credentials from
+    their own ``AWS_*`` environment."""
 
     def parameters(name: str, args: Sequence[str]) -> dict:  # noqa: ARG001 - the worker name is in args
         a = parse_worker_args(list(args))  # its --config is the coordinator's own copy, unreadable elsewhere
         return {"config": run.model_dump(mode="json"), "worker": a.worker, "index": a.index, "store": a.store,
                 "run_name": run.run_name}
 
-    return DeploymentLauncher(diloco_worker, run.dispatch, parameters, failed=EXIT_FAILED)
+    return DeploymentLauncher(diloco_worker, run.dispatch, parameters, failed=EXIT_FAILED,
+                              job_variables={"devices": run.diloco.ranks_per_worker})
 
 
 def _api_env() -> dict[str, str]:

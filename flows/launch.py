@@ -88,14 +88,18 @@ def _rows(data: Any) -> list[dict[str, Any]]:
 
 class DeploymentLauncher:
     """Each launch a flow run of ``flow``'s deployment (named as ``dispatch`` says), a child of the
-    current flow run; ``parameters(name, args)`` turns a launch into the flow's parameters."""
+    current flow run; ``parameters(name, args)`` turns a launch into the flow's parameters, and
+    ``job_variables`` go with every launch (e.g. ``{"devices": 2}`` on a GPU pool)."""
 
     def __init__(self, flow: Flow, dispatch: DispatchConfig,
-                 parameters: Callable[[str, Sequence[str]], dict[str, Any]], failed: int = 1):
+                 parameters: Callable[[str, Sequence[str]], dict[str, Any]], failed: int = 1,
+                 job_variables: Mapping[str, Any] | None = None):
         self.flow, self.dispatch, self.parameters, self.failed = flow, dispatch, parameters, failed
+        self.job_variables = dict(job_variables or {})
 
     def launch(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> FlowRunHandle:
+        variables = {**self.job_variables, **({"env": dict(env)} if env else {})}
         fr = run_deployment(name=deployment_name(self.flow, self.dispatch), timeout=0, as_subflow=True,
-                            parameters=self.parameters(name, args), job_variables={"env": dict(env)} if env else None)
+                            parameters=self.parameters(name, args), job_variables=variables or None)
         run_id = fr.id  # pyright: ignore[reportAttributeAccessIssue] - a FlowRun when called from sync code
         return FlowRunHandle(name, run_id, self.dispatch.poll_interval, failed=self.failed)

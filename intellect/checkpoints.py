@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tempfile
 from contextlib import contextmanager
 from enum import StrEnum
@@ -84,6 +85,13 @@ DATA_MEMBERS = Sidecar.DATA_MEMBERS
 PHASE = Sidecar.PHASE
 
 TRAINER_ONLY = frozenset(s.value for s in Sidecar if not s.for_inference)
+
+# A sharded folder (:mod:`intellect.checkpoint_shards`) is a run-storage step folder, e.g. a DiLoCo
+# worker's ``worker_state/<worker>/step_<n>``: torch.distributed.checkpoint's files, the JSON below,
+# then ``STABLE``. The two DCP names are DCP's own (its FileSystemWriter picks them).
+SHARDS_INDEX = ".metadata"  # DCP's index of every saved chunk, written by the coordinating rank
+SHARD_FILE = re.compile(r"__(0|[1-9][0-9]*)_(0|[1-9][0-9]*)\.distcp")  # each rank's data: __<rank>_<n>.distcp
+SHARDS_STATE = "shards.json"  # what is not a tensor: the caller's JSON, the outer momentum flag, the ranks
 
 
 def inference_files(names: Iterable[str]) -> list[str]:

@@ -252,10 +252,16 @@ def autocast(device: torch.device, precision: PrecisionSetting) -> Iterator[None
 
 
 def prepare_model(model: torch.nn.Module, compute: ComputeConfig, device: torch.device,
-                  train: bool = True) -> torch.nn.Module:
+                  train: bool = True, mesh=None) -> torch.nn.Module:
     """Move ``model`` to ``device`` in the precision's weight dtype; for training, turn on activation
     checkpointing and ``torch.compile`` as configured. Returns the same module (compiled in place,
-    so its ``state_dict`` keys and ``config`` are unchanged)."""
+    so its ``state_dict`` keys and ``config`` are unchanged). ``mesh``: a 1-D device mesh of the
+    ranks that share the model, which then is sharded over them instead, its weights kept fp32
+    (:func:`intellect.parallel.parallelize`)."""
+    if mesh is not None:
+        from intellect.parallel import parallelize  # noqa: PLC0415 - it builds on this module
+
+        return parallelize(model, mesh, compute)
     model.to(device=device)
     dtype = param_dtype(compute.precision)
     if train:

@@ -266,6 +266,9 @@ def guarded_server(app: Any, guard: ConnectionGuard, *, keep_alive: float, **opt
     ``keep_alive`` seconds between requests; ``options`` are more of :class:`uvicorn.Config`'s."""
     # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any local client as the
     # client's address, and a flood from 127.0.0.1 could name a fresh address per connection
+    # log_config None: uvicorn's dictConfig would take logging's module lock while another thread (a
+    # progress heartbeat logging through Prefect's API handler) holds that handler's: a deadlock
+    options.setdefault("log_config", None)
     config = uvicorn.Config(app, http=guard.protocol(), loop="asyncio", lifespan="off", log_level="warning",
                             access_log=False, proxy_headers=False,
                             # uvicorn annotates an int, but uses it as a call_later delay: a float works

@@ -312,6 +312,7 @@ class CorpusReader:
 
     ``want(ref, cursor)`` picks documents by position before they are read (a shard, a resume set);
     ``keep(text)`` by content after (a split). Both count toward ``stats`` only when they pass.
+    ``skip(cursor)``, asked first, passes a document over unjudged (a reader catching up to a position).
     A scan that reads for long before it yields enough (a held-out split) sets ``progress``: it is
     moved to each file's position in the epoch's order once the file is read.
     """
@@ -329,22 +330,32 @@ class CorpusReader:
 
     def stream(self, start: Cursor, want: Want, keep: Callable[[str], bool] | None = None,
                epochs: int | None = None, stats: dict[str, int] | None = None,
-               stop: Cursor | None = None) -> Iterator[Doc]:
+               stop: Cursor | None = None, skip: Callable[[Cursor], bool] | None = None) -> Iterator[Doc]:
         """``(cursor at the document, cursor after it, text)`` for every document from ``start`` on; endless
         unless ``epochs`` is given, or ``stop`` (no file after ``stop``'s is opened). A whole epoch with no
-        document raises ``ValueError`` (nothing to read)."""
+        document raises ``CorpusError`` (nothing to read); one with a document that ``skip`` passed over is
+        not a whole pass: the documents not judged might have been wanted."""
         stats = new_stats() if stats is None else stats
         for key in STAT_KEYS:
             stats.setdefault(key, 0)
+        skipped = False
+
+        def judge(ref: FileRef, at: Cursor) -> bool:
+            nonlocal skipped
+            if skip is not None and skip(at):
+                skipped = True
+                return False
+            return want(ref, at)
+
         epoch, file_pos, row, offset = start.epoch, start.file_pos, start.row, start.offset
         while epochs is None or epoch < epochs:
-            order, whole, found = self.order(epoch), file_pos == row == offset == 0, 0
+            order, whole, found, skipped = self.order(epoch), file_pos == row == offset == 0, 0, False
             while file_pos < len(order):
                 if stop is not None and (epoch, file_pos) > (stop.epoch, stop.file_pos):
                     return
                 ref = self.corpus.files[order[file_pos]]
                 at = Cursor(epoch, file_pos, row, offset)
-                for doc in self._file(ref, at, want, stats):
+                for doc in self._file(ref, at, judge, stats):
                     if not doc[2].strip():
                         stats["empty"] += 1
                     elif keep is None or keep(doc[2]):
@@ -354,7 +365,7 @@ class CorpusReader:
                 if self.progress is not None:
                     self.progress.update(file_pos + 1, documents=stats["documents"])
                 file_pos, row, offset = file_pos + 1, 0, 0
-            if whole and not found:
+            if whole and not found and not skipped:
                 raise CorpusError(self._nothing_found(len(order), stats))
             epoch, file_pos = epoch + 1, 0
 

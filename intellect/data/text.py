@@ -134,12 +134,16 @@ class PackedStream:
     def _keep(self, text: str) -> bool:
         return is_heldout_text(text, self.data.heldout_percent) == (self.split == "heldout")
 
-    def _mine(self, ref: FileRef, at: Cursor) -> bool:
+    def _skip(self, at: Cursor) -> bool:
+        """Whether the row at ``at`` is passed unread on the way to the :meth:`align` floor."""
         if self._floor is not None:
             if at.key < self._floor and self._skips > 0:
                 self._skips -= 1
-                return False
+                return True
             self._floor = None  # reached, or the skip budget is spent
+        return False
+
+    def _mine(self, ref: FileRef, at: Cursor) -> bool:
         self.passed += 1
         return self.shards == 1 or shard_of(ref.name, at.row, self.shards) == self.shard
 
@@ -166,7 +170,7 @@ class PackedStream:
         self._restart()
 
     def _restart(self) -> None:
-        self._docs = self.reader.stream(self._cursor, self._mine, self._keep, self.epochs, self.stats)
+        self._docs = self.reader.stream(self._cursor, self._mine, self._keep, self.epochs, self.stats, skip=self._skip)
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
         ids = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]

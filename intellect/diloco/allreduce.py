@@ -1,4 +1,5 @@
-"""Int8-on-the-wire, fp32-accumulating all-reduce (mean over contributors) for DiLoCo: the executor.
+"""Int8-on-the-wire (or exact fp32: ``compression``), fp32-accumulating all-reduce (mean over
+contributors) for DiLoCo: the executor.
 
 ``all_reduce_mean(tensors, group, order=..., contribute=...)`` replaces each tensor, in place,
 with the mean over the contributing ranks, bit-identical on every rank, and returns
@@ -6,11 +7,21 @@ with the mean over the contributing ranks, bit-identical on every rank, and retu
 costs and which one to run: ``plan`` (pure). The per-bucket message schedules:
 ``schedules.Run``; the robust-aggregation steps: ``claims``.
 
-Values only cross the wire as ``quantize.to_bytes`` messages; receivers dequantize and add in
-fp32, never in the quantized space. Chunk c of each bucket (``plan.chunk_bounds``) is owned by
+Values only cross the wire as ``quantize.to_bytes`` messages (``"fp32"``:
+``values_to_bytes``); receivers dequantize and add in fp32, never in the quantized space. Chunk c of each bucket (``plan.chunk_bounds``) is owned by
 ring position c, i.e. rank ``order[c]``; the owner divides its fp32 sum by the number of
 contributors and quantizes the mean once, the all-gather moves those exact bytes, and every
 rank, the owner included, ends with ``dequantize(owner bytes)``: bit-identical by construction.
+
+``compression``: ``"int8"`` (default) as above; ``"fp32"`` sends every value as it is
+(``quantize.values_to_bytes``, 4 bytes each: about 4x int8's bytes) through the same schedules,
+so the owner's fp32 sum over contributors, divided by their number, is what every rank gets:
+the exact mean up to fp32 summation order, bit-identical on all ranks. For equivalence checks
+(a worker sharded over M ranks reduces other chunks than an unsharded one: int8 rounding
+differs, fp32 sums only in their order) and as the full-precision baseline. ``codec`` and
+``clip_sigmas`` apply to int8 only; ``"ring-residual"`` sends no residual under fp32
+(``plan.stages``). Received fp32 messages are checked as int8 ones: the expected count and
+length, finite values; an int8 message where fp32 is expected (or the reverse) is refused.
 
 ``codec``: ``"zstd"`` (default) entropy-codes each message's indices, ``"none"`` sends them
 raw. Every receive buffer has room for the raw message and the headers give each message's
@@ -28,8 +39,8 @@ Contributors. A rank whose tensors hold NaN/Inf (or that passes ``contribute=Fal
 contributes nothing but still relays and receives; the mean divides by the number of
 contributors. The flags go round the ring first (W-1 tiny hops), so every message's largest
 size is known in advance; they carry a digest of the plan (algorithm, W, order, bucket shapes,
-schedule), so a rank with a different algorithm or layout fails at once rather than garbling
-data (a different ``order`` can also change who its neighbours are, and then fails by
+compression, schedule), so a rank with a different algorithm or layout fails at once rather
+than garbling data (a different ``order`` can also change who its neighbours are, and then fails by
 timeout). With no contributor at all the tensors are zeroed and ``stats.contributors`` is empty.
 
 Failures. Every wait is bounded by the group's timeout (``timeout=`` overrides it): a peer
@@ -68,7 +79,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from intellect.diloco.plan import SCREENED, relay_limit
+from intellect.diloco.plan import COMPRESSIONS, SCREENED, relay_limit
 from intellect.diloco.quantize import CODECS, DEFAULT_CLIP_SIGMAS
 from intellect.diloco.robust import DEFAULT_SCREEN, Screen
 from intellect.diloco.schedules import Run
@@ -78,6 +89,7 @@ __all__ = [
     "DEFAULT_ALGORITHM",
     "DEFAULT_CLIPS",
     "DEFAULT_CODEC",
+    "DEFAULT_COMPRESSION",
     "AllReduceError",
     "AllReduceStats",
     "Misbehaviour",
@@ -87,6 +99,7 @@ __all__ = [
 DEFAULT_ALGORITHM = "direct"  # all_reduce_mean's; a worker's config defaults to "auto" (plan.choose_algorithm)
 DEFAULT_CLIPS = (4.0, DEFAULT_CLIP_SIGMAS)  # Gaussian optimum and the quantizer's default
 DEFAULT_CODEC = "zstd"
+DEFAULT_COMPRESSION = "int8"
 
 
 class AllReduceError(CommError):
@@ -107,7 +120,7 @@ class Misbehaviour(AllReduceError):
 class AllReduceStats:
     algorithm: str
     contributors: tuple[int, ...]  # group ranks whose tensors are in the mean
-    payload_bytes: int  # quantized data this rank handed to the transport
+    payload_bytes: int  # chunk messages (int8 or fp32) this rank handed to the transport
     control_bytes: int  # contributor flags + plan digest
     messages: int
     seconds: float
@@ -134,6 +147,7 @@ def all_reduce_mean(
     timeout: float | None = None,
     clip_sigmas: float | Sequence[float] = DEFAULT_CLIPS,
     codec: str = DEFAULT_CODEC,
+    compression: str = DEFAULT_COMPRESSION,
     mac_key: bytes | None = None,
     outlier_clip: float = 0.0,
     screen: Screen = DEFAULT_SCREEN,
@@ -148,6 +162,8 @@ def all_reduce_mean(
     tensor indices reduced independently (default one per tensor), each tensor in
     exactly one. All arguments except ``tensors`` and ``contribute`` must agree on
     every rank (checked). ``timeout`` (seconds) bounds each wait; default: the group's.
+    ``compression``: ``"int8"`` (values quantized on the wire) or ``"fp32"`` (sent as they are:
+    the exact mean up to summation order, 4x the bytes); part of the plan digest.
     ``mac_key``: seal every message (``transport.Channel``); every rank must pass the same key.
     ``outlier_clip``: k > 0 makes each owner aggregate its chunk with ``robust.centred_clip``
     (3+ contributors; ``"direct"`` and ``"ring-owner"``, where owners see each contribution);
@@ -173,6 +189,8 @@ def all_reduce_mean(
         raise ValueError("window must be >= 1")
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     if not all(t.is_floating_point() for t in tensors):
         raise ValueError("all_reduce_mean: tensors must be floating point")
     contribute = bool(contribute) and all(_finite(t) for t in tensors)
@@ -182,9 +200,10 @@ def all_reduce_mean(
     if outlier_clip and algorithm not in SCREENED:
         raise ValueError(f"outlier_clip needs an algorithm whose owners see each contribution, not {algorithm!r}")
     plan = (algorithm, relay, world, order, [[tuple(tensors[i].shape) for i in b] for b in buckets],
-            mac_key is not None, float(outlier_clip), screen, schedule.__qualname__)
+            mac_key is not None, float(outlier_clip), screen, schedule.__qualname__, compression)
     codec = "none" if dev is not None else codec  # NCCL: receive sizes must match exactly
-    run = schedule(Channel(group, to, dev, mac_key), tensors, order, order.index(rank), algorithm, relay, clip, codec)
+    run = schedule(Channel(group, to, dev, mac_key), tensors, order, order.index(rank), algorithm, relay, clip, codec,
+                   compression)
     run.outlier_clip, run.screen = float(outlier_clip), screen
     try:
         flags = run.exchange_flags(contribute, _digest(plan)) if world > 1 else [contribute]

@@ -8,7 +8,8 @@ owner may publish) and ``receiver_bound`` (what a receiver accepts).
 
 Each member announces the L2 norm of each of its chunks straight to every other member
 (``exchange_claims``). An owner scales any decoded contribution longer than its announcement
-down to it and flags its sender (decoding never lengthens a chunk), takes the centred clip,
+down to it and flags its sender (decoding never lengthens a chunk: int8 decodes to bucket means,
+fp32 to the values as sent), takes the centred clip,
 and clips its result to ``owner_bound``; with 4+ contributors each receiver blames an owner
 whose result is longer than ``receiver_bound`` allows (``blamed``).
 """

@@ -16,6 +16,21 @@ class DilocoConfig(StrictModel):
     """DiLoCo outer loop, int8 all-reduce and elastic membership."""
 
     workers: int = Field(default=2, ge=1, le=64, description="Worker processes the coordinator starts.")
+    ranks_per_worker: int = Field(
+        default=1, ge=1, le=64,
+        description="M: processes per worker (one per device on GPUs). Inside a worker FSDP2 shards the model, "
+        "its gradients and AdamW state over its M ranks; across workers local rank i all-reduces only its own "
+        "shard with local rank i of the others (M rings, each 1/M of the bytes). Every worker of a run has the "
+        "same M; a worker's first process starts the other M-1. 1: one process holds the whole model.",
+    )
+    onboarding: Literal["blocking", "non_blocking"] = Field(
+        default="blocking",
+        description="How a joiner (a new or restarted worker) gets the run's state. blocking: the members wait at "
+        "the boundary for newcomers starting up, then for the broadcast of the outer state (INTELLECT-1's first "
+        "mode). non_blocking: the members go on without waiting; the joiner enters at the next boundary it "
+        "reaches, trains nothing in that step while the onboarding source sends it the state in the background "
+        "(rank to rank), and contributes from the step after.",
+    )
     inner_steps: int = Field(default=50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
     outer_steps: int = Field(default=10, ge=1, le=1_000_000, description="Outer steps of the run.")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
@@ -47,6 +62,13 @@ class DilocoConfig(StrictModel):
         description="Coding of the int8 indices on the wire. zstd: entropy-coded, fewer bytes for some CPU per "
         "byte, so it pays on slow links; sent raw when coding saves nothing. none: raw uint8 (fast links, "
         "CPU-starved hosts). Peers may differ; NCCL groups always send raw.",
+    )
+    compression: Literal["int8", "fp32"] = Field(
+        default="int8",
+        description="What the all-reduce sends per value. int8: a codebook index (the quantizer above). fp32: the "
+        "pseudo-gradient's values as they are, 4 bytes each: the exact mean (up to fp32 summation order, "
+        "bit-identical on every member) for 4x the bytes; for equivalence checks (sharded vs unsharded "
+        "workers) and as the full-precision baseline. Every member must use the same (the plan digest checks).",
     )
     data_split: Literal["iid", "non_iid"] = Field(
         default="iid",
@@ -170,6 +192,14 @@ class DilocoRunConfig(StrictModel):
         description="Where the workers run: subprocesses of the coordinator (local), or flow runs of the "
         "diloco-worker deployment on its work pool (deployments; diloco.store_host must be reachable from there).",
     )
+
+    @model_validator(mode="after")
+    def _batches_split_over_ranks(self) -> "DilocoRunConfig":
+        m = self.diloco.ranks_per_worker
+        if self.train.batch_size % m:
+            raise ValueError(f"train.batch_size ({self.train.batch_size}) must divide over diloco.ranks_per_worker "
+                             f"({m}): each of a worker's ranks trains on an equal part of its batch")
+        return self
 
     @model_validator(mode="after")
     def _outer_momentum_for_the_start(self) -> "DilocoRunConfig":

@@ -3,8 +3,9 @@
 Workers are started through an ``intellect.launch.Launcher`` (local subprocesses:
 :func:`worker_launcher`, their output in the run folder's ``logs/<worker>.log``,
 :func:`worker_log_dir`; a work-pool launcher plugs into the same protocol). Workers that share
-this machine get ``LOCAL_RANK`` (their index modulo the run's workers), so each takes a GPU of its
-own (``intellect.device.resolve_device``). The coordinator owns
+this machine get ``LOCAL_RANK`` (their index modulo the run's workers, times
+``diloco.ranks_per_worker``), so each takes GPUs of its own (``intellect.device.resolve_device``;
+a worker of M ranks starts its other M-1 itself: :mod:`~intellect.diloco.worker_ranks`). The coordinator owns
 nothing else: training state lives in the workers and in run storage, so a killed coordinator
 loses no progress. Its workers notice the lost store and stop; a new coordinator resumes from the
 newest outer checkpoint.
@@ -44,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from intellect.device import LOCAL_RANK_ENV
 from intellect.diloco.config import DilocoRunConfig
@@ -60,6 +61,7 @@ from intellect.trust.mac import new_secret
 
 if TYPE_CHECKING:
     from intellect.diloco.report import StepReport
+    from intellect.diloco.worker import DilocoWorker
 
 EXIT_DONE, EXIT_STORE_LOST, EXIT_FAILED, EXIT_BANNED = 0, 3, 4, 5
 log = logging.getLogger("intellect.diloco")
@@ -221,7 +223,8 @@ class Coordinator:
         worker = worker or f"w{index}"
         env = {**self.env, **worker_credentials(self._secret, self.run.run_name, worker)}  # refuses "coordinator"
         if self.local_ranks:
-            env[LOCAL_RANK_ENV] = str(index % self.run.diloco.workers)
+            # the first device of the worker's slot: its M ranks take M devices from there
+            env[LOCAL_RANK_ENV] = str(index % self.run.diloco.workers * self.run.diloco.ranks_per_worker)
         slot = int(self.store.add(LAUNCHED.under(), 1)) - 1
         self.store.set(LAUNCHED(slot), worker)  # founders wait for every launched worker
         handle = self.launcher.launch(worker, worker_args(worker, index, self.config_path, self.address), env)
@@ -324,19 +327,31 @@ class Coordinator:
 
 def worker_main(config_path: str, worker: str, index: int, store: str,
                 observe: Callable[[StepReport], None] | None = None, faults: Faults = NO_FAULTS,
-                sigterm: bool = True, keys: tuple[bytes, bytes] | None = None) -> int:
+                sigterm: bool = True, keys: tuple[bytes, bytes] | None = None,
+                drive: Callable[[DilocoWorker], StepReport] | None = None,
+                follower_argv: Sequence[str] | None = None) -> int:
     """Run one worker until the run is done (:meth:`DilocoWorker.run_until_done`); ``observe`` sees each
-    outer step's report; ``faults`` is what a test injects (production: none). ``sigterm``: SIGTERM
+    outer step's report, ``drive`` runs each one; ``faults`` is what a test injects (production: none). ``sigterm``: SIGTERM
     ends the worker with ``EXIT_FAILED``; False leaves SIGTERM to whoever handles it (in a flow run,
     Prefect, which cancels the run): either way the deathrattle goes out on the way down. ``keys``:
     its (rendezvous key, all-reduce root), as a contributor's join gives them; None: from
-    :func:`load_credentials`."""
-    from intellect.diloco.worker import Banned, DilocoWorker  # noqa: PLC0415 - as in Coordinator.start
+    :func:`load_credentials`.
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker} %(levelname)s %(message)s")
+    A worker of ``diloco.ranks_per_worker`` M > 1: this process is its leader (rank 0) unless a leader
+    started it (:mod:`~intellect.diloco.worker_ranks`); the leader starts the M-1 followers as
+    ``python <follower_argv>`` (default: this module's worker command) with the worker's credentials,
+    and stops (``EXIT_FAILED``) when one of them dies. Only the leader observes and drives steps."""
+    from intellect.diloco.worker import Banned, DilocoWorker  # noqa: PLC0415 - as in Coordinator.start
+    from intellect.diloco.worker_ranks import WorkerRanks, rank_of  # noqa: PLC0415 - torch, as above
+
     run = DilocoRunConfig.model_validate_json(Path(config_path).read_text())
+    size, rank = run.diloco.ranks_per_worker, rank_of()
+    name = worker if size == 1 else f"{worker}/{rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     host, port = store.rsplit(":", 1)
     w = None
+    ranks = None
+    done = False
 
     def on_term(signum, frame):  # noqa: ARG001
         raise SystemExit(EXIT_FAILED)
@@ -350,8 +365,20 @@ def worker_main(config_path: str, worker: str, index: int, store: str,
             log.error("no credentials: set %s and %s (or %s, or diloco.secret_file)", PEER_KEY_ENV,
                       ALLREDUCE_KEY_ENV, SECRET_ENV)
             return EXIT_FAILED
-        w = DilocoWorker(run, worker, index, host, int(port), key=keys[0], allreduce_key=keys[1], faults=faults)
-        w.run_until_done(observe)
+        if size > 1 and rank == 0:
+            argv = follower_argv or ["-m", WORKER_MODULE, *worker_args(worker, index, config_path, store)]
+            ranks = WorkerRanks.start(size, argv, {PEER_KEY_ENV: keys[0].hex(), ALLREDUCE_KEY_ENV: keys[1].hex()},
+                                      timeout=run.diloco.boundary_timeout)
+            ranks.watch()
+        elif size > 1:
+            ranks = WorkerRanks.join(size, timeout=run.diloco.boundary_timeout)
+        w = DilocoWorker(run, worker, index, host, int(port), key=keys[0], allreduce_key=keys[1], faults=faults,
+                         ranks=ranks)
+        if rank == 0:
+            w.run_until_done(observe, drive)
+        else:
+            w.run_until_done()
+        done = True
         return EXIT_DONE
     except (Banned, RefusedBanned) as e:
         log.error("stopping: %s", e)
@@ -359,9 +386,18 @@ def worker_main(config_path: str, worker: str, index: int, store: str,
     except StoreLost as e:
         log.error("stopping: %s", e)
         return EXIT_STORE_LOST
+    except (KeyboardInterrupt, Exception):
+        # one rank down takes the worker out: whatever broke (a collective with the dead rank, the
+        # watch's interrupt), the leader says which and stops
+        if ranks is None or not ranks.leader or not (lost := ranks.casualty()):
+            raise
+        log.error("stopping: %s", lost)
+        return EXIT_FAILED
     finally:
         if w is not None:
-            w.close()  # deathrattle: peers drop us at once instead of after the heartbeat timeout
+            w.close(finished=done)  # deathrattle: peers drop us at once instead of after the heartbeat timeout
+        if ranks is not None and ranks.leader:
+            ranks.close(grace=10.0 if done else 0.0)
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
@@ -409,7 +445,10 @@ def parse_worker_args(argv: list[str], prog: str = "python -m intellect.diloco.c
 
 
 def main(argv: list[str] | None = None, observe: Callable[[StepReport], None] | None = None,
-         prog: str = "python -m intellect.diloco.coordinator", faults: Faults = NO_FAULTS) -> int:
+         prog: str = "python -m intellect.diloco.coordinator", faults: Faults = NO_FAULTS,
+         follower_argv: Sequence[str] | None = None) -> int:
+    """The worker's command line (:func:`worker_args`), a contributor's ``join`` or ``identity``.
+    ``follower_argv``: how the worker's other ranks are started (default: this module's worker)."""
     args = parse_worker_args(sys.argv[1:] if argv is None else argv, prog)
     if args.cmd == "join":
         return contributor_main(args.store, args.run, args.key, args.coordinator_key)
@@ -419,8 +458,14 @@ def main(argv: list[str] | None = None, observe: Callable[[StepReport], None] | 
             return EXIT_FAILED
         print(coordinator_identity(secret, args.run).public.hex)
         return EXIT_DONE
-    return worker_main(args.config, args.worker, args.index, args.store, observe, faults)
+    return worker_main(args.config, args.worker, args.index, args.store, observe, faults, follower_argv=follower_argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # everything is closed by now; the interpreter's own teardown would run the destructors of gloo
+    # groups whose peer died (a sibling rank, a worker), each waiting out its timeout
+    os._exit(code)

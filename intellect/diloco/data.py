@@ -140,6 +140,20 @@ def align_to_members(stream: PackedStream, get: Callable[[str], bytes | None], s
                  "passed)", me, step, list(floor), list(before), max_rows)
 
 
+def rows_of(batch, rank: int, ranks: int):
+    """Rank ``rank``'s part of ``batch`` (a dict of row tensors, or a list of texts) split into ``ranks``
+    equal runs of rows: a worker's ranks each train on theirs.
+
+    >>> rows_of(["a", "b", "c", "d"], 1, 2)
+    ['c', 'd']
+    """
+    n = len(batch["input_ids"]) if isinstance(batch, dict) else len(batch)
+    if n % ranks:
+        raise ValueError(f"a batch of {n} rows does not split over {ranks} ranks")
+    lo, hi = rank * n // ranks, (rank + 1) * n // ranks
+    return {k: v[lo:hi] for k, v in batch.items()} if isinstance(batch, dict) else batch[lo:hi]
+
+
 def sketched_batches(stream: TrainingStream, size: int, seen: list[str]) -> Iterator:
     """Batches of ``size`` from ``stream`` (packed text, or arithmetic documents), each sequence's
     :func:`sequence_hash` added to ``seen``, which is folded into its :func:`data_sketch` as it grows."""

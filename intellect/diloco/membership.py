@@ -13,14 +13,17 @@ answering raises :class:`StoreLost` so a worker stops instead of hanging.
 
 from __future__ import annotations
 
+import re
+
 import threading
 import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
-from intellect.diloco.protocol import (AHEAD, ARRIVE, BAN, BANNED, BEHIND, BOUNDARY_GROUPS, BW, COMMITTED, DEAD, FAMILIES,
-                                       HB, KEEP_STEPS, LEFT, MAX_SCAN, MEMBERS, OUTCOME, PG, PROGRESS, READY, START, VOTE,
-                                       Writer, ban_votes, read_ban, read_count, read_json, read_names)
+from intellect.diloco.protocol import (AHEAD, ARRIVE, BAN, BANNED, BEHIND, BOUNDARY_GROUPS, BW, CATCHUP_GROUP, COMMITTED,
+                                       DEAD, FAMILIES, HB, KEEP_STEPS, LEFT, MAX_SCAN, MEMBERS, OUTCOME, PG, PROGRESS,
+                                       READY, START, VOTE, Writer, ban_votes, onboarding_source, read_ban, read_count,
+                                       read_json, read_names)
 from intellect.diloco.rendezvous import COORDINATOR, unb64, peer_key
 from intellect.diloco.rendezvous_client import RendezvousStore, StoreError
 
@@ -331,9 +334,14 @@ def _window(family: str, part: str, data: dict) -> str | None:
     return None
 
 
+_SHARD = re.compile(r"^shard([1-9]|[1-5][0-9]|6[0-3])$")  # transport.shard_prefix, ranks 1..63 of a worker
+
+
 def _gloo(parts: list[str], peer: str, op: str, key: str, data: dict) -> str | None:
     """gloo's rendezvous of a group (``transport.new_group``): rank ``r`` sets its address key once,
-    ``pg/<t>/<group>//<device>/<r>`` (its PrefixStore's layout), and the bandwidth probe its column,
+    ``pg/<t>/<group>//<device>/<r>`` (its PrefixStore's layout; ``pg/<t>/<group>/shard<i>//<device>/<r>``
+    for local rank *i* > 0 of workers of several ranks, any of whose processes speaks as the worker),
+    and the bandwidth probe its column,
     ``bw/<t>/col/<r>``. Only the member holding rank ``r`` in the group's member order writes it,
     and an attempt's only once all its members are ready (the group forms after that), so nobody
     plants a value in another's key or in a group before it forms."""
@@ -341,10 +349,15 @@ def _gloo(parts: list[str], peer: str, op: str, key: str, data: dict) -> str | N
         return "gloo's keys are written with set"
     if parts[0] == PG.name and len(parts) == 6 and parts[3] == "" and parts[4].isdigit():
         t, group, rank = parts[1], parts[2], parts[5]
+    elif (parts[0] == PG.name and len(parts) == 7 and _SHARD.match(parts[3]) and parts[4] == ""
+          and parts[5].isdigit()):  # local rank i's ring of a worker of several ranks: pg/<t>/<group>/shard<i>/...
+        t, group, rank = parts[1], parts[2], parts[6]
     elif parts[0] == BW.name and len(parts) == 4 and parts[2] == "col":
         t, group, rank = parts[1], BOUNDARY_GROUPS[1], parts[3]
     else:
         return f"{parts[0]}/ holds only gloo's per-rank keys"
+    if (c := CATCHUP_GROUP.match(group)) is not None:
+        return _catchup(t, int(c.group(1)), rank, peer, key, data)
     attempt = "0" if group in BOUNDARY_GROUPS else group
     if _step(t) is None or _step(attempt) is None or _step(rank) is None:
         return f"{parts[0]}/: the step, group and rank are numbers (or a boundary group)"
@@ -356,6 +369,23 @@ def _gloo(parts: list[str], peer: str, op: str, key: str, data: dict) -> str | N
     if group not in BOUNDARY_GROUPS and not all(READY(t, attempt, w) in data for w in members):
         return f"the group of attempt {t}/{attempt} forms once every member is ready"
     return None
+
+
+def _catchup(t: str, joiner: int, rank: str, peer: str, key: str, data: dict) -> str | None:
+    """A catch-up group (``protocol.catchup_group``) of step ``t``: rank 0 is the step's onboarding
+    source, rank 1 the member ``joiner`` behind it; each writes its own key once."""
+    if _step(t) is None or rank not in ("0", "1"):
+        return "a catch-up group has two ranks, 0 (the source) and 1 (the member behind)"
+    if key in data:
+        return "a rank's gloo key is written once"
+    members = read_names(data.get(MEMBERS(t, "0"))) or []
+    if joiner >= len(members):
+        return f"step {t} has no member {joiner}"
+    source = onboarding_source(members, lambda w: data.get(COMMITTED(t, w)), int(t))
+    if source is None or source == members[joiner]:
+        return f"member {joiner} of step {t} is not behind"
+    want = source if rank == "0" else members[joiner]
+    return None if peer == want else f"only {want} writes rank {rank} of that catch-up group"
 
 
 def retire(key: str, data: dict) -> list[str]:

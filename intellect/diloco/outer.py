@@ -35,6 +35,8 @@ import io
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from intellect.checkpoints import CHECKPOINTS, OUTER_STATE, publish
 from intellect.device import pin
@@ -157,11 +159,14 @@ class OuterState:
 def host_model(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` itself when its weights are fp32 on the CPU, else a fresh fp32 CPU model of the same
     class and config (the shell a checkpoint is published from: ``OuterState.load_into`` fills it)."""
-    if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()):
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if not sharded and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()):
         return model
     config = copy.deepcopy(getattr(model, "config"))
+    # FSDP2 makes a model's class a subclass of FSDPModule and of the model's own: the shell is the latter's
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("cpu"):
-        shell = type(model)(config).float()
+        shell = cls(config).float()
     if getattr(model, "generation_config", None) is not None:
         shell.generation_config = copy.deepcopy(getattr(model, "generation_config"))
     return shell.eval()
@@ -195,7 +200,11 @@ def init_run(run: DilocoRunConfig, storage: RunStorage) -> int:
 
 
 def load_outer_state(storage: RunStorage, n: int, outer: OuterState) -> None:
-    """The outer momentum of checkpoint ``n`` into ``outer`` (whose ``theta_sync`` came from its weights)."""
+    """The outer momentum of checkpoint ``n`` into ``outer`` (whose ``theta_sync`` came from its weights);
+    a sharded ``outer`` takes its own rows of it (the checkpoint is whole, whatever the ranks per worker)."""
     state = torch.load(io.BytesIO(storage.read_bytes(f"{storage.step_path(n, CHECKPOINTS)}/{OUTER_STATE}")))
     if state["has_momentum"]:
-        outer.set_state(outer.params, state["momentum"])
+        from intellect.diloco.outer_shard import ShardedOuterState, local_part  # noqa: PLC0415 - it imports this module
+
+        momentum = local_part(outer, state["momentum"]) if isinstance(outer, ShardedOuterState) else state["momentum"]
+        outer.set_state(outer.params, momentum)

@@ -26,12 +26,13 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from intellect.diloco.outer import OuterState
 from intellect.parallel import shard_bounds
 
-__all__ = ["ShardedOuterState", "local_params", "shard_extents"]
+__all__ = ["ShardedOuterState", "consolidated", "local_part", "local_params", "shard_extents"]
 
 
 def shard_extents(shape: torch.Size, ranks: int) -> list[tuple[int, int]]:
@@ -69,6 +70,7 @@ class ShardedOuterState(OuterState):
         if len(groups) > 1:
             raise ValueError("sharded outer state: parameters sharded over more than one group")
         self.group = groups.pop() if groups else None
+        self._host_mesh: DeviceMesh | None = None
         super().__init__(model, lr, momentum, nesterov, device=device)
         if self.group is not None:  # the gather and the digest rely on torch.chunk's split
             rank, ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -103,6 +105,28 @@ class ShardedOuterState(OuterState):
             dist.all_gather(parts, mine, group=self.group)
             yield torch.cat([t[:e - s] for t, (s, e) in zip(parts, extents)]).cpu().view(shape)
 
+    def iter_gathered(self, shards: Sequence[torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+        """The full tensors of ``shards`` (default: ``theta_sync``) one at a time on every rank
+        (collective; every rank must consume them all): an export holds one full parameter at once."""
+        return self._gathered(self.params if shards is None else shards)
+
+    def as_dtensors(self, shards: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """``shards`` (default: ``theta_sync``; or the momentum) as ``Shard(0)`` DTensors of the full
+        shapes over the worker's ranks, on a CPU mesh (a DTensor moves its local tensor to its mesh's
+        device type; these stay the fp32 host copies, sharing their storage): the form
+        ``torch.distributed.checkpoint`` saves and loads to any number of ranks. The shards
+        themselves when the model is not sharded."""
+        shards = self.params if shards is None else shards
+        if len(shards) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} shards, got {len(shards)}")
+        if self.group is None:
+            return list(shards)
+        if self._host_mesh is None:  # no new group: a view of the worker's, for the DTensors' layout only
+            self._host_mesh = DeviceMesh.from_group(self.group, "cpu")
+        return [DTensor.from_local(t, self._host_mesh, [Shard(0)], run_check=False, shape=shape,
+                                   stride=torch.empty(shape, device="meta").stride())
+                for t, shape in zip(shards, self.full_shapes)]
+
     def gather(self, shards: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The full tensors of ``shards`` (default: ``theta_sync``; or the momentum, a pseudo-gradient)
         on every rank (collective): for checks and small models; a large model's export goes through
@@ -116,3 +140,32 @@ class ShardedOuterState(OuterState):
         for t in self._gathered(self.params):
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
+
+
+def local_part(outer: ShardedOuterState, full: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's part of each full tensor (a checkpoint's momentum), laid out as ``outer``'s shards:
+    how a worker of any number of ranks loads the one checkpoint format."""
+    if outer.group is None:
+        return list(full)
+    rank, ranks = dist.get_rank(outer.group), dist.get_world_size(outer.group)
+    out = []
+    for t, shape, p in zip(full, outer.full_shapes, outer.params):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"a full tensor of shape {tuple(t.shape)} for a {tuple(shape)} parameter")
+        s, e = shard_extents(shape, ranks)[rank]
+        out.append(t.reshape(-1)[s:e].view_as(p))
+    return out
+
+
+def consolidated(outer: ShardedOuterState, shell: torch.nn.Module | None, lr: float = 0.7, momentum: float = 0.5,
+                 nesterov: bool = True) -> OuterState | None:
+    """The worker's whole outer state, ``theta_sync`` and momentum gathered over its ranks (collective:
+    every rank calls it), as an :class:`OuterState` over ``shell`` (an fp32 CPU model of the same
+    architecture) on the rank that passes one; None on the others. What a checkpoint is written from."""
+    theta = outer.gather()
+    moments = outer.gather(outer.momentum_buffers())
+    if shell is None:
+        return None
+    full = OuterState(shell, lr, momentum, nesterov, device=torch.device("cpu"))
+    full.set_state(theta, moments if outer.has_momentum() else None)
+    return full

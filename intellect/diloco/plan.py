@@ -40,6 +40,15 @@ per member after the fact, so ``"ring"`` and ``"ring-residual"`` are never chose
 never taken from a peer, and a worker's config may name them only with ``diloco.outlier_clip = 0``
 (robust aggregation off: every member trusted).
 
+Compression (``COMPRESSIONS``). ``"int8"`` (the default) is all of the above. ``"fp32"`` sends
+the values as they are (``quantize.values_to_bytes``: 4 bytes each, about 4x int8's bytes on
+large chunks): every algorithm's messages and links stay the same, the owner's fp32 sum over
+contributors is exact up to fp32 summation order, and so is the mean every rank decodes from
+the owner's bytes (bit-identical on all ranks). Nothing is lost per hop, so ``"ring-residual"``
+sends no residual (``stages``) and equals ``"ring"``. For equivalence checks (a worker sharded
+over M ranks reduces other chunks than an unsharded one, which changes int8 rounding but not
+fp32 sums beyond their order) and as the full-precision baseline of the compression work.
+
 INTELLECT-1's own scheme (``"ring"`` plus requantization at every all-gather hop) is a baseline
 for benchmarks only: ``benchmarks/prime_allreduce.py``. Its excess error over ``"direct"`` is
 all in the reduce-scatter: requantizing decoded int8 values is lossless with this quantizer.
@@ -51,11 +60,12 @@ import math
 import re
 from typing import Sequence
 
-from intellect.diloco.quantize import wire_nbytes
+from intellect.diloco.quantize import values_nbytes, wire_nbytes
 from intellect.diloco.ring_order import ring_order
 
 __all__ = [
     "ALGORITHMS",
+    "COMPRESSIONS",
     "SCREENED",
     "fallback_plan",
     "own_plan",
@@ -72,11 +82,13 @@ __all__ = [
     "payload_bytes",
     "relay_counts",
     "relay_limit",
+    "stages",
 ]
 
 ALGORITHMS = ("direct", "ring-owner", "ring-residual", "ring")
 AUTO_CANDIDATES = ("direct", "ring-owner")
 SCREENED = ("direct", "ring-owner")  # owners see each contribution as sent: robust aggregation applies
+COMPRESSIONS = ("int8", "fp32")  # what a value costs on the wire: a codebook index, or itself
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -136,17 +148,32 @@ def relay_counts(contributes: Sequence[bool], relay: int) -> list[int]:
     return out
 
 
-def chunk_nbytes(numel: int) -> int:
-    """Bytes of one raw chunk message of ``numel`` values (``quantize.wire_nbytes``); an
-    empty chunk is skipped, not sent.
+def chunk_nbytes(numel: int, compression: str = "int8") -> int:
+    """Bytes of one raw chunk message of ``numel`` values (``quantize.wire_nbytes``, or
+    ``quantize.values_nbytes`` for ``"fp32"``); an empty chunk is skipped, not sent.
 
-    >>> chunk_nbytes(0), chunk_nbytes(4) == wire_nbytes(4)
-    (0, True)
+    >>> chunk_nbytes(0), chunk_nbytes(4) == wire_nbytes(4), chunk_nbytes(4, "fp32")
+    (0, True, 32)
     """
-    return wire_nbytes(numel) if numel else 0
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
+    if not numel:
+        return 0
+    return wire_nbytes(numel) if compression == "int8" else values_nbytes(numel)
 
 
-def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: str, relay: int | None = None) -> int:
+def stages(algorithm: str, compression: str = "int8") -> int:
+    """Messages per reduce-scatter piece: 2 for int8 ``"ring-residual"`` (the partial sum and
+    what its quantization missed), else 1 (fp32 misses nothing).
+
+    >>> stages("ring-residual"), stages("ring-residual", "fp32"), stages("ring")
+    (2, 1, 1)
+    """
+    return 2 if algorithm == "ring-residual" and compression == "int8" else 1
+
+
+def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: str, relay: int | None = None,
+                  compression: str = "int8") -> int:
     """Payload bytes sent by ring position ``position`` when every rank contributes,
     with raw indices (``codec="none"``; coded messages are at most this).
 
@@ -154,18 +181,20 @@ def payload_bytes(numels: Sequence[int], world: int, position: int, algorithm: s
     True
     >>> payload_bytes([8], 2, 0, "ring-owner") == payload_bytes([8], 2, 0, "direct")
     True
+    >>> payload_bytes([8], 2, 0, "ring-residual", compression="fp32") == 2 * values_nbytes(4)
+    True
     """
     relay = relay_limit(algorithm, relay, world)
     total = 0
     for n in numels:
-        w = [chunk_nbytes(e - s) for s, e in chunk_bounds(n, world)]
+        w = [chunk_nbytes(e - s, compression) for s, e in chunk_bounds(n, world)]
         p = position
         if algorithm == "direct":  # own chunk to every other rank, twice (contribution, result)
             total += sum(w) - w[p] + (world - 1) * w[p]
             continue
         ag = sum(w) - w[(p + 1) % world]  # ring all-gather: all but the chunk owned by next
-        stages = 2 if algorithm == "ring-residual" else 1
-        total += stages * sum((s % relay + 1) * w[(p - s - 1) % world] for s in range(world - 1)) + ag
+        reduce_scatter = sum((s % relay + 1) * w[(p - s - 1) % world] for s in range(world - 1))
+        total += stages(algorithm, compression) * reduce_scatter + ag
     return total
 
 
@@ -186,7 +215,8 @@ def relay_limit(algorithm: str, relay: int | None, world: int) -> int:
     return max(world - 1, 1) if algorithm == "ring-owner" else 1
 
 
-def link_chunks(algorithm: str, order: Sequence[int], relay: int | None = None) -> dict[tuple[int, int], int]:
+def link_chunks(algorithm: str, order: Sequence[int], relay: int | None = None,
+                compression: str = "int8") -> dict[tuple[int, int], int]:
     """Chunk messages (each 1/W of a bucket) every directed link (sender, receiver)
     carries per bucket when every rank contributes; links not listed carry none.
 
@@ -205,8 +235,7 @@ def link_chunks(algorithm: str, order: Sequence[int], relay: int | None = None) 
         return {}
     if algorithm == "direct":
         return {(i, j): 2 for i in range(W) for j in range(W) if i != j}
-    stages = 2 if algorithm == "ring-residual" else 1
-    per_link = stages * sum(relay_counts([True] * (W - 1), relay)) + (W - 1)
+    per_link = stages(algorithm, compression) * sum(relay_counts([True] * (W - 1), relay)) + (W - 1)
     return {(order[k], order[(k + 1) % W]): per_link for k in range(W)}
 
 

@@ -18,6 +18,7 @@ through :func:`read_count` / :func:`read_names`, so a malformed value is ignored
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Callable, Iterable, Protocol
@@ -129,6 +130,38 @@ def read_names(raw, cap: int = 4096) -> list[str] | None:
     if not (isinstance(v, list) and len(v) <= cap and all(isinstance(w, str) and 0 < len(w) <= 64 for w in v)):
         return None
     return v if len(set(v)) == len(v) else None
+
+
+def onboarding_source(members: list[str], committed: Callable[[str], object], step: int) -> str | None:
+    """The member that hands its state to those behind at step ``step``'s boundary: the first by name
+    of those furthest ahead (``committed(w)``: the ``COMMITTED`` record of ``w``, taken as a count up
+    to the step; unreadable counts as 0); None when nobody is behind. The workers and the rendezvous
+    (who may write the catch-up groups' keys) compute it alike.
+
+    >>> onboarding_source(["w0", "w1", "w2"], {"w0": "3", "w1": "3", "w2": "1"}.get, 3)
+    'w0'
+    >>> onboarding_source(["w0", "w1"], {"w0": "3", "w1": "3"}.get, 3) is None
+    True
+    """
+    progress = {w: read_count(committed(w), 0, step) or 0 for w in members}
+    newest = max(progress.values(), default=0)
+    if not progress or min(progress.values()) == newest:
+        return None
+    return min(w for w in members if progress[w] == newest)
+
+
+def catchup_group(joiner: int) -> str:
+    """The boundary group in which the onboarding source sends its state to member ``joiner`` (its
+    index in the step's members) while the others train (``diloco.onboarding = "non_blocking"``): rank 0
+    the source, rank 1 the joiner.
+
+    >>> catchup_group(2), CATCHUP_GROUP.match("catchup2").group(1)
+    ('catchup2', '2')
+    """
+    return f"catchup{joiner}"
+
+
+CATCHUP_GROUP = re.compile(r"^catchup(0|[1-9][0-9]{0,3})$")
 
 
 def ban_record(step: int, attempt: int) -> str:

@@ -16,6 +16,14 @@ Wire format (``to_bytes``), little-endian::
     version 1: | numel x u8 indices
     version 2: | codec u8 | 3 zero bytes | crc32 u32 | length u64 | length bytes
 
+Full-precision messages (the all-reduce's ``compression="fp32"``: ``values_to_bytes``) share the
+header and carry the values themselves, so they decode exactly::
+
+    b"IQ8" | 3 | ndim u8 | 3 zero bytes | ndim x i64 dims | numel x f32 values
+
+``values_nbytes(numel, ndim) = 8 + 8*ndim + 4*numel`` bytes. ``from_bytes`` refuses them and
+``values_from_bytes`` refuses the int8 versions, so neither is ever read as the other.
+
 Version 1 is ``wire_nbytes(numel, ndim) = 8 + 8*ndim + 1024 + numel`` bytes. Version 2
 (``codec="zstd"``) entropy-codes the indices: bucket indices of a bell-shaped tensor are far
 from uniform, and zstd's Huffman stage gets close to their entropy. ``to_bytes`` falls back to
@@ -77,6 +85,9 @@ __all__ = [
     "from_bytes",
     "wire_nbytes",
     "message_nbytes",
+    "values_from_bytes",
+    "values_nbytes",
+    "values_to_bytes",
     "CODECS",
 ]
 
@@ -86,7 +97,7 @@ NUM_BUCKETS = 256
 CODECS = ("none", "zstd")  # index coding in ``to_bytes``; the wire byte is the position here
 
 _MAGIC = b"IQ8"
-_RAW, _PACKED = 1, 2  # wire format versions
+_RAW, _PACKED, _VALUES = 1, 2, 3  # wire format versions: int8 raw, int8 coded, fp32 values
 _HEADER = struct.Struct("<3sBB3x")  # magic, version, ndim
 _PACK = struct.Struct("<B3xIQ")  # version 2: codec, crc32 of the coded bytes, their length
 _ZSTD_LEVEL = 1  # levels 1-3 code these indices equally well (Huffman stage); 1 is fastest
@@ -134,6 +145,15 @@ def wire_nbytes(numel: int, ndim: int = 1) -> int:
     16778256
     """
     return _HEADER.size + 8 * ndim + 4 * NUM_BUCKETS + numel
+
+
+def values_nbytes(numel: int, ndim: int = 1) -> int:
+    """Size of ``values_to_bytes`` output for a tensor of ``numel`` elements and ``ndim`` dims.
+
+    >>> values_nbytes(1 << 24) - wire_nbytes(1 << 24)   # 4 bytes a value instead of 1, no codebook
+    50330624
+    """
+    return _HEADER.size + 8 * ndim + 4 * numel
 
 
 def _stats(x: torch.Tensor) -> tuple[float, float, bool]:
@@ -360,21 +380,24 @@ def _decompress(data: memoryview, numel: int) -> bytearray:
     return bytearray(out)  # a writable copy: torch.frombuffer warns on read-only memory
 
 
-def _parse(mv: memoryview) -> tuple[int, tuple[int, ...], int, int]:
-    """(version, shape, offset of the codebook, message length) from a message's headers."""
+def _parse(mv: memoryview, versions=(_RAW, _PACKED, _VALUES)) -> tuple[int, tuple[int, ...], int, int]:
+    """(version, shape, offset of the codebook or values, message length) from a message's
+    headers; ``ValueError`` unless its version is one of ``versions``."""
     if len(mv) < _HEADER.size:
         raise ValueError(f"from_bytes: {len(mv)} bytes is shorter than the {_HEADER.size}-byte header")
     magic, version, ndim = _HEADER.unpack_from(mv)
     if magic != _MAGIC:
         raise ValueError(f"from_bytes: bad magic {bytes(magic)!r}, expected {_MAGIC!r}")
-    if version not in (_RAW, _PACKED):
-        raise ValueError(f"from_bytes: unsupported version {version}, expected {_RAW} or {_PACKED}")
+    if version not in versions:
+        raise ValueError(f"from_bytes: unsupported version {version}, expected {' or '.join(map(str, versions))}")
     if ndim > _MAX_NDIM or len(mv) < _HEADER.size + 8 * ndim:
         raise ValueError(f"from_bytes: truncated or invalid shape header (ndim={ndim})")
     shape = struct.unpack_from(f"<{ndim}q", mv, _HEADER.size)
     if any(d < 0 for d in shape):
         raise ValueError(f"from_bytes: negative dimension in shape {shape}")
     off = _HEADER.size + 8 * ndim
+    if version == _VALUES:
+        return version, shape, off, values_nbytes(math.prod(shape), ndim)
     if version == _RAW:
         return version, shape, off, wire_nbytes(math.prod(shape), ndim)
     if len(mv) < off + 4 * NUM_BUCKETS + _PACK.size:
@@ -410,7 +433,7 @@ def from_bytes(
     ValueError: from_bytes: 4 bytes is shorter than the 8-byte header
     """
     mv = memoryview(data).cast("B")
-    version, shape, off, expected = _parse(mv)
+    version, shape, off, expected = _parse(mv, (_RAW, _PACKED))
     n = math.prod(shape)
     if numel is not None and n != numel:
         raise ValueError(f"from_bytes: message holds {n} values, expected {numel}")
@@ -435,3 +458,46 @@ def from_bytes(
         raw = bytearray(mv[off:expected])
     indices = torch.frombuffer(raw, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
     return Quantized(indices, codebook, tuple(shape))
+
+
+def values_to_bytes(x: torch.Tensor) -> bytes:
+    """``x`` (any float dtype, sent as fp32) as a full-precision message (version 3, the module
+    docstring); ``ValueError`` for NaN/Inf, which no peer would accept.
+
+    >>> x = torch.tensor([[0.1, -2.0], [3e-30, 7.0]])
+    >>> values_from_bytes(values_to_bytes(x), numel=4).equal(x), len(values_to_bytes(x)) == values_nbytes(4, 2)
+    (True, True)
+    """
+    flat, shape = _flatten(x)
+    if len(shape) > _MAX_NDIM:
+        raise ValueError(f"values_to_bytes: at most {_MAX_NDIM} dims")
+    if not (bool(torch.isfinite(flat.sum())) or bool(torch.isfinite(flat).all())):  # one reduction when finite
+        raise ValueError("values_to_bytes: input contains NaN or Inf")
+    values = flat.cpu().numpy().astype("<f4", copy=False).data
+    return b"".join((_HEADER.pack(_MAGIC, _VALUES, len(shape)), struct.pack(f"<{len(shape)}q", *shape), values))
+
+
+def values_from_bytes(
+    data: bytes | bytearray | memoryview, *, numel: int | None = None, prefix: bool = False
+) -> torch.Tensor:
+    """Parse ``values_to_bytes`` output into an fp32 tensor of its shape; ``ValueError`` on any
+    malformed input, an int8 message, NaN/Inf values, or (``numel``) a count other than expected,
+    checked before anything is copied. ``prefix`` as in ``from_bytes``.
+
+    >>> values_from_bytes(to_bytes(quantize(torch.zeros(3))))
+    Traceback (most recent call last):
+    ...
+    ValueError: from_bytes: unsupported version 1, expected 3
+    """
+    mv = memoryview(data).cast("B")
+    _, shape, off, expected = _parse(mv, (_VALUES,))
+    n = math.prod(shape)
+    if numel is not None and n != numel:
+        raise ValueError(f"values_from_bytes: message holds {n} values, expected {numel}")
+    if len(mv) != expected and not (prefix and len(mv) > expected):
+        raise ValueError(f"values_from_bytes: got {len(mv)} bytes, expected {expected} for shape {shape}")
+    # bytearray copies: no aliasing of the caller's (possibly read-only) buffer.
+    out = torch.frombuffer(bytearray(mv[off:expected]), dtype=torch.float32) if n else torch.zeros(0)
+    if not bool(torch.isfinite(out.sum())) and not bool(torch.isfinite(out).all()):
+        raise ValueError("values_from_bytes: values contain NaN or Inf")
+    return out.view(shape)

@@ -39,7 +39,8 @@ class StepReport:
     compute_utilization: float = 0.0  # inner_seconds / outer_seconds
     tokens: int = 0  # target tokens trained on in the inner phase
     tokens_per_s: float = 0.0  # tokens / outer_seconds
-    mfu: float = 0.0  # model FLOPs of those tokens over outer_seconds, as a fraction of the device's peak
+    mfu: float = 0.0  # model FLOPs of those tokens over outer_seconds, as a fraction of the devices' peak
+    device_memory_mb: float = 0.0  # CUDA: the peak memory allocated on the worker's busiest device, MiB
     shard: list[int] = field(default_factory=list)  # [i, n]: the data shard read (text: member i of n)
     data_sketch: list[str] = field(default_factory=list)  # data_sketch() of the sequences trained on
 

@@ -38,9 +38,10 @@ What is bounded, with n >= 3 contributors of which fewer than half lie, for each
 honest member owns: whatever a liar sends (1e6 everywhere, a sign flip, 100x), it moves each
 iteration by at most ``tau / n``, where ``tau`` is k times the median honest distance from the
 median, i.e. no more than an honest member k times as far from the consensus; a flagged liar
-that is a minority moves it by nothing. Its values are read through the codebook only, and their
-size only enters through that distance, so no separate range check on the codebook is needed
-beyond finiteness (``quantize.from_bytes``).
+that is a minority moves it by nothing. Its values are read through the codebook only (under
+``compression="fp32"``: as sent), and their size only enters through that distance, so no
+separate range check on the codebook or values is needed beyond finiteness
+(``quantize.from_bytes``, ``quantize.values_from_bytes``).
 
 Announced norms. Before the reduce, every member sends every other member, directly (no relay
 can alter it), the L2 norm of each of its chunks. An owner refuses to believe more than that:

@@ -6,7 +6,9 @@ to ``window`` buckets in flight. Schedules: ``_direct`` (every rank to every own
 ``_ring`` (the ring family's reduce-scatter, ``plan.relay_counts`` pieces per message) and
 ``_ring_gather`` (the owners' bytes forwarded along the ring, unchanged: ``_forwarded``). The
 owners' aggregate is ``_owner``; with ``outlier_clip`` it goes through ``claims.Claims``. Only
-``encode`` bytes (``quantize.to_bytes``) cross the wire.
+``Run.to_wire`` messages cross the wire: ``encode`` bytes (``quantize.to_bytes``) under
+``compression="int8"``, ``encode_values`` bytes (``quantize.values_to_bytes``) under ``"fp32"``;
+receivers read them back with ``Run.from_wire``, which refuses the other kind.
 """
 
 from __future__ import annotations
@@ -17,11 +19,20 @@ from typing import Generator, Iterator, Sequence
 import torch
 
 from intellect.diloco.claims import Claims
-from intellect.diloco.plan import chunk_bounds, chunk_nbytes, relay_counts
-from intellect.diloco.quantize import Quantized, dequantize, from_bytes, message_nbytes, quantize_best, to_bytes
+from intellect.diloco.plan import chunk_bounds, chunk_nbytes, relay_counts, stages
+from intellect.diloco.quantize import (
+    Quantized,
+    dequantize,
+    from_bytes,
+    message_nbytes,
+    quantize_best,
+    to_bytes,
+    values_from_bytes,
+    values_to_bytes,
+)
 from intellect.diloco.transport import Channel, CommError
 
-__all__ = ["Run", "decode", "encode", "unpack"]
+__all__ = ["Run", "decode", "decode_values", "encode", "encode_values", "unpack"]
 
 _Step = Generator[tuple[list, str], None, None]
 _Chunks = Generator[tuple[list, str], None, list[torch.Tensor | None]]  # returns each chunk decoded (None: empty)
@@ -35,6 +46,20 @@ def encode(q: Quantized, codec: str) -> torch.Tensor:
 def decode(t: torch.Tensor, numel: int) -> torch.Tensor:
     """Decode one message; ``t`` may be a receive buffer longer than the message."""
     return dequantize(from_bytes(t.cpu().numpy().data, numel=numel, prefix=True))
+
+
+def encode_values(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s fp32 values as one message (``quantize.values_to_bytes``), a uint8 tensor ready to send."""
+    return torch.frombuffer(bytearray(values_to_bytes(x)), dtype=torch.uint8)
+
+
+def decode_values(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """The values of one ``encode_values`` message; ``t`` may be a receive buffer longer than it.
+
+    >>> decode_values(encode_values(torch.tensor([0.1, -3.0])), 2).tolist() == torch.tensor([0.1, -3.0]).tolist()
+    True
+    """
+    return values_from_bytes(t.cpu().numpy().data, numel=numel, prefix=True)
 
 
 def unpack(buf: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -60,10 +85,11 @@ def unpack(buf: torch.Tensor, k: int) -> list[torch.Tensor]:
 class Run(Claims):
     """One call's state; ``bucket`` generators yield (works, label) once per exchange."""
 
-    def __init__(self, ch: Channel, tensors, order, pos, algorithm, relay, clip, codec):
+    def __init__(self, ch: Channel, tensors, order, pos, algorithm, relay, clip, codec, compression="int8"):
         self.ch, self.tensors, self.order, self.pos = ch, tensors, order, pos
         self.algorithm, self.relay, self.clip, self.codec = algorithm, relay, clip, codec
-        self.stages = 2 if algorithm == "ring-residual" else 1
+        self.compression = compression
+        self.stages = stages(algorithm, compression)
         self.W = len(order)
         self.nxt, self.prv = order[(pos + 1) % self.W], order[(pos - 1) % self.W]
         self.init_claims()
@@ -82,7 +108,8 @@ class Run(Claims):
                 raise CommError(f"rank {self.prv} sent a contributor vector of {body.numel()} bytes")
             buf = body.clone().view(torch.int64)
             if int(buf[0]) != digest:
-                raise CommError(f"rank {self.prv} runs a different plan (order, algorithm or bucket shapes)")
+                raise CommError(f"rank {self.prv} runs a different plan "
+                                "(order, algorithm, compression or bucket shapes)")
             vec[1:] = torch.where(vec[1:] < 0, buf[1:], vec[1:])
         return [bool(v) for v in vec[1:].tolist()]
 
@@ -147,20 +174,34 @@ class Run(Claims):
         Encoder side only; receivers read the values from the codebook."""
         return quantize_best(x, self.clip)
 
+    def to_wire(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (flat fp32) as one message: quantized once (int8) or as it is (fp32)."""
+        if self.compression == "fp32":
+            return encode_values(x)
+        return encode(self.quantize(x), self.codec)
+
+    def from_wire(self, t: torch.Tensor, numel: int) -> torch.Tensor:
+        """The ``numel`` values of one ``to_wire`` message (``t`` may be longer: a receive buffer)."""
+        return decode_values(t, numel) if self.compression == "fp32" else decode(t, numel)
+
+    def wire(self, numel: int) -> int:
+        """Bytes of a ``to_wire`` message of ``numel`` values sent raw: its receive buffer's size."""
+        return chunk_nbytes(numel, self.compression)
+
     def _piece(self, x: torch.Tensor) -> torch.Tensor:
-        """One reduce-scatter piece: int8 of ``x``, plus (residual) int8 of what that missed."""
-        q = self.quantize(x)
+        """One reduce-scatter piece: ``x`` on the wire, plus (int8 residual) int8 of what that missed."""
         if self.stages == 1:
-            return encode(q, self.codec)
+            return self.to_wire(x)
+        q = self.quantize(x)
         return torch.cat([encode(q, self.codec), encode(self.quantize(x - dequantize(q)), self.codec)])
 
     def _ring(self, b: int, parts: list[torch.Tensor]) -> _Chunks:
         W, pos, ch, st = self.W, self.pos, self.ch, self.stages
-        wire = [chunk_nbytes(p.numel()) for p in parts]
+        wire = [self.wire(p.numel()) for p in parts]
         me = self.flags[pos]
 
         def pieces(msgs, c):  # decoded pieces of a reduce-scatter message
-            dec = [decode(m, parts[c].numel()) for m in msgs]
+            dec = [self.from_wire(m, parts[c].numel()) for m in msgs]
             return dec if st == 1 else [dec[j] + dec[j + 1] for j in range(0, len(dec), 2)]
 
         got, k_got = None, 0  # message received in the previous step: chunk c_out of this step
@@ -199,20 +240,20 @@ class Run(Claims):
         if parts[pos].numel():
             for p in others:
                 if self.flags[p]:
-                    bufs.append(ch.empty(chunk_nbytes(parts[pos].numel())))
+                    bufs.append(ch.empty(self.wire(parts[pos].numel())))
                     senders.append(self.order[p])
                     works.append(ch.irecv(bufs[-1], self.order[p], self.tag(b, 0, 0)))
         for p in others:
             if parts[p].numel():
-                ag_bufs[p] = ch.empty(chunk_nbytes(parts[p].numel()))
+                ag_bufs[p] = ch.empty(self.wire(parts[p].numel()))
                 ag_works.append(ch.irecv(ag_bufs[p], self.order[p], self.tag(b, 1, 0)))
         if self.flags[pos]:
             for p in others:
                 if parts[p].numel():
-                    msg = encode(self.quantize(parts[p]), self.codec)
+                    msg = self.to_wire(parts[p])
                     works.append(ch.isend(msg, self.order[p], self.tag(b, 0, 0), "payload"))
         yield works, f"bucket {b} direct reduce"
-        received = [decode(ch.open(t, r, self.tag(b, 0, 0)), parts[pos].numel()) for t, r in zip(bufs, senders)]
+        received = [self.from_wire(ch.open(t, r, self.tag(b, 0, 0)), parts[pos].numel()) for t, r in zip(bufs, senders)]
         mine = self._owner(parts, received, senders, b)
         if mine is not None:
             for p in others:
@@ -220,7 +261,7 @@ class Run(Claims):
         yield ag_works, f"bucket {b} direct all-gather"
         res = {c: unpack(ch.open(buf, self.order[c], self.tag(b, 1, 0)), 1)[0] for c, buf in ag_bufs.items()}
         res |= {pos: mine} if mine is not None else {}
-        out = [decode(res[c], p.numel()) if c in res else None for c, p in enumerate(parts)]
+        out = [self.from_wire(res[c], p.numel()) if c in res else None for c, p in enumerate(parts)]
         self._check_results(b, out)
         return out
 
@@ -228,7 +269,7 @@ class Run(Claims):
                senders: Sequence[int] = (), b: int = 0) -> torch.Tensor | None:
         """The owner's message: mean of its fp32 chunk and ``received`` (from group ranks
         ``senders``), or, with ``outlier_clip``, their centred clip within the announced
-        norms (``robust``), quantized once."""
+        norms (``robust``), put on the wire once (``to_wire``)."""
         pos = self.pos
         if not parts[pos].numel():
             return None
@@ -242,14 +283,14 @@ class Run(Claims):
             result = total.div_(self.n)
         if self.claims is not None:  # an honest result never needs this; receivers check it
             result = self._bound_result(result, b)
-        return encode(self.quantize(result), self.codec)
+        return self.to_wire(result)
 
     def _ring_gather(self, b: int, parts: list[torch.Tensor], received: list[torch.Tensor],
                      senders: Sequence[int] = ()) -> _Chunks:
         """``_owner``, then a ring all-gather forwarding the owners' bytes. Returns every
         chunk decoded from its owner's bytes."""
         W, pos, ch = self.W, self.pos, self.ch
-        wire = [chunk_nbytes(p.numel()) for p in parts]
+        wire = [self.wire(p.numel()) for p in parts]
         res: dict[int, torch.Tensor] = {}
         if wire[pos]:
             # senders: only "ring-owner" relays each contribution as sent (robust aggregation needs that)
@@ -268,7 +309,7 @@ class Run(Claims):
             yield works, f"bucket {b} all-gather step {s}"
             if buf is not None:
                 res[c_in] = unpack(ch.open(buf, self.prv, self.tag(b, 1, s)), 1)[0]
-        out = [decode(res[c], p.numel()) if wire[c] else None for c, p in enumerate(parts)]
+        out = [self.from_wire(res[c], p.numel()) if wire[c] else None for c, p in enumerate(parts)]
         self._check_results(b, out)
         return out
 

@@ -11,15 +11,24 @@ A :class:`DilocoWorker` drives it in torchft's shape, once per outer step::
 :meth:`Synchronizer.start` computes ``theta_sync - theta_local`` on the caller's thread (it reads the
 model) and hands the attempt (mark ``ready``, the plan, the group, ``all_reduce_mean``, the
 ``FLAGS``/``BLAME`` report) to a background thread; it returns a :class:`Reduction` at once.
-:meth:`Synchronizer.finish` waits for it and asks :meth:`Synchronizer.should_commit`: this rank's
-result ANDed over the worker's local ranks (:func:`local_and`; today a worker is one rank), then the
-quorum's vote and decision (:meth:`~intellect.diloco.protocol.Quorum.should_commit`). On commit it
+:meth:`Synchronizer.finish` waits for it and asks :meth:`Synchronizer.should_commit`: the worker's
+result (every one of its local ranks' rings succeeded), then the quorum's vote and decision
+(:meth:`~intellect.diloco.protocol.Quorum.should_commit`). On commit it
 applies the outer step to ``theta_sync`` and loads it into the model, then strikes and bans the
 members a majority flagged. On abort nothing changed: the outer state and the model are as
 :meth:`start` found them (the average was reduced into a copy; the pseudo-gradient is kept for the
 retry), a majority's blame costs strikes, and the next attempt runs with the survivors who voted,
 up to ``diloco.max_attempts``. A worker left out of a retry gets :class:`Excluded`; attempts run out,
 :class:`~intellect.diloco.membership.MembershipTimeout`.
+
+Local ranks. A worker of M ranks (``diloco.ranks_per_worker``; :mod:`~intellect.diloco.siblings`)
+runs one synchronizer per rank over that rank's shard of ``theta_sync``
+(:class:`~intellect.diloco.outer_shard.ShardedOuterState`): rank *i* reduces in the group of rank *i*
+of every member (:meth:`Synchronizer.group`, its own store prefix and MAC keys), the M rings at
+once. The leader alone talks to the rendezvous (ready, plan, reports, vote, decision, bans) and hands
+each decision to its siblings: the plan before the rings start, then commit, retry (its members
+and attempt), exclusion or giving up. It votes ok only when every ring of the worker succeeded, so a
+step commits on every shard of every member or on none: never an averaged shard beside a local one.
 
 Threads. While a reduction is in flight its thread owns the worker's rendezvous connection (TCPStore
 clients are not shared across threads): the caller may compute (an inner phase touches only the
@@ -61,7 +70,8 @@ from intellect.diloco.plan import SCREENED, fallback_plan, own_plan, settle_plan
 from intellect.diloco.protocol import BAN, BLAME, BW, DIGEST, FLAGS, PG, PROBE, Quorum, ban_record
 from intellect.diloco.report import StepReport
 from intellect.diloco.robust import Screen, Strikes, majority_flagged, reported
-from intellect.diloco.transport import CommError, new_group
+from intellect.diloco.siblings import ALONE, Siblings
+from intellect.diloco.transport import CommError, new_group, shard_prefix
 from intellect.trust.mac import derive_key
 
 log = logging.getLogger("intellect.diloco")
@@ -69,21 +79,6 @@ log = logging.getLogger("intellect.diloco")
 
 class Excluded(RuntimeError):
     """This worker was left out of a step's membership; it rejoins at a later boundary."""
-
-
-def local_and(ok: bool, group: dist.ProcessGroup | None) -> bool:
-    """``ok`` ANDed over the worker's local ranks (``group``; None or one rank: ``ok`` itself), so
-    that the worker votes ``ok`` only when every one of its shards reduced. A sibling that cannot
-    answer (dead, timed out) counts as a failure."""
-    if group is None or group.size() == 1:
-        return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int32)
-    try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    except (dist.DistError, RuntimeError) as e:
-        log.warning("local ranks could not agree on the attempt: %s", e)
-        return False
-    return bool(flag.item())
 
 
 @dataclass
@@ -101,6 +96,8 @@ class Attempt:
     stats: AllReduceStats | None = None
     plan: dict | None = None
     seconds: float = 0.0
+    worker_ok: bool = False  # every local rank's ring succeeded (the leader's to know)
+    worker_bytes: int = 0  # bytes the worker's rings sent (the leader's to know)
 
 
 class Reduction:
@@ -131,15 +128,22 @@ class Reduction:
 
 
 class Synchronizer:
-    """Worker ``m.worker``'s reductions of ``model``'s pseudo-gradient against ``outer``, under ``cfg``
-    (``diloco.*``), sealed with keys derived from ``allreduce_root`` for ``run_name``. ``local_group``:
-    the worker's own ranks (None: it is one rank). It keeps what outlives a step: the bandwidth
-    rates measured at boundaries, the strikes, whom this worker banned."""
+    """Worker ``worker``'s reductions of ``model``'s pseudo-gradient against ``outer``, under ``cfg``
+    (``diloco.*``), sealed with keys derived from ``allreduce_root`` for ``run_name``. ``m``: the
+    worker's membership, on its leader; a follower passes None and its rendezvous connection as
+    ``store``. ``siblings``: the worker's local ranks (:data:`~intellect.diloco.siblings.ALONE`: one).
+    It keeps what outlives a step: the bandwidth rates measured at boundaries, the strikes, whom this
+    worker banned."""
 
-    def __init__(self, m: Membership, model: torch.nn.Module, outer: OuterState, cfg: DilocoConfig, run_name: str,
-                 allreduce_root: bytes, faults: Faults = NO_FAULTS, local_group: dist.ProcessGroup | None = None):
-        self.m, self.worker, self.model, self.outer, self.cfg = m, m.worker, model, outer, cfg
-        self.run_name, self.allreduce_root, self.faults, self.local_group = run_name, allreduce_root, faults, local_group
+    def __init__(self, m: Membership | None, model: torch.nn.Module, outer: OuterState, cfg: DilocoConfig,
+                 run_name: str, allreduce_root: bytes, faults: Faults = NO_FAULTS, siblings: Siblings = ALONE, *,
+                 worker: str | None = None, store: dist.Store | None = None):  # pyright: ignore[reportPrivateImportUsage]
+        if m is None and (worker is None or store is None or siblings.leader):
+            raise ValueError("a synchronizer without membership is a follower's: name its worker and store")
+        self.m, self.model, self.outer, self.cfg = m, model, outer, cfg
+        self.worker: str = m.worker if m is not None else worker  # pyright: ignore[reportAttributeAccessIssue]
+        self.store: dist.Store = m.store if m is not None else store  # pyright: ignore[reportAttributeAccessIssue,reportPrivateImportUsage]
+        self.run_name, self.allreduce_root, self.faults, self.siblings = run_name, allreduce_root, faults, siblings
         self.strikes = Strikes(cfg.exclude_after)
         self.banned_here: set[str] = set()  # whom our own strikes banned: out of our proposals at once
         self.rates: dict[tuple[str, str], float] = {}  # (sender, receiver) -> bytes/s
@@ -150,16 +154,32 @@ class Synchronizer:
         self._contribute = True
         self._handle: Reduction | None = None
         self._tries = 0
+        self.before_step: Callable[[], None] | None = None  # run at a commit, before the outer step
+
+    @property
+    def membership(self) -> Membership:
+        """The worker's membership: the leader's alone."""
+        assert self.m is not None, "the leader's synchronizer talks to the rendezvous"
+        return self.m
 
     def _deadline(self, seconds: float) -> float:
         return time.monotonic() + seconds
 
     def group(self, step: int, attempt: int | str, members: list[str]):
-        """A gloo group of ``members`` under ``PG(step, attempt)``. A fresh store prefix per membership: a
-        dead member's half-written keys cannot leak in. Every tensor reduced or broadcast on it (pseudo-
-        gradients, the onboarding state, probes) is fp32 on the host, whatever the inner device."""
-        return new_group(self.m.store, PG(step, attempt), members.index(self.worker), len(members),
+        """This rank's gloo group of ``members`` under ``PG(step, attempt)``: local rank *i* > 0 in the
+        ring of its shard (``.../shard<i>``, :func:`~intellect.diloco.transport.shard_prefix`). A fresh
+        store prefix per membership: a dead member's half-written keys cannot leak in. Every tensor
+        reduced or broadcast on it (pseudo-gradients, the onboarding state, probes) is fp32 on the host,
+        whatever the inner device."""
+        prefix = PG(step, attempt) if self.siblings.rank == 0 else shard_prefix(PG(step, attempt), self.siblings.rank)
+        return new_group(self.store, prefix, members.index(self.worker), len(members),
                          timeout=self.cfg.collective_timeout, backend=dist_backend(self.outer.params[0].device))
+
+    def mac_key(self, step: int, attempt: int) -> bytes:
+        """The MAC key of this rank's ring in an attempt: one per shard, so no message crosses rings."""
+        if self.siblings.rank == 0:
+            return derive_key(self.allreduce_root, "allreduce", self.run_name, step, attempt)
+        return derive_key(self.allreduce_root, "allreduce", self.run_name, step, attempt, f"shard{self.siblings.rank}")
 
     # ------------------------------------------------------------------ planning
 
@@ -169,11 +189,11 @@ class Synchronizer:
             return
         known = all((a, b) in self.rates for a in members for b in members if a != b)
         # one decision for all: a restarted worker that forgot its rates must not probe alone
-        if self.m.decide(PROBE(step), "no" if known else "yes") == "no":
+        if self.membership.decide(PROBE(step), "no" if known else "yes") == "no":
             return
         try:
             group = self.group(step, "bw", members)
-            store = dist.PrefixStore(BW(step), self.m.store)  # pyright: ignore[reportPrivateImportUsage]
+            store = dist.PrefixStore(BW(step), self.store)  # pyright: ignore[reportPrivateImportUsage]
             _, columns = measure_ring(group, store, "col", self.cfg.bandwidth_probe_bytes)
         except (CommError, dist.DistError, RuntimeError) as e:
             log.warning("%s: bandwidth probe at step %d failed: %s", self.worker, step, e)
@@ -211,37 +231,63 @@ class Synchronizer:
     # ------------------------------------------------------------------ one attempt (its own thread)
 
     def _reduce(self, step: int, a: int, members: list[str]) -> Attempt:
-        """Ready, plan, reduce and report one attempt; the vote is :meth:`finish`'s."""
-        me, q = self.worker, Quorum(self.m, self.worker, step)
-        present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout))
-        if absent:
-            return Attempt(step, a, members, present=present, absent=absent)
-        self.faults.before_allreduce(step, a, me)
+        """Ready, plan, reduce and report one attempt; the vote is :meth:`finish`'s. The leader waits
+        for the members and settles the plan, the worker's rings run it, the leader reports."""
+        me, sib = self.worker, self.siblings
+        q = Quorum(self.membership, me, step) if sib.leader else None
+        setup: dict = {}
+        if q is not None:
+            present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout))
+            setup = {"present": present, "absent": absent, "plan": None}
+            if not absent:
+                self.faults.before_allreduce(step, a, me)
+                try:
+                    setup["plan"] = self._settle(q, a, members)
+                except StoreLost:
+                    sib.share({"lost": True})
+                    raise
+        setup = sib.share(setup)
+        if setup.get("lost"):
+            raise StoreLost(f"{me}: the worker's leader lost the rendezvous")
+        if setup["absent"]:
+            return Attempt(step, a, members, present=setup["present"], absent=setup["absent"])
         t0 = time.perf_counter()
-        out = Attempt(step, a, members, present=present)
+        out = Attempt(step, a, members, present=setup["present"], plan=setup["plan"])
         average = [g.clone() for g in self._pseudo]  # reduced in place; keep ours for a retry
+        flagged: list[str] | None = None
+        blamed: list[str] | None = None
         try:
+            if out.plan is None:
+                raise AllReduceError("no plan")
+            plan = out.plan
             # built only once every member is ready: a member that died before then cannot stall it
             group = self.group(step, a, members)
-            out.plan = plan = self._settle(q, a, members)
             # a ring of partial sums runs only where the config names it, with outlier_clip 0 (DilocoConfig)
             robust = self.cfg.outlier_clip if plan["algorithm"] in SCREENED else 0.0
             stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute,
                                     algorithm=plan["algorithm"], clip_sigmas=tuple(self.cfg.clip_sigmas),
-                                    codec=self.cfg.wire_codec, outlier_clip=robust,
+                                    codec=self.cfg.wire_codec, compression=self.cfg.compression, outlier_clip=robust,
                                     screen=Screen(self.cfg.outlier_clip_crowd, self.cfg.direction_screen),
-                                    mac_key=derive_key(self.allreduce_root, "allreduce", self.run_name, step, a))
-            q.report(a, flagged=reported(stats.outliers, members))
+                                    mac_key=self.mac_key(step, a))
+            flagged = reported(stats.outliers, members)
             out.ok, out.average, out.stats = True, average, stats
         except Misbehaviour as e:
             log.warning("%s: all-reduce of step %d attempt %d: %s", me, step, a, e)
-            q.report(a, blamed=[members[r] for r in e.blamed if r < len(members)])
-        except StoreLost:
-            raise
+            blamed = [members[r] for r in e.blamed if r < len(members)]
         except (AllReduceError, CommError, dist.DistError, RuntimeError) as e:
             # RuntimeError: gloo's own, e.g. a group whose connection handshake someone who
             # reaches its ports broke (gloo's listeners are unauthenticated): the attempt fails
             log.warning("%s: all-reduce of step %d attempt %d failed: %s", me, step, a, e)
+        rings = sib.gather({"ok": out.ok, "flagged": flagged, "blamed": blamed,
+                            "bytes": out.stats.bytes_sent if out.stats else 0})
+        if q is not None and rings is not None:
+            out.worker_ok = all(r["ok"] for r in rings)
+            out.worker_bytes = sum(int(r["bytes"]) for r in rings)
+            blames = [r["blamed"] for r in rings if r["blamed"] is not None]
+            if blames:  # an owner whose result a ring refused: the worker blames it
+                q.report(a, blamed=sorted({w for b in blames for w in b}))
+            elif out.worker_ok:
+                q.report(a, flagged=sorted({w for r in rings for w in r["flagged"] or []}))
         out.seconds = time.perf_counter() - t0
         return out
 
@@ -254,56 +300,77 @@ class Synchronizer:
 
     # ------------------------------------------------------------------ the interface
 
-    def start(self, step: int, members: list[str], report: StepReport | None = None) -> Reduction:
+    def start(self, step: int, members: list[str], report: StepReport | None = None, contribute: bool = True) -> Reduction:
         """Begin outer step ``step``'s reduction among ``members`` (its first attempt) and return at once.
-        ``report``: the step's report, whose attempts, all-reduce time, bytes and verdicts it fills."""
+        ``report``: the step's report, whose attempts, all-reduce time, bytes and verdicts it fills;
+        ``contribute`` False: relay and receive only (a worker catching up). Collective over the
+        worker's ranks (they contribute together or not at all)."""
         if self._handle is not None and not self._handle.done():
             raise RuntimeError("start: the previous reduction is still in flight; finish it first")
         self._step, self._tries = step, 0
         self._report = report if report is not None else StepReport(step=step, worker=self.worker)
         pseudo = self.outer.pseudo_gradient(self.model)
         self.faults.pseudo_gradient(step, self.worker, pseudo)
-        self._contribute = all(bool(torch.isfinite(g).all()) for g in pseudo)
-        if not self._contribute:
+        self._contribute = self.siblings.all(contribute and all(bool(torch.isfinite(g).all()) for g in pseudo))
+        if contribute and not self._contribute:
             log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", self.worker, step)
         self._pseudo = pseudo
         return self._begin(0, members)
 
     def should_commit(self, ok: bool) -> bool:
-        """Whether everyone commits the attempt in flight: ``ok`` ANDed over the worker's local ranks,
-        then the quorum's vote and its one decision (any member's failure makes it False for all)."""
+        """Whether everyone commits the attempt in flight (the leader asks): ``ok``, the worker's result
+        (every local rank's ring succeeded), then the quorum's vote and its one decision (any member's
+        failure makes it False for all)."""
         assert self._handle is not None
         r = self._handle.wait()
-        q = Quorum(self.m, self.worker, r.step)
+        q = Quorum(self.membership, self.worker, r.step)
         deadline = self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout)
-        return q.should_commit(r.attempt, local_and(ok, self.local_group), r.members, deadline)
+        return q.should_commit(r.attempt, ok, r.members, deadline)
+
+    def _direct(self, q: Quorum, r: Attempt, report: StepReport) -> dict:
+        """The leader's decision on attempt ``r``, as its siblings act on it: commit, retry (members,
+        attempt), excluded or out of attempts (why)."""
+        try:
+            if r.absent:
+                members, a = self._next_attempt(q, r.attempt, r.present)
+            else:
+                report.allreduce_seconds += r.seconds
+                if self.should_commit(r.worker_ok):
+                    return {"do": "commit"}
+                blamed = majority_flagged(q.reports(BLAME, r.attempt, r.members), r.members)
+                self._ban(self.strikes.add(blamed), q.step, r.attempt)  # strikes for a majority's blame, out of the retry
+                survivors = [w for w in q.voted(r.attempt, r.members) if self.membership.alive(w) and w not in blamed]
+                members, a = self._next_attempt(q, r.attempt, survivors)
+        except Excluded as e:
+            return {"do": "excluded", "why": str(e)}
+        if self._tries >= self.cfg.max_attempts:
+            return {"do": "timeout", "why": f"outer step {q.step} did not commit in {self.cfg.max_attempts} attempts"}
+        return {"do": "retry", "members": members, "attempt": a}
 
     def finish(self) -> list[str]:
         """Wait for the reduction; commit (the outer step, into ``theta_sync`` and the model) or roll back
         and retry with the survivors. Returns the committed attempt's members; raises :class:`Excluded`
         when a retry leaves this worker out and ``MembershipTimeout`` when the attempts run out, with
-        the outer state and the model as :meth:`start` found them."""
+        the outer state and the model as :meth:`start` found them. Collective over the worker's ranks:
+        the leader decides, every rank acts on its decision."""
         assert self._handle is not None, "finish without start"
-        me, report = self.worker, self._report
-        q = Quorum(self.m, me, self._step)
+        report, sib = self._report, self.siblings
+        q = Quorum(self.membership, self.worker, self._step) if sib.leader else None
         while True:
             r = self._handle.wait()
-            if r.absent:
-                members, a = self._next_attempt(q, r.attempt, r.present)
-            else:
-                report.allreduce_seconds += r.seconds
-                if self.should_commit(r.ok):
-                    assert r.stats is not None and r.average is not None and r.plan is not None  # our own ok vote
-                    self._commit(r, report)
+            do = sib.share(self._direct(q, r, report) if q is not None else None)
+            if do["do"] == "commit":
+                if r.stats is None or r.average is None:  # the worker voted ok: every ring succeeded
+                    raise RuntimeError(f"{self.worker}: committing step {r.step} without this rank's average")
+                self._commit(r, report)
+                if q is not None:
                     self._judge(q, r.attempt, r.members, report)
-                    return r.members
-                blamed = majority_flagged(q.reports(BLAME, r.attempt, r.members), r.members)
-                self._ban(self.strikes.add(blamed), q.step, r.attempt)  # strikes for a majority's blame, out of the retry
-                survivors = [w for w in q.voted(r.attempt, r.members) if self.m.alive(w) and w not in blamed]
-                members, a = self._next_attempt(q, r.attempt, survivors)
-            if self._tries >= self.cfg.max_attempts:
-                raise MembershipTimeout(f"outer step {q.step} did not commit in {self.cfg.max_attempts} attempts")
-            self._begin(a, members)
+                return r.members
+            if do["do"] == "excluded":
+                raise Excluded(do["why"])
+            if do["do"] == "timeout":
+                raise MembershipTimeout(do["why"])
+            self._begin(int(do["attempt"]), list(do["members"]))
 
     def apply(self) -> None:
         """Bring the committed ``theta_sync`` into the model for the next inner phase."""
@@ -313,14 +380,24 @@ class Synchronizer:
 
     def _commit(self, r: Attempt, report: StepReport) -> None:
         assert r.stats is not None and r.average is not None and r.plan is not None
+        if self.before_step is not None:
+            self.before_step()  # a worker catching up takes the state the step started from
         if r.stats.contributors:
             self.outer.step(r.average)
         self.apply()
-        report.members, report.contributors = r.members, len(r.stats.contributors)
-        report.bytes_sent += r.stats.bytes_sent
-        report.algorithm, report.estimates = r.stats.algorithm, r.plan["estimates"]
-        report.committed, report.digest = True, self.outer.digest()
-        self.m.set(DIGEST(r.step, self.worker), report.digest)
+        digest = self.digest()
+        if self.siblings.leader:
+            report.members, report.contributors = r.members, len(r.stats.contributors)
+            report.bytes_sent += r.worker_bytes
+            report.algorithm, report.estimates = r.stats.algorithm, r.plan["estimates"]
+            report.committed, report.digest = True, digest
+            self.membership.set(DIGEST(r.step, self.worker), digest)
+
+    def digest(self) -> str:
+        """SHA-256 of the worker's whole ``theta_sync`` (collective over its ranks when sharded): equal
+        on every member after a commit, and equal for any number of ranks per worker."""
+        full = getattr(self.outer, "full_digest", None)
+        return full() if full is not None else self.outer.digest()
 
     def _judge(self, q: Quorum, a: int, members: list[str], report: StepReport) -> None:
         """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
@@ -335,7 +412,7 @@ class Synchronizer:
         for w in workers:
             log.warning("%s: banning %s: outlying contributions in %d steps", self.worker, w, self.cfg.exclude_after)
             self.banned_here.add(w)
-            self.m.set(BAN(w, self.worker), ban_record(t, a))
+            self.membership.set(BAN(w, self.worker), ban_record(t, a))
 
     def _next_attempt(self, q: Quorum, a: int, candidates: list[str]) -> tuple[list[str], int]:
         members = q.propose_members(a + 1, candidates)
@@ -344,4 +421,4 @@ class Synchronizer:
         return members, a + 1
 
 
-__all__ = ["Attempt", "Excluded", "Reduction", "Synchronizer", "local_and"]
+__all__ = ["Attempt", "Excluded", "Reduction", "Synchronizer"]

@@ -56,15 +56,22 @@ from intellect.data.text import PackedStream
 from intellect.device import local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco import worker_state
-from intellect.diloco.data import align_to_members, data_sketch, position_claim, sketched_batches, worker_stream
+from intellect.diloco.data import (align_to_members, data_sketch, position_claim, rows_of, sketched_batches,
+                                   worker_stream)
 from intellect.diloco.faults import NO_FAULTS, Faults
-from intellect.diloco.membership import Membership, StoreLost
+from intellect.diloco.membership import Membership, StoreLost, connect_store
+from intellect.diloco.mesh import WorkerMesh
+from intellect.diloco.outer_shard import ShardedOuterState, consolidated
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.report import StepReport, WorkerLog
-from intellect.diloco.protocol import ARRIVE, COMMITTED, DATA_AT, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum, read_count
+from intellect.diloco.protocol import (ARRIVE, COMMITTED, DATA_AT, LAUNCHED, LEFT, METRICS, PG, PROGRESS, Quorum,
+                                      catchup_group, onboarding_source, read_count)
 from intellect.diloco.rendezvous import allreduce_root, peer_key
+from intellect.diloco.siblings import ALONE, Siblings
 from intellect.diloco.sync import Excluded, Synchronizer
-from intellect.diloco.transport import CommError
+from intellect.diloco.catchup import Transfer
+from intellect.diloco.transport import CommError, shard_prefix
+from intellect.diloco.worker_ranks import WorkerRanks
 from intellect.metrics import Peak, flops_per_token
 from intellect.storage import RunStorage
 from intellect.train import Trainer
@@ -84,23 +91,34 @@ def inner_train_config(run: DilocoRunConfig) -> TrainConfig:
 class DilocoWorker:
     def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
                  secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None,
-                 faults: Faults = NO_FAULTS):
+                 faults: Faults = NO_FAULTS, ranks: WorkerRanks | None = None):
         """``key`` (this worker's rendezvous key) and ``allreduce_key`` (the all-reduce root) are
-        what a worker holds; ``secret``, the run secret, derives both where they are not given."""
+        what a worker holds; ``secret``, the run secret, derives both where they are not given.
+        ``ranks``: this process's place in a worker of several ranks (None: the worker is one)."""
         self.run, self.cfg, self.worker, self.index, self.faults = run, run.diloco, worker, index, faults
-        # train.threads 0: the machine's cores split among the run's workers; at torch's default
+        self.ranks = ranks
+        rank, size = (ranks.rank, ranks.size) if ranks is not None else (0, 1)
+        self.leader = rank == 0
+        # train.threads 0: the machine's cores split among the run's processes; at torch's default
         # (all cores each), co-located workers spin on each other's threads
-        torch.set_num_threads(run.train.threads or max(1, (os.cpu_count() or 1) // run.diloco.workers))
+        torch.set_num_threads(run.train.threads or max(1, (os.cpu_count() or 1) // (run.diloco.workers * size)))
         self.storage = RunStorage.from_config(run.storage, run.run_name)
         if key is None or allreduce_key is None:
             if secret is None:
                 raise ValueError("a worker needs its credentials (key, allreduce_key) or the run secret")
             key = key if key is not None else peer_key(secret, run.run_name, worker)
             allreduce_key = allreduce_key if allreduce_key is not None else allreduce_root(secret, run.run_name)
-        self.m = Membership(store_host, store_port, worker, None, run.run_name, self.cfg.heartbeat_interval,
-                            self.cfg.heartbeat_timeout, store_timeout=max(30.0, self.cfg.heartbeat_timeout),
-                            startup_grace=self.cfg.boundary_timeout, key=key)
-        n = self.storage.latest_step(CHECKPOINTS)
+        store_timeout = max(30.0, self.cfg.heartbeat_timeout)
+        if self.leader:
+            self.m: Membership | None = Membership(
+                store_host, store_port, worker, None, run.run_name, self.cfg.heartbeat_interval,
+                self.cfg.heartbeat_timeout, store_timeout=store_timeout, startup_grace=self.cfg.boundary_timeout, key=key)
+            store = self.m.store
+        else:  # a follower speaks only for its rings' gloo groups
+            self.m, store = None, connect_store(store_host, store_port, store_timeout, None, run.run_name, worker, key=key)
+        self.store = store
+        self.siblings = self._siblings("worker")
+        n = self.siblings.share(self.storage.latest_step(CHECKPOINTS) if self.leader else None)
         if n is None:
             raise FileNotFoundError(f"run {self.storage.url} has no outer checkpoint; the coordinator publishes step 0")
         # the GPU of this process's local rank (the coordinator sets LOCAL_RANK for the workers it starts)
@@ -108,20 +126,32 @@ class DilocoWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # what torch allocates on without naming a device
         self.model, self.tok = fetch(self.storage, n)
-        # theta_sync from the fp32 checkpoint, before the model is cast to the inner precision
-        self.outer = OuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.nesterov,
-                                device=self.device)
-        load_outer_state(self.storage, n, self.outer)
-        prepare_model(self.model, run.compute, self.device)
-        self.sync = Synchronizer(self.m, self.model, self.outer, self.cfg, run.run_name, allreduce_key, faults)
-        log.info("%s: device %s (local rank %d), precision %s", worker, self.device, local_rank(), run.compute.precision)
+        self.mesh = None
+        if ranks is not None and ranks.size > 1:
+            # fp32 weights sharded over the worker's ranks, theta_sync per shard (never cast before sharding)
+            self.mesh = WorkerMesh.create(self.device, rank, size, store=ranks.store, timeout=self.cfg.boundary_timeout)
+            prepare_model(self.model, run.compute, self.device, mesh=self.mesh.fsdp_mesh)
+            self.outer: OuterState = ShardedOuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum,
+                                                       self.cfg.nesterov, device=self.device)
+            load_outer_state(self.storage, n, self.outer)
+        else:
+            # theta_sync from the fp32 checkpoint, before the model is cast to the inner precision
+            self.outer = OuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum, self.cfg.nesterov,
+                                    device=self.device)
+            load_outer_state(self.storage, n, self.outer)
+            prepare_model(self.model, run.compute, self.device)
+        self.sync = Synchronizer(self.m, self.model, self.outer, self.cfg, run.run_name, allreduce_key, faults,
+                                 self._siblings("sync"), worker=worker, store=store)
+        log.info("%s: device %s (local rank %d, rank %d of %d in the worker), precision %s", worker, self.device,
+                 local_rank(), rank, size, run.compute.precision)
         self._host: torch.nn.Module | None = None  # the fp32 CPU model checkpoints are published from
         self.committed: int = n  # outer steps committed into theta_sync
         self.step: int = n  # the outer step being worked on (0-based): step t produces checkpoint t+1
         self.trainer = Trainer(self.model, self.tok, inner_train_config(run), compute=run.compute)
         self.trainer.step = n * self.cfg.inner_steps
         # this worker's inner AdamW state and data position at checkpoint n, when it saved them
-        saved, why = worker_state.restore(self.storage, worker, n, self.trainer) if n else (None, "")
+        group = self.mesh.intra if self.mesh is not None else None
+        saved, why = worker_state.restore_any(self.storage, worker, n, self.trainer, self.outer, group) if n else (None, "")
         if saved is not None:
             self.trainer.step = n * self.cfg.inner_steps  # the run's schedule, if the state is older
             log.info("%s: resuming with its inner state and data position of checkpoint %d", worker, saved.step)
@@ -136,25 +166,44 @@ class DilocoWorker:
         # (the boundary, its members) this data position is current at: at any other it is realigned
         self.data_at: tuple[int, list[str]] = (saved.step, saved.members) if saved else (0, [])
         self.rows_per_step = saved.rows_per_step if saved else 0  # the reader's pace in its last inner phase
-        self.metrics_log = WorkerLog(self.storage, run, worker, n)  # its series and progress lines
+        # its series and progress lines (the leader's)
+        self.metrics_log: WorkerLog | None = WorkerLog(self.storage, run, worker, n) if self.leader else None
         self.flops_per_token = flops_per_token(self.model.config, self.seq_len())
         self.peak = Peak.of(self.device, run.compute.precision, run.compute.peak_tflops)
         self._started = time.perf_counter()  # the current outer step's start (boundary)
         self.members: list[str] = []
         self.prev_members: list[str] = []
-        self.m.start_heartbeat()
+        self.catching_up: Transfer | None = None  # non-blocking onboarding: the state on its way here
+        if self.m is not None:
+            self.m.start_heartbeat()
+
+    def _siblings(self, name: str) -> Siblings:
+        """A control group of the worker's ranks (:mod:`~intellect.diloco.siblings`), bounded by the
+        longest the leader may legitimately keep its followers waiting (a joiner's boundary)."""
+        if self.ranks is None or self.ranks.size == 1:
+            return ALONE
+        bound = self.cfg.boundary_timeout * 10 + self.cfg.max_attempts * (
+            self.cfg.boundary_timeout + self.cfg.collective_timeout + self.cfg.heartbeat_timeout) + 3600
+        return Siblings.on(self.ranks.store, name, self.ranks.rank, self.ranks.size, timeout=bound)
+
+    @property
+    def membership(self) -> Membership:
+        """The worker's membership: the leader's alone."""
+        assert self.m is not None, "only the worker's leader talks to the rendezvous"
+        return self.m
 
     # ------------------------------------------------------------------ helpers
 
     def admitted(self) -> list[str]:
         """Workers the coordinator has admitted so far (``LAUNCHED``), in admission order."""
-        n = min(self.m.counter(LAUNCHED.under()), 1 << 16)  # the coordinator's own count
-        return list(dict.fromkeys(self.m.get(LAUNCHED(i)) for i in range(n) if self.m.has(LAUNCHED(i))))
+        m = self.membership
+        n = min(m.counter(LAUNCHED.under()), 1 << 16)  # the coordinator's own count
+        return list(dict.fromkeys(m.get(LAUNCHED(i)) for i in range(n) if m.has(LAUNCHED(i))))
 
     def launched(self) -> list[str]:
         """:meth:`admitted`, banned ones left out."""
         names = self.admitted()
-        return [w for w in names if w not in self.sync.banned_here and not self.m.banned(w, names)]
+        return [w for w in names if w not in self.sync.banned_here and not self.membership.banned(w, names)]
 
     def seq_len(self) -> int:
         """Tokens per training sequence, for the attention FLOPs: the packed length of a corpus; for the
@@ -169,21 +218,24 @@ class DilocoWorker:
             self._host = host_model(self.model)
         return self._host
 
-    def reshard(self, members: list[str]) -> None:
+    def reshard(self, members: list[str]) -> dict | None:
         """Read shard ``i`` of ``n``, this worker's place among the step's members (text corpus), from the
-        members' furthest position when its own is not current (:mod:`intellect.diloco.data`)."""
+        members' furthest position when its own is not current (:mod:`intellect.diloco.data`). Returns
+        the new position when it moved (for the worker's other ranks), else None."""
         if not isinstance(self.stream, PackedStream):
-            return
+            return None
         shard = (members.index(self.worker), len(members))
+        moved = shard != self.shard or self.data_at != (self.step, members)
         if shard != self.shard:
             if self.data_at[1] and members != self.data_at[1]:
                 log.info("%s: membership changed at step %d: reading shard %d of %d", self.worker, self.step, *shard)
             self.stream.reshard(*shard)
             self.shard = shard
         if self.data_at != (self.step, members):
-            m = self.m
+            m = self.membership
             align_to_members(self.stream, lambda k: m.get(k).encode() if m.has(k) else None, self.step, members,
                              self.worker, max(0, self.step - self.data_at[0]), self.rows_per_step)
+        return self.stream.state_dict() if moved else None
 
     def _deadline(self, seconds: float) -> float:
         return time.monotonic() + seconds
@@ -196,9 +248,41 @@ class DilocoWorker:
         Founders (a fresh or resumed run: no progress in the store yet) wait for every
         launched worker; veterans wait for the previous step's members; anyone else is a
         joiner, which never proposes: it waits for the veterans' decision at the next
-        undecided boundary and is onboarded there.
+        undecided boundary and is onboarded there. The leader agrees for the worker and hands
+        its followers the outcome (:meth:`_follow`).
         """
-        me, m = self.worker, self.m
+        if not self.leader:
+            return self._follow(self.siblings.share())
+        try:
+            members = self._agree()
+        except Excluded as e:
+            self.siblings.share({"excluded": str(e)})
+            raise
+        position = self.reshard(members)
+        onboard = self._onboarding(members)
+        self.siblings.share({"step": self.step, "members": members, "committed": self.committed,
+                             "position": position, "shard": list(self.shard), "onboard": onboard})
+        self.members = members
+        behind = self._onboard(onboard)
+        self.sync.probe(self.step, members)
+        return behind
+
+    def _follow(self, d: dict) -> bool:
+        """A follower's boundary: the leader's decision (``d``), its data position, the onboarding."""
+        if "excluded" in d:
+            raise Excluded(d["excluded"])
+        self.step, self.members, self.committed = int(d["step"]), list(d["members"]), int(d["committed"])
+        if d["position"] is not None and isinstance(self.stream, PackedStream):
+            shard = (int(d["shard"][0]), int(d["shard"][1]))
+            if shard != self.shard:
+                self.stream.reshard(*shard)
+                self.shard = shard
+            self.stream.load_state_dict(d["position"])
+        return self._onboard(d["onboard"])
+
+    def _agree(self) -> list[str]:
+        """The leader's part of the boundary: the step's members (this worker among them)."""
+        me, m = self.worker, self.membership
         if m.banned(me, self.admitted()):
             raise Banned(f"{me} was banned from the run for outlying contributions")
         founder = m.progress() is None
@@ -216,8 +300,10 @@ class DilocoWorker:
             # veterans block for newcomers still starting up, as INTELLECT-1's onboarding does;
             # a newcomer that never comes up is dropped after its startup grace
             launched = self.launched()
-            expected = launched if founder else [w for w in self.prev_members if w in launched] + [
+            # non-blocking onboarding: veterans never wait for a newcomer, who is in once it has arrived
+            newcomers = [] if self.cfg.onboarding == "non_blocking" else [
                 w for w in launched if w not in self.prev_members and not m.has(LEFT(t, w))]
+            expected = launched if founder else [w for w in self.prev_members if w in launched] + newcomers
             m.wait_for_keys(ARRIVE.under(t), [w for w in expected if w != me],
                             self._deadline(self.cfg.boundary_timeout), step=t)
             arrived = [w for w in self.launched() if m.has(ARRIVE(t, w)) and m.alive(w)]
@@ -228,28 +314,38 @@ class DilocoWorker:
             members = q.members(0) or []
         if me not in members:
             raise Excluded(f"{me} arrived after the members of step {t} were decided")
-        self.members = members
-        self.reshard(members)
-        behind = self._onboard(members)
-        self.sync.probe(self.step, members)
-        return behind
+        return members
 
-    def _onboard(self, members: list[str]) -> bool:
-        m = self.m
-        # the rendezvous takes only counts up to the step; one unreadable all the same is taken as behind
-        progress = {w: read_count(m.get(COMMITTED(self.step, w)), 0, self.step) or 0 for w in members}
-        newest = max(progress.values())
-        if min(progress.values()) == newest:
+    def _onboarding(self, members: list[str]) -> dict | None:
+        """Who hands its state to the members behind at this boundary (``src``, its index), those
+        (``joiners``) and whether this worker is one of them (None: nobody is behind). The rendezvous
+        takes only counts up to the step; one unreadable all the same is taken as behind."""
+        m, t = self.membership, self.step
+        source = onboarding_source(members, lambda w: m.get(COMMITTED(t, w)), t)
+        if source is None:
+            return None
+        newest = read_count(m.get(COMMITTED(t, source)), 0, t) or 0
+        joiners = [j for j, w in enumerate(members) if (read_count(m.get(COMMITTED(t, w)), 0, t) or 0) < newest]
+        return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners}
+
+    def _onboard(self, onboard: dict | None) -> bool:
+        """Every rank receives (or sends) its own shard of the state, from the same rank of the
+        source member (shard to shard); the worker is onboarded only if every rank was."""
+        if onboard is None:
             return False
-        src = members.index(min(w for w in members if progress[w] == newest))
-        behind = progress[self.worker] < newest
+        if self.cfg.onboarding == "non_blocking":
+            return self._catch_up(onboard)
+        behind = bool(onboard["behind"])
         flat = self.outer.flat(self.committed)
+        error = None
         try:
-            self.sync.group(self.step, "onboard", members).broadcast(flat, src).wait()
+            self.sync.group(self.step, "onboard", self.members).broadcast(flat, int(onboard["src"])).wait()
         except (CommError, dist.DistError, RuntimeError) as e:
+            error = e
+        if not self.siblings.all(error is None):
             if behind:  # without the state we cannot contribute: try again at the next boundary
-                raise Excluded(f"{self.worker}: onboarding at step {self.step} failed: {e}") from e
-            log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, e)
+                raise Excluded(f"{self.worker}: onboarding at step {self.step} failed: {error or 'on another rank'}")
+            log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, error)
             return False
         if behind:
             self.committed = self.outer.load_flat(flat)
@@ -258,29 +354,79 @@ class DilocoWorker:
             self.outer.load_into(self.model)
         return behind
 
+    def _catch_up(self, onboard: dict) -> bool:
+        """Non-blocking onboarding (:mod:`~intellect.diloco.catchup`): the source sends a snapshot of its
+        state to each member behind, which receives it during the step; True for those."""
+        me, t = self.members.index(self.worker), self.step
+        timeout = self.cfg.boundary_timeout
+        if me == int(onboard["src"]):
+            snapshot = self.outer.flat(self.committed)  # its own outer step never waits for the transfers
+            for j in onboard["joiners"]:
+                Transfer(self.store, self._catchup_prefix(j), 0, snapshot, timeout, f"catchup-send-{t}-{j}")
+            return False
+        if me not in onboard["joiners"]:
+            return False
+        self.catching_up = Transfer(self.store, self._catchup_prefix(me), 1, self.outer.flat(self.committed),
+                                    timeout, f"catchup-receive-{t}")
+        self.sync.before_step = self._caught_up
+        log.info("%s: catching up at step %d from %s in the background", self.worker, t,
+                 self.members[int(onboard["src"])])
+        return True
+
+    def _catchup_prefix(self, joiner: int) -> str:
+        prefix = PG(self.step, catchup_group(joiner))
+        rank = self.ranks.rank if self.ranks is not None else 0
+        return prefix if rank == 0 else shard_prefix(prefix, rank)
+
+    def _caught_up(self) -> None:
+        """At the catch-up step's commit (before its outer step): take the state received, or leave."""
+        transfer, self.catching_up, self.sync.before_step = self.catching_up, None, None
+        assert transfer is not None
+        ok = self.siblings.all(transfer.wait(self.cfg.boundary_timeout))
+        if not ok:
+            raise Excluded(f"{self.worker}: catching up at step {self.step} failed: {transfer.error or 'on another rank'}")
+        self.committed = self.outer.load_flat(transfer.flat)
+        self.trainer.step = (self.committed + 1) * self.cfg.inner_steps  # past the step it did not train
+
     def batches(self, seen: list[str]) -> Iterator:
-        """Training batches of this worker's shard; ``seen`` keeps the :func:`data_sketch` of their sequences."""
-        return sketched_batches(self.stream, self.run.train.batch_size, seen)
+        """This rank's rows of the worker's training batches; ``seen`` keeps the :func:`data_sketch` of
+        the worker's sequences. Every rank reads the worker's whole batch and trains on its slice, so a
+        worker of M ranks takes the step a worker of one would (FSDP averages the ranks' gradients)."""
+        size = self.ranks.size if self.ranks is not None else 1
+        rank = self.ranks.rank if self.ranks is not None else 0
+        for batch in sketched_batches(self.stream, self.run.train.batch_size, seen):
+            yield batch if size == 1 else rows_of(batch, rank, size)
 
     def inner(self, report: StepReport) -> None:
-        """H inner steps: the report's inner_loss, inner_seconds, tokens, shard and data_sketch."""
+        """H inner steps: the report's inner_loss, inner_seconds, tokens, shard and data_sketch. A worker
+        catching up (non-blocking onboarding) has no weights to train yet: it skips the phase."""
+        if self.catching_up is not None:
+            report.shard = list(self.shard)
+            return
         t0 = time.perf_counter()
         seen: list[str] = []
         rows = getattr(self.stream, "passed", 0)
-        logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), self.metrics_log.on_inner_step(self.m.check_store))
+        on_step = self.metrics_log.on_inner_step(self.membership.check_store) if self.metrics_log is not None else None
+        logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), on_step)
         report.inner_seconds = time.perf_counter() - t0
         self.rows_per_step = getattr(self.stream, "passed", 0) - rows
         self.data_at = (self.step + 1, list(self.members))
-        report.inner_loss = sum(rec["loss"] for rec in logs) / len(logs)
-        report.tokens = int(sum(rec["tokens"] for rec in logs))
+        # the worker's figures: every rank's tokens, the ranks' mean loss (equal token counts per rank)
+        loss, tokens = self.siblings.sum([sum(rec["loss"] for rec in logs) / len(logs),
+                                          sum(rec["tokens"] for rec in logs)])
+        report.inner_loss = loss / self.siblings.size
+        report.tokens = int(tokens)
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
+        report.device_memory_mb = max(self.siblings.gather(peak) or [peak])
         report.shard, report.data_sketch = list(self.shard), data_sketch(seen)
 
     def timing(self, report: StepReport) -> None:
-        """The committed step's wall time and the utilization, throughput and MFU over it."""
+        """The committed step's wall time and the utilization, throughput and MFU over it (MFU of the
+        worker's devices together)."""
         wall = report.outer_seconds = time.perf_counter() - self._started
         report.compute_utilization = report.inner_seconds / wall if wall > 0 else 0.0
         report.tokens_per_s = report.tokens / wall if wall > 0 else 0.0
-        report.mfu = self.peak.mfu(report.tokens_per_s, self.flops_per_token)
+        report.mfu = self.peak.mfu(report.tokens_per_s / self.siblings.size, self.flops_per_token)
 
     def commit(self, members: list[str], report: StepReport) -> None:
         """Record the step the synchronizer committed among ``members``: the next boundary's veterans,
@@ -288,8 +434,8 @@ class DilocoWorker:
         self.committed = self.step + 1
         self.prev_members, self.members = members, members
         self.timing(report)
-        if self.worker == members[0]:
-            self.m.set(PROGRESS(), json.dumps(self.committed))
+        if self.leader and self.worker == members[0]:
+            self.membership.set(PROGRESS(), json.dumps(self.committed))
 
     def checkpoint_step(self, n: int) -> bool:
         """Whether committing outer step ``n - 1`` publishes checkpoint ``n``."""
@@ -299,64 +445,116 @@ class DilocoWorker:
         """Save this worker's inner state and data position for the checkpoint this step commits into
         (before the all-reduce: see :mod:`~intellect.diloco.worker_state`)."""
         n = self.step + 1
-        if self.checkpoint_step(n):
+        if not self.checkpoint_step(n):
+            return
+        keep = self.run.storage.keep_last
+        if self.mesh is None:
             state = worker_state.WorkerState(n, self.trainer.state_bytes(), self.stream.state_dict(),
                                              self.data_at[1], self.rows_per_step)
-            worker_state.save(self.storage, self.worker, state, self.run.storage.keep_last)
+            worker_state.save(self.storage, self.worker, state, keep)
+        else:  # every rank writes its shards of the AdamW state
+            state = worker_state.WorkerState(n, b"", self.stream.state_dict(), self.data_at[1], self.rows_per_step)
+            worker_state.save_sharded(self.storage, self.worker, state, self.trainer, self.outer, keep,
+                                      self.mesh.intra, lambda: self.siblings.all(True))
 
     def checkpoint(self) -> str | None:
+        """Publish outer checkpoint :attr:`committed` (the step's first member, every N steps); a
+        sharded worker's ranks gather ``theta_sync`` and the momentum for its leader to write."""
         n = self.committed
         if self.worker != self.members[0] or not self.checkpoint_step(n):
             return None
-        uri = publish_outer_checkpoint(self.storage, n, self.host(), self.tok, self.outer, self.members)
+        outer: OuterState | None = self.outer
+        if isinstance(self.outer, ShardedOuterState):
+            outer = consolidated(self.outer, self.host() if self.leader else None)
+            if outer is None:
+                return None
+        uri = publish_outer_checkpoint(self.storage, n, self.host(), self.tok, outer, self.members)
         self.storage.retain(CHECKPOINTS, self.run.storage.keep_last)
         return uri
 
     # ------------------------------------------------------------------ driver
 
-    def outer_step(self) -> StepReport:
-        """One whole outer step; an excluded worker reverts and reports an uncommitted step."""
-        report = StepReport(step=self.step, worker=self.worker)
+    def begin(self) -> StepReport:
+        """Open outer step :attr:`step`: its report, and the clock its timing runs on."""
         self._started = time.perf_counter()
+        return StepReport(step=self.step, worker=self.worker)
+
+    def enter(self, report: StepReport) -> None:
+        """The boundary phase: the step's members, onboarding, the report's step (a joiner's may move)."""
+        report.onboarded = self.boundary()
+        report.step = self.step
+
+    def reduce(self, report: StepReport) -> list[str]:
+        """The reduce phase: save this worker's state for the checkpoint, then the synchronizer's
+        start and finish; the committed attempt's members."""
+        self.save_state()
+        self.sync.start(self.step, self.members, report, contribute=self.catching_up is None)
+        return self.sync.finish()
+
+    def abandon(self, e: Excluded) -> None:
+        """Leave a step this worker was excluded from: drop the local progress, rejoin and catch up later."""
+        log.warning("%s", e)
+        if self.m is not None:
+            self.m.leave(self.step)
+        self.catching_up, self.sync.before_step = None, None
+        self.outer.load_into(self.model)
+        self.prev_members = []
+        time.sleep(self.cfg.heartbeat_interval)  # the others are mid-step: no point in spinning
+
+    def end(self, report: StepReport) -> None:
+        """Close a committed step: the next step's number, the report to the rendezvous and the series."""
+        self.step = self.committed
+        if self.m is not None and self.metrics_log is not None:
+            self.m.set(METRICS(report.step, self.worker), json.dumps(asdict(report)))
+            self.metrics_log.log(report.step, asdict(report))
+
+    def outer_step(self) -> StepReport:
+        """One whole outer step, its phases in order (a flow that shows each phase calls them itself);
+        an excluded worker reverts and reports an uncommitted step."""
+        report = self.begin()
         try:
-            report.onboarded = self.boundary()
-            report.step = self.step
+            self.enter(report)
             self.inner(report)
-            self.save_state()
-            self.sync.start(self.step, self.members, report)
-            members = self.sync.finish()
+            members = self.reduce(report)
             self.commit(members, report)
             self.checkpoint()
         except Excluded as e:
-            log.warning("%s", e)
-            self.m.leave(self.step)
-            self.outer.load_into(self.model)  # drop the local progress; rejoin and catch up
-            self.prev_members = []
-            time.sleep(self.cfg.heartbeat_interval)  # the others are mid-step: no point in spinning
+            self.abandon(e)
         else:
-            self.step = self.committed
-            self.m.set(METRICS(report.step, self.worker), json.dumps(asdict(report)))
-            self.metrics_log.log(report.step, asdict(report))
+            self.end(report)
         return report
 
-    def run_until_done(self, observe: Callable[[StepReport], None] | None = None) -> None:
-        """Outer steps until the run is done; ``observe`` sees each step's report once it is over."""
+    def run_until_done(self, observe: Callable[[StepReport], None] | None = None,
+                       drive: Callable[[DilocoWorker], StepReport] | None = None) -> None:
+        """Outer steps until the run is done; ``observe`` sees each step's report once it is over;
+        ``drive`` runs one outer step (default :meth:`outer_step`; a flow passes one that runs each
+        phase as a task of its own)."""
         while not self.done():
-            r = self.outer_step()
+            r = (drive or DilocoWorker.outer_step)(self)
+            if not self.leader:
+                continue  # the leader reports for the worker
             log.info("step %d committed=%s members=%s loss=%.4f bytes=%d algorithm=%s digest=%s",
                      r.step, r.committed, r.members, r.inner_loss, r.bytes_sent, r.algorithm, r.digest[:12])
             if observe is not None:
                 observe(r)
 
     def done(self) -> bool:
-        """Our own steps are done, or (a late joiner) the others finished the run."""
-        return self.committed >= self.cfg.outer_steps or (self.m.progress() or 0) >= self.cfg.outer_steps
+        """Our own steps are done, or (a late joiner) the others finished the run (the leader's word)."""
+        return bool(self.siblings.share(
+            self.committed >= self.cfg.outer_steps or (self.membership.progress() or 0) >= self.cfg.outer_steps
+            if self.leader else None))
 
-    def close(self, clean: bool = True) -> None:
-        if clean:
-            self.m.deathrattle()
-        self.m.close()
-        self.metrics_log.close()
+    def close(self, clean: bool = True, finished: bool = True) -> None:
+        """Leave: the deathrattle when ``clean``; the worker's FSDP group is torn down only when it
+        ``finished`` (after a sibling's death its teardown would wait on the dead rank)."""
+        if self.m is not None:
+            if clean:
+                self.m.deathrattle()
+            self.m.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        if self.mesh is not None and finished:
+            self.mesh.close()
 
 
 __all__ = ["Banned", "DilocoWorker", "StoreLost", "inner_train_config"]

@@ -25,7 +25,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER
+import torch
+import torch.distributed as dist
+
+from intellect.checkpoint_shards import ShardsRefused, load_worker, save_worker
+from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER, SHARDS_STATE
 from intellect.diloco.protocol import read_count, read_json, read_names
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer
@@ -54,15 +58,22 @@ class WorkerState:
     rows_per_step: int = 0  # rows the reader passed in that step (0: not known)
 
 
+def _drop_stale(storage: RunStorage, kind: str, step: int) -> str:
+    """The folder of ``step``'s state, emptied of a stale one (from an attempt that never reached its
+    checkpoint)."""
+    rel = storage.step_path(step, kind)
+    if storage.exists(rel):
+        if storage.is_stable(step, kind):
+            storage.delete(f"{rel}/{STABLE}")
+        storage.delete(rel, recursive=True)
+    return rel
+
+
 def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> None:
     """Write ``state`` (a stale one at that step, from an attempt that never reached its checkpoint, is
     replaced) and keep the newest ``keep`` states."""
     kind = state_kind(worker)
-    rel = storage.step_path(state.step, kind)
-    if storage.exists(rel):
-        if storage.is_stable(state.step, kind):
-            storage.delete(f"{rel}/{STABLE}")
-        storage.delete(rel, recursive=True)
+    _drop_stale(storage, kind, state.step)
     reached = {"members": state.members, "rows_per_step": state.rows_per_step}
     storage.write_step(state.step, kind, {OPTIMIZER.value: state.trainer,
                                           DATA_STATE.value: json.dumps(state.data).encode(),
@@ -110,4 +121,67 @@ def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer) -> tu
         return None, f"its saved state is unreadable ({str(e)[:300]})"
 
 
-__all__ = ["WorkerState", "load", "restore", "save", "state_kind"]
+# ---------------------------------------------------------------------- a worker of several ranks
+
+
+def save_sharded(storage: RunStorage, worker: str, state: WorkerState, trainer: Trainer, outer, keep: int,
+                 group: dist.ProcessGroup | None, barrier) -> None:
+    """:func:`save` for a worker whose model is sharded over its ranks (collective over ``group``): the
+    inner AdamW state in ``torch.distributed.checkpoint``'s form, which loads on any number of ranks
+    (:func:`~intellect.checkpoint_shards.save_worker`), and the data position as the folder's JSON
+    (``state.trainer`` is not used). ``barrier()``: the worker's ranks wait for its first to have
+    dropped a stale folder."""
+    kind = state_kind(worker)
+    rank = dist.get_rank(group) if group is not None else 0
+    rel = _drop_stale(storage, kind, state.step) if rank == 0 else storage.step_path(state.step, kind)
+    barrier()
+    save_worker(storage, rel, trainer.model, trainer.optimizer, outer,
+                {"data": state.data, "members": state.members, "rows_per_step": state.rows_per_step}, group)
+    if rank == 0:
+        storage.retain(kind, keep)
+
+
+def restore_sharded(storage: RunStorage, worker: str, step: int, trainer: Trainer, outer,
+                    group: dist.ProcessGroup | None) -> tuple[WorkerState | None, str]:
+    """:func:`restore` from a state :func:`save_sharded` wrote, by a worker of any number of ranks (one
+    included: ``group`` None). ``outer`` and the model keep the checkpoint's ``theta_sync``: the
+    folder's copies are those the step started from."""
+    kind = state_kind(worker)
+    steps = [s for s in storage.complete_steps(kind) if s <= step]
+    if not steps:
+        return None, "no saved state"
+    rel = storage.step_path(steps[-1], kind)
+    if not storage.exists(f"{rel}/{SHARDS_STATE}"):
+        return None, "its saved state is of a worker of one rank (not sharded)"
+    theta = [p.clone() for p in outer.params]
+    momentum = [m.clone() for m in outer.momentum_buffers()] if outer.has_momentum() else None
+    try:
+        extra = load_worker(storage, rel, trainer.model, trainer.optimizer, outer, group)
+    except (OSError, ValueError, ShardsRefused) as e:
+        return None, f"its saved state is unreadable ({str(e)[:300]})"
+    finally:
+        outer.set_state(theta, momentum)
+        with torch.no_grad():
+            outer.load_into(trainer.model)
+    members, rows = read_names(extra.get("members")), read_count(extra.get("rows_per_step"))
+    data = extra.get("data")
+    if not isinstance(data, dict):
+        return None, "its saved data position is not a JSON object"
+    return WorkerState(step=steps[-1], trainer=b"", data=data, members=members or [], rows_per_step=rows or 0), ""
+
+
+def restore_any(storage: RunStorage, worker: str, step: int, trainer: Trainer, outer,
+                group: dist.ProcessGroup | None) -> tuple[WorkerState | None, str]:
+    """The worker's newest saved state up to checkpoint ``step`` whichever form it was saved in: a
+    sharded one (:func:`restore_sharded`) on any number of ranks, a one-rank file (:func:`restore`) by
+    a worker of one rank (``group`` None); a worker of several ranks given a one-rank file starts a
+    fresh AdamW."""
+    steps = [s for s in storage.complete_steps(state_kind(worker)) if s <= step]
+    if steps and storage.exists(f"{storage.step_path(steps[-1], state_kind(worker))}/{SHARDS_STATE}"):
+        return restore_sharded(storage, worker, step, trainer, outer, group)
+    if group is None:
+        return restore(storage, worker, step, trainer)
+    return None, "no saved state of a sharded worker" if not steps else "its saved state is of a worker of one rank"
+
+
+__all__ = ["WorkerState", "load", "restore", "restore_any", "restore_sharded", "save", "save_sharded", "state_kind"]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 
 from flows.diloco import diloco_train
+from flows.diloco_worker import PHASES
 from intellect.config import load_config
 from intellect.diloco.config import DilocoRunConfig
 from intellect.storage import RunStorage
@@ -37,4 +39,20 @@ def test_diloco_flow_runs_one_flow_run_per_worker_and_outer_step(tmp_path):
     # the Prefect harness is shared by the session: keep this run's flow runs only
     runs = [r for r in asyncio.run(outer_step_runs()) if r.parameters.get("run_name") == cfg.run_name]
     assert sorted(r.name for r in runs) == ["w0-step-0", "w0-step-1", "w1-step-0", "w1-step-1"]
-    assert all(r.state.is_completed() for r in runs)
+    assert all(r.state.is_completed() and r.state.name == "Completed" for r in runs)
+
+    async def phases_and_tables(run_id):
+        by_id = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        async with get_client() as client:
+            return await client.read_task_runs(flow_run_filter=by_id), await client.read_artifacts(flow_run_filter=by_id)
+
+    # each step's phases are its task runs, in order, one after the other; its row is its table artifact
+    for r in runs:
+        tasks, artifacts = asyncio.run(phases_and_tables(r.id))
+        tasks = sorted(tasks, key=lambda t: t.start_time or 0)
+        assert [t.name for t in tasks] == list(PHASES), r.name
+        assert all(t.state is not None and t.state.is_completed() for t in tasks), r.name
+        assert all(a.end_time and b.start_time and a.end_time <= b.start_time for a, b in zip(tasks, tasks[1:]))
+        worker, step = r.name.split("-step-")
+        assert [[(row["worker"], row["step"], row["committed"]) for row in json.loads(a.data)] for a in artifacts] == [
+            [(worker, int(step), True)]], r.name

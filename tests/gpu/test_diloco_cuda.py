@@ -80,3 +80,45 @@ def test_two_cuda_workers_in_bf16_mixed_commit_identical_fp32_checkpoints(tmp_pa
         rows = [json.loads(line) for line in storage.read_text(metrics_series(w)).splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2]
         assert all(r["tokens"] > 0 and 0 < r["mfu"] < 1 and 0 < r["compute_utilization"] <= 1 for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks of a worker need a GPU each (NCCL refuses two "
+                    "ranks on one device)")
+def test_workers_of_two_cuda_ranks_shard_the_model_and_commit_identical_checkpoints(tmp_path):
+    """FSDP2 over NCCL inside each worker, one gloo ring per local rank across workers: as many workers
+    of two ranks as the GPUs hold (one of two GPUs: a single worker, its rings alone)."""
+    workers = min(2, torch.cuda.device_count() // 2)
+    over = {
+        "storage.url": f"file://{tmp_path}/runs", "run_name": "fsdp",
+        "model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 4,
+        "model.intermediate_size": 128, "train.batch_size": 16, "train.warmup_steps": 2,
+        "compute.device": "cuda", "compute.precision": "bf16-mixed",
+        "diloco.workers": workers, "diloco.ranks_per_worker": 2, "diloco.inner_steps": 10, "diloco.outer_steps": 3,
+        "diloco.heartbeat_interval": 0.5, "diloco.heartbeat_timeout": 5,
+        "diloco.collective_timeout": 30, "diloco.boundary_timeout": 120,
+    }
+    cfg = load_config(DilocoRunConfig, overrides=[f"{k}={v}" for k, v in over.items()], environ={})
+    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+    logs = worker_log_dir(storage)
+    assert logs is not None
+    c = Coordinator(cfg, worker_launcher(logs))
+    names = [f"w{i}" for i in range(workers)]
+    try:
+        c.start()
+        codes = c.watch(timeout=400)
+        assert codes == dict.fromkeys(names, EXIT_DONE), "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.log")))
+        digests = [{c.store.get(f"digest/{t}/{w}").decode() for w in names} for t in range(3)]
+    finally:
+        c.close()
+    assert all(len(d) == 1 for d in digests), digests
+    for i, w in enumerate(names):  # worker i's ranks on GPUs 2i and 2i+1
+        text = (logs / f"{w}.log").read_text()
+        assert f"device cuda:{2 * i}" in text and f"device cuda:{2 * i + 1}" in text, text[-3000:]
+    model, _ = fetch(storage, 3)
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cpu")}
+    rows = [json.loads(line) for line in storage.read_text(metrics_series("w0")).splitlines()]
+    for r in rows:
+        print(f"fsdp worker w0 step {r['step']}: {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.4f}, "
+              f"peak GPU memory {r['device_memory_mb']:.0f} MiB")
+    assert all(r["tokens"] > 0 and 0 < r["mfu"] < 1 and r["device_memory_mb"] > 0 for r in rows)

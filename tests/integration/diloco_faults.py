@@ -136,7 +136,9 @@ def _main(argv: list[str]) -> int:
         host, port = w.store.rsplit(":", 1)
         if keys is not None:
             board = RendezvousStore(host, int(port), None, run.run_name, peer=w.worker, key=keys[0])
-    return main(rest, faults=ScriptedFaults(plan, board), prog="python -m diloco_faults")
+    # a worker's other ranks run the same faults (a liar lies on every shard)
+    return main(rest, faults=ScriptedFaults(plan, board), prog="python -m diloco_faults",
+                follower_argv=["-m", "diloco_faults", *argv])
 
 
 if __name__ == "__main__":

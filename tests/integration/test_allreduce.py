@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from intellect.diloco import transport
 from intellect.diloco.allreduce import AllReduceError, all_reduce_mean
 from intellect.diloco.plan import chunk_bounds, payload_bytes
-from intellect.diloco.quantize import wire_nbytes
+from intellect.diloco.quantize import values_nbytes, wire_nbytes
 
 from benchmarks import prime_allreduce  # PRIME's baseline lives with the benchmarks (pythonpath: pyproject)
 
@@ -67,19 +67,20 @@ def rel_err(out, ref) -> float:
     return math.sqrt(num / sum(float(r.pow(2).sum()) for r in ref))
 
 
-def formula_bytes(numels, world, pos, algorithm) -> int:
+def formula_bytes(numels, world, pos, algorithm, compression="int8") -> int:
     """Payload bytes of ring position ``pos``, all contributing, restated independently."""
     total = 0
+    size = wire_nbytes if compression == "int8" else values_nbytes
     for n in numels:
-        w = [wire_nbytes(e - s) if e > s else 0 for s, e in chunk_bounds(n, world)]
+        w = [size(e - s) if e > s else 0 for s, e in chunk_bounds(n, world)]
         gather = sum(w) - w[(pos + 1) % world]  # ring all-gather: all but the chunk next owns
         if algorithm == "ring-owner":  # hop s relays s+1 contributions of chunk pos-s-1
             total += sum((s + 1) * w[(pos - s - 1) % world] for s in range(world - 1)) + gather
-        elif algorithm == "ring-residual":  # one partial sum per hop, as int8 + int8 residual
+        elif algorithm == "ring-residual" and compression == "int8":  # one partial sum per hop + int8 residual
             total += 2 * (sum(w) - w[pos]) + gather
         elif algorithm == "direct":  # own chunk to every other rank, own result to every other rank
             total += sum(w) - w[pos] + (world - 1) * w[pos]
-        else:  # ring, prime: each chunk but the own one, once
+        else:  # ring, prime, fp32 residual (nothing missed): each chunk but the own one, once
             total += sum(w) - w[pos] + gather
     return total
 
@@ -109,13 +110,16 @@ def _rank_main(worker, local, world, nlocal, port, cases, out_dir, timeout):
                 flat = torch.cat([t.reshape(-1) for t in ts])
                 s, e = chunk_bounds(flat.numel(), nlocal)[local]
                 ts = [flat[s:e].clone()]
+            if worker in case.get("liar", ()):  # far from the others: robust aggregation must flag it
+                ts = [t * 100.0 for t in ts]
             if worker in case.get("nan", ()):
                 ts[-1].view(-1)[3] = float("nan")
             if worker in case.get("die", ()):
                 _die_after_sends(case["die_after"], case["how"])
             if worker in case.get("corrupt", ()):
                 _corrupt_coded_sends()
-            kw = {k: case[k] for k in ("algorithm", "relay", "buckets", "window", "codec") if k in case}
+            keys = ("algorithm", "relay", "buckets", "window", "codec", "compression", "mac_key", "outlier_clip")
+            kw = {k: case[k] for k in keys if k in case}
             kw.update(case.get("per_rank", {}).get(worker, {}))
             order = case.get("order")
             if isinstance(order, dict):
@@ -215,11 +219,13 @@ def check_case(results, case, world, keys=None, bound=0.03):
     for (w, _), r in outs.items():
         st, pos = r["stats"], order.index(w)
         # (per_rank: ranks differ in codec, so their bytes differ: values only)
-        if not excluded and not {"relay", "buckets", "per_rank"} & set(case):
+        if not excluded and not {"relay", "buckets", "per_rank", "mac_key"} & set(case):
             numels = [math.prod(s) for s in case_shapes(case).get("shapes", SHAPES)]
-            raw = formula_bytes(numels, world, pos, algo)
-            assert raw == payload_bytes(numels, world, pos, prime_allreduce.PLAN if algo == "prime" else algo)
-            if case.get("codec") == "none":
+            comp = case.get("compression", "int8")
+            raw = formula_bytes(numels, world, pos, algo, comp)
+            plan_algo = prime_allreduce.PLAN if algo == "prime" else algo
+            assert raw == payload_bytes(numels, world, pos, plan_algo, compression=comp)
+            if case.get("codec") == "none" or comp == "fp32":  # fp32 values are never coded
                 assert st["payload_bytes"] == raw
             elif case.get("big"):  # coded: 0.8-0.9x the raw bytes (N(0,1): ~7 bits per index)
                 assert 0.75 * raw < st["payload_bytes"] < 0.95 * raw, (st["payload_bytes"], raw)
@@ -281,6 +287,47 @@ def test_three_workers(tmp_path):
     assert torch.isfinite(res[1, 0]["residual"]["out"][-1]).all()
 
 
+FP32 = {"compression": "fp32", "bound": 1e-6}
+FP32_CASES = [
+    {"name": "fp32-direct", "seed": 50, "off": (0,), **FP32},
+    {"name": "fp32-direct-big", "seed": 51, "big": True, **FP32},
+    {"name": "fp32-owner", "seed": 52, "algorithm": "ring-owner", "order": [2, 0, 1], "big": True, **FP32},
+    {"name": "fp32-residual", "seed": 53, "algorithm": "ring-residual", "big": True, **FP32},
+    {"name": "fp32-ring", "seed": 54, "algorithm": "ring", "nan": (1,), "mac_key": b"k" * 32, **FP32},
+    {"name": "fp32-ring-big", "seed": 55, "algorithm": "ring", "order": [0, 2, 1], "big": True, **FP32},
+]
+
+
+def test_fp32_wire_is_exact_for_every_algorithm(tmp_path):
+    """compression="fp32": for every algorithm (flags, MACs and robust clipping included) the
+    mean is the exact one up to fp32 summation order, bit-identical on every rank, for about
+    4x int8's bytes; a rank with another compression fails the plan digest before any payload."""
+    clip = {"name": "fp32-clip", "seed": 56, "outlier_clip": 4.0, "liar": (2,), "big": True, **FP32}
+    mismatch = {"name": "fp32-mismatch", "seed": 57, "per_rank": {1: {"compression": "int8"}}, **FP32}
+    res = run_ranks(tmp_path, 3, FP32_CASES + [clip, mismatch])
+    for case in FP32_CASES:
+        outs = check_case(res, case, 3)
+        contributors = [w for w in range(3) if w not in set(case.get("nan", ())) | set(case.get("off", ()))]
+        ref = exact_mean(contributors, case["seed"], **case_shapes(case))
+        for r in outs.values():  # each tensor on its own scale, not only the whole
+            assert all(rel_err([o], [e]) < 1e-6 for o, e in zip(r["out"], ref) if e.numel()), case["name"]
+        if case.get("big") and "order" not in case:  # 4x the values' bytes, less int8's 1 KiB codebook a chunk
+            numels = [math.prod(s) for s in BIG_SHAPES]
+            algo = {"ring-residual": "ring"}.get(case.get("algorithm", "direct"), case.get("algorithm", "direct"))
+            ratio = outs[0, 0]["stats"]["payload_bytes"] / payload_bytes(numels, 3, 0, algo)  # fp32: no residual
+            print(f"{case['name']}: {ratio:.2f}x int8's raw bytes")
+            assert 3.0 < ratio < 4.0, (case["name"], ratio)
+    # robust clipping reads fp32 contributions as sent: the liar (100x) is flagged on every
+    # owner and left out, so the large tensors get the honest mean exactly
+    outs = [res[w, 0]["fp32-clip"] for w in range(3)]
+    assert len({digest(r["out"]) for r in outs}) == 1
+    assert all(r["stats"]["outliers"].get(2, 0) > 0.5 for r in outs), [r["stats"]["outliers"] for r in outs]
+    honest = exact_mean([0, 1], clip["seed"], **case_shapes(clip))
+    assert all(rel_err([o], [e]) < 1e-6 for o, e in list(zip(outs[0]["out"], honest))[:2])
+    errors = [res[w, 0]["fp32-mismatch"].get("error", "") for w in range(3)]
+    assert all(errors) and any("different plan" in e for e in errors), errors
+
+
 @pytest.mark.slow
 def test_four_workers_all_algorithms(tmp_path):
     cases = [
@@ -302,6 +349,8 @@ def test_two_local_ranks_per_worker_reduce_their_own_shard(tmp_path):
     cases = [
         {"name": "owner", "seed": 30, "order": {0: [0, 1], 1: [1, 0]}},
         {"name": "ring-nan", "seed": 31, "algorithm": "ring", "nan": (1,)},
+        # fp32: sharding changes the layout, not the math: each shard is the unsharded mean's slice
+        {"name": "fp32", "seed": 32, "algorithm": "ring-owner", "compression": "fp32"},
     ]
     res = run_ranks(tmp_path, 2, cases, nlocal=2)
     for case in cases:
@@ -311,7 +360,7 @@ def test_two_local_ranks_per_worker_reduce_their_own_shard(tmp_path):
             s, e = chunk_bounds(full.numel(), 2)[m]
             outs = [res[w, m][case["name"]] for w in range(2)]
             assert len({digest(r["out"]) for r in outs}) == 1
-            assert rel_err(outs[0]["out"], [full[s:e]]) < 0.06
+            assert rel_err(outs[0]["out"], [full[s:e]]) < (1e-6 if "compression" in case else 0.06)
             assert all(list(r["stats"]["contributors"]) == contributors for r in outs)
             order = case["order"][m] if "order" in case else [0, 1]
             for w in range(2):  # shard m only ever sent to shard m of the other worker

@@ -19,11 +19,12 @@ from typing import cast
 import pytest
 from prefect.automations import Automation
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from infra import cluster
+from flows.diloco_worker import PHASES
 from infra.automations import NAME
 from intellect.config import ModelConfig, load_config
 from intellect.diloco.config import DilocoRunConfig
@@ -166,12 +167,17 @@ def test_diloco_workers_run_as_flow_runs_on_their_pool(local_cluster, tmp_path):
         with get_client(sync_client=True) as client:
             workers = _runs_of(client, "diloco-worker", "dl-pools")
             steps = _runs_of(client, "diloco-outer-step", "dl-pools")
+            phases = [sorted(client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id]))),
+                             key=lambda t: t.start_time or 0) for r in steps]
             coordinator = client.read_flow_run(run.id)
     assert coordinator.work_pool_name == "cpu"
     assert sorted(r.name for r in workers) == ["dl-pools-w0", "dl-pools-w1"]
     assert {(r.work_pool_name, r.state.type.value) for r in workers} == {("gpu-diloco", "COMPLETED")}
     assert all(r.parent_task_run_id is not None for r in workers)  # children of the coordinator's run
     assert sorted(r.name for r in steps) == ["w0-step-0", "w0-step-1", "w1-step-0", "w1-step-1"]
+    # each step a sub-flow run of its worker's run, its phases its task runs
+    assert all(r.parent_task_run_id is not None for r in steps)
+    assert [[t.name for t in ts] for ts in phases] == [list(PHASES)] * len(steps)
     assert RunStorage(f"file://{tmp_path}/dl-pools").complete_steps("checkpoints") == [0, 1, 2]
 
     # a coordinator that gives up (timeout_s) stops its workers by cancelling their flow runs

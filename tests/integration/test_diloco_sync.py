@@ -18,8 +18,8 @@ from intellect.diloco.membership import Membership, MembershipTimeout, scope
 from intellect.diloco.outer import OuterState
 from intellect.diloco.protocol import OUTCOME, Quorum
 from intellect.diloco.rendezvous import RendezvousServer
-from intellect.diloco.sync import Synchronizer, local_and
-from intellect.diloco.transport import new_group
+from intellect.diloco.siblings import ALONE, Siblings
+from intellect.diloco.sync import Synchronizer
 
 SECRET = bytes(range(32))
 NAMES = ["a", "b"]
@@ -119,13 +119,18 @@ def test_a_failed_finish_leaves_model_and_outer_state_as_before_start(board):
         assert len(after) == len(saved) and all(torch.equal(x, y) for x, y in zip(saved, after))
 
 
-def test_local_and_is_false_for_every_local_rank_when_one_failed():
+def test_siblings_share_the_leaders_value_gather_every_ranks_and_and_their_flags():
     store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
 
-    def rank(r: int, oks: tuple[bool, bool]) -> bool:
-        return local_and(oks[r], new_group(store, f"local/{oks}", r, 2, timeout=10))
+    def rank(r: int, oks: tuple[bool, bool]):
+        sib = Siblings.on(store, f"local/{oks}", r, 2, timeout=10)
+        shared = sib.share({"members": ["w0", "w1"], "attempt": 2} if sib.leader else None)
+        return shared, sib.gather({"rank": r, "pad": "x" * 100 * r}), sib.all(oks[r]), sib.sum([r, 0.5])
 
     with ThreadPoolExecutor(2) as pool:
         for oks, want in (((True, True), True), ((True, False), False), ((False, False), False)):
-            assert list(pool.map(rank, (0, 1), (oks, oks))) == [want, want]
-    assert local_and(False, None) is False and local_and(True, None) is True
+            out = list(pool.map(rank, (0, 1), (oks, oks)))
+            assert [o[0] for o in out] == [{"members": ["w0", "w1"], "attempt": 2}] * 2
+            assert out[0][1] == [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 100}] and out[1][1] is None
+            assert [o[2] for o in out] == [want, want] and [o[3] for o in out] == [[1.0, 1.0]] * 2
+    assert ALONE.all(False) is False and ALONE.share(7) == 7 and ALONE.gather(7) == [7]

@@ -40,7 +40,7 @@ from prefect import flow
 
 @flow(name="marked")
 def marked(path: str) -> None:
-    Path(path).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+    Path(path).write_text(os.environ.get("PYTHONUNBUFFERED", "unset"))
 '''
 
 
@@ -92,11 +92,13 @@ def test_a_pool_template_takes_no_command_and_only_allowlisted_env(pool, tmp_pat
     evil, _ = _payload(tmp_path)
     check_job_variables(template, {"env": template["variables"]["properties"]["env"]["default"]}, "pool")
     check_job_variables(template, {"env": {**worker_credentials(new_secret(), "run", "w0"),
-                                           "CUDA_VISIBLE_DEVICES": "1,GPU-8a3f", "PYTHONUNBUFFERED": "1"}}, "flow run")
+                                           "PYTHONUNBUFFERED": "1"}}, "flow run")
+    # CUDA_VISIBLE_DEVICES is the GPU pools' device lease's alone (tests/integration/test_pool_devices.py)
     for hostile in ({"command": "touch pwned"}, {"working_dir": str(evil)}, {"env": {"PYTHONPATH": str(evil)}},
                     {"env": {"LD_PRELOAD": str(evil / "x.so")}}, {"env": {"PYTHONWARNINGS": "ignore::evil.W"}},
                     {"env": {"PREFECT_API_URL": "http://evil/api"}}, {"env.PYTHONPATH": str(evil)},
-                    {"env": {"CUDA_VISIBLE_DEVICES": "0 $(touch pwned)"}}, {"env": {PEER_KEY_ENV: "not hex"}}):
+                    {"env": {"CUDA_VISIBLE_DEVICES": "0"}}, {"env": {PEER_KEY_ENV: "not hex"}},
+                    {"env": {PEER_KEY_ENV: "00" * 16 + " $(touch pwned)"}}):
         with pytest.raises(ValueError, match="refused by this worker's pool template"):
             check_job_variables(template, hostile, "flow run")
     values = {"command": "touch pwned", "env": {"PYTHONPATH": str(evil)}}
@@ -167,7 +169,8 @@ def test_the_cluster_api_demands_its_auth_string_and_runs_no_foreign_job_variabl
             for variables, reason in (({"command": f"touch {hijacked}"}, "command"),
                                       ({"env": {"PYTHONPATH": str(evil)}}, "PYTHONPATH"),
                                       ({"env": {"LD_PRELOAD": str(evil / "x.so")}}, "LD_PRELOAD"),
-                                      ({"env": {"CUDA_VISIBLE_DEVICES": f"0;touch {hijacked}"}}, "does not match")):
+                                      ({"env": {PEER_KEY_ENV: f"{'00' * 16};touch {hijacked}"}}, "does not match"),
+                                      ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "CUDA_VISIBLE_DEVICES")):
                 with pytest.raises(PrefectHTTPStatusError) as refused:
                     run_deployment("marked/on-cpu", parameters={"path": str(refused_ran)}, job_variables=variables,
                                    timeout=0)
@@ -192,12 +195,12 @@ def test_the_cluster_api_demands_its_auth_string_and_runs_no_foreign_job_variabl
                            json={"base_job_template": relaxed})
             crashed.append(("flow run", _final(client, _post_run(client, deployment, refused_ran, hostile))))
             # an allowlisted variable still reaches the flow run
-            honest = _final(client, _post_run(client, deployment, ran, {"env": {"CUDA_VISIBLE_DEVICES": "7"}}))
+            honest = _final(client, _post_run(client, deployment, ran, {"env": {"PYTHONUNBUFFERED": "0"}}))
         for whose, refusal in crashed:
             assert refusal.is_crashed() and f"the {whose}'s job variables are refused" in (refusal.message or ""), refusal
         log = (state / "logs" / "worker-cpu.log").read_text()
         assert honest.is_completed(), (honest, log[-3000:])
-        assert ran.read_text() == "7"
+        assert ran.read_text() == "0"
         assert not marker.exists() and not hijacked.exists() and not refused_ran.exists()
     finally:
         cluster.down(state)

@@ -1,5 +1,6 @@
 import doctest
 import itertools
+from typing import get_args
 
 import pytest
 import torch
@@ -80,6 +81,25 @@ def test_payload_bytes_tradeoff():
     assert payload_bytes([2 * 4], 2, 1, "ring-owner") == 2 * wire_nbytes(4)
 
 
+@pytest.mark.parametrize("algorithm", plan.ALGORITHMS)
+def test_fp32_payload_is_about_four_times_int8(algorithm):
+    """Same messages, 4 bytes a value instead of 1 (plus a 1 KiB codebook); an fp32 residual
+    misses nothing, so ``"ring-residual"`` sends ``"ring"``'s messages."""
+    numels, W = [1 << 20, 1000, 3], 4
+    fp32 = payload_bytes(numels, W, 1, algorithm, compression="fp32")
+    int8 = payload_bytes(numels, W, 1, "ring" if algorithm == "ring-residual" else algorithm)
+    assert 3.9 < fp32 / int8 < 4.0
+    assert link_chunks(algorithm, [0, 1, 2, 3], compression="fp32") == link_chunks(
+        "ring" if algorithm == "ring-residual" else algorithm, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="unknown compression"):
+        payload_bytes(numels, W, 1, algorithm, compression="fp16")
+
+
+def test_compression_config_matches_the_executor():
+    assert set(get_args(DC.DilocoConfig.model_fields["compression"].annotation)) == set(plan.COMPRESSIONS)
+    assert DC.DilocoConfig().compression == allreduce.DEFAULT_COMPRESSION == "int8"
+
+
 class _FakeGroup:
     def size(self):
         return 3
@@ -103,6 +123,7 @@ class _FakeGroup:
         {"buckets": [[0], [0, 1]]},
         {"buckets": [[0]]},
         {"window": 0},
+        {"compression": "bf16"},
     ],
 )
 def test_bad_arguments_raise_before_any_communication(kw):

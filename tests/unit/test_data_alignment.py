@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from intellect.config import DataConfig
-from intellect.data.text import PackedStream, is_heldout_text
+from intellect.data.corpus import CorpusError
+from intellect.data.text import PackedStream, is_heldout_text, shard_of
 from intellect.diloco.data import align_to_members, alignment, position_claim, read_position_claim
 from intellect.diloco.protocol import DATA_AT
 from intellect.model.bpe import train_bpe
@@ -135,6 +136,36 @@ def test_garbled_claims_are_ignored(raw: bytes, corpus, tok) -> None:
     s = PackedStream(corpus, tok)
     align_to_members(s, {DATA_AT(0, "x"): raw}.get, 0, ["x", "a"], "a", behind=4)
     assert min(tags(tok, s.next_batch(2))) == first_training_doc(0)
+
+
+def small_corpus(folder: Path, docs: int) -> DataConfig:
+    path = folder / "small.jsonl"
+    path.write_text("".join(json.dumps({"text": doc_text(i)}) + "\n" for i in range(docs)))
+    return DataConfig(kind="text", heldout_percent=1, text={"files": [str(path)], "seq_len": 32})
+
+
+def test_a_rejoiner_reads_its_shard_from_a_claim_whole_epochs_ahead(tmp_path: Path, tok) -> None:
+    # a worker away for long rejoins where the survivors stand, several passes over a small corpus
+    # later: the epochs it passes unread are no "pass that found no document" for its shard
+    data = small_corpus(tmp_path, 40)
+    store = {DATA_AT(9, "a"): position_claim((5, 0, 7), 100).encode(),
+             DATA_AT(9, "b"): position_claim((0, 0, 0), 0).encode()}
+    s = PackedStream(data, tok)
+    s.reshard(1, 2)
+    align_to_members(s, store.get, 9, ["a", "b"], "b", behind=3)  # (3 + SLACK_STEPS) x 100 rows >= 5 x 40 + 7
+    first = int(TAG.findall(tok.decode(s.next_batch(1)["input_ids"].flatten().tolist()))[0])
+    name = data.text.files[0]
+    assert first == next(i for i in range(7, 40) if shard_of(name, i, 2) == 1 and not is_heldout_text(doc_text(i), 1))
+    assert s.position[0] == 5
+
+
+def test_a_shard_with_no_document_still_fails_after_the_rows_it_passed(tmp_path: Path, tok) -> None:
+    data = small_corpus(tmp_path, 1)
+    s = PackedStream(data, tok)
+    s.reshard(1 - shard_of(data.text.files[0], 0, 2), 2)  # the shard that owns nothing
+    s.align((3, 0, 0), 10)
+    with pytest.raises(CorpusError, match="found no document"):
+        s.next_batch(1)
 
 
 def test_alignment_without_claims_or_pace_moves_nothing() -> None:

@@ -17,6 +17,9 @@ from intellect.diloco.quantize import (
     quantize,
     quantize_best,
     to_bytes,
+    values_from_bytes,
+    values_nbytes,
+    values_to_bytes,
     wire_nbytes,
 )
 
@@ -388,3 +391,44 @@ def test_pool_is_rebuilt_after_fork(monkeypatch):
         assert torch.equal(quantize(gaussian(30_000)).indices, q.indices)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (37, 29), (2, 3, 4)])
+def test_fp32_values_round_trip_exactly(shape):
+    x = gaussian(math.prod(shape), seed=3).reshape(shape) * 1e-3
+    wire = values_to_bytes(x.half())  # any float dtype, sent as fp32
+    assert len(wire) == values_nbytes(x.numel(), len(shape)) == message_nbytes(wire + b"spare")
+    assert values_from_bytes(wire, numel=x.numel()).equal(x.half().float())
+    wire = values_to_bytes(x)
+    assert values_from_bytes(wire).equal(x) and values_from_bytes(wire + b"spare", prefix=True).equal(x)
+
+
+def _corrupt_value(wire: bytes, value: float) -> bytes:
+    b = bytearray(wire)
+    struct.pack_into("<f", b, 16 + 4 * 7, value)  # header 8 + one i64 dim, value 7
+    return bytes(b)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda w: w[:-1], "expected"),
+        (lambda w: w + b"\0", "expected"),
+        (lambda w: w[:8] + struct.pack("<q", 1 << 40) + w[16:], "expected 100"),  # claims 2^40 values
+        (lambda w: w[:3] + b"\x01" + w[4:], "version"),  # an int8 message where fp32 is expected
+        (lambda w: _corrupt_value(w, float("nan")), "NaN or Inf"),
+        (lambda w: _corrupt_value(w, float("-inf")), "NaN or Inf"),
+    ],
+)
+def test_malformed_fp32_values_rejected(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        values_from_bytes(mutate(values_to_bytes(gaussian(100))), numel=100)
+
+
+def test_int8_and_fp32_messages_are_never_read_as_each_other():
+    with pytest.raises(ValueError, match="version 3, expected 1 or 2"):
+        from_bytes(values_to_bytes(gaussian(10)))
+    with pytest.raises(ValueError, match="version 1, expected 3"):
+        values_from_bytes(to_bytes(quantize(gaussian(10))))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        values_to_bytes(torch.tensor([1.0, float("inf")]))
