@@ -381,8 +381,11 @@ def _catchup(t: str, joiner: int, rank: str, peer: str, key: str, data: dict) ->
     members = read_names(data.get(MEMBERS(t, "0"))) or []
     if joiner >= len(members):
         return f"step {t} has no member {joiner}"
+    def committed(w: str) -> int:
+        return read_count(data.get(COMMITTED(t, w)), 0, int(t)) or 0
+
     source = onboarding_source(members, lambda w: data.get(COMMITTED(t, w)), int(t))
-    if source is None or source == members[joiner]:
+    if source is None or committed(members[joiner]) >= committed(source):
         return f"member {joiner} of step {t} is not behind"
     want = source if rank == "0" else members[joiner]
     return None if peer == want else f"only {want} writes rank {rank} of that catch-up group"

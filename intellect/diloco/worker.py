@@ -48,7 +48,6 @@ from dataclasses import asdict
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
@@ -64,13 +63,11 @@ from intellect.diloco.mesh import WorkerMesh
 from intellect.diloco.outer_shard import ShardedOuterState, consolidated
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.report import StepReport, WorkerLog
-from intellect.diloco.protocol import (ARRIVE, COMMITTED, DATA_AT, LAUNCHED, LEFT, METRICS, PG, PROGRESS, Quorum,
-                                      catchup_group, onboarding_source, read_count)
+from intellect.diloco.protocol import ARRIVE, COMMITTED, DATA_AT, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.siblings import ALONE, Siblings
 from intellect.diloco.sync import Excluded, Synchronizer
-from intellect.diloco.catchup import Transfer
-from intellect.diloco.transport import CommError, shard_prefix
+from intellect.diloco.onboarding import Onboarding, Transfer
 from intellect.diloco.worker_ranks import WorkerRanks
 from intellect.metrics import Peak, flops_per_token
 from intellect.storage import RunStorage
@@ -88,7 +85,7 @@ def inner_train_config(run: DilocoRunConfig) -> TrainConfig:
     return run.train.model_copy(update={"steps": run.diloco.outer_steps * run.diloco.inner_steps})
 
 
-class DilocoWorker:
+class DilocoWorker(Onboarding):
     def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
                  secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None,
                  faults: Faults = NO_FAULTS, ranks: WorkerRanks | None = None):
@@ -315,78 +312,6 @@ class DilocoWorker:
         if me not in members:
             raise Excluded(f"{me} arrived after the members of step {t} were decided")
         return members
-
-    def _onboarding(self, members: list[str]) -> dict | None:
-        """Who hands its state to the members behind at this boundary (``src``, its index), those
-        (``joiners``) and whether this worker is one of them (None: nobody is behind). The rendezvous
-        takes only counts up to the step; one unreadable all the same is taken as behind."""
-        m, t = self.membership, self.step
-        source = onboarding_source(members, lambda w: m.get(COMMITTED(t, w)), t)
-        if source is None:
-            return None
-        newest = read_count(m.get(COMMITTED(t, source)), 0, t) or 0
-        joiners = [j for j, w in enumerate(members) if (read_count(m.get(COMMITTED(t, w)), 0, t) or 0) < newest]
-        return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners}
-
-    def _onboard(self, onboard: dict | None) -> bool:
-        """Every rank receives (or sends) its own shard of the state, from the same rank of the
-        source member (shard to shard); the worker is onboarded only if every rank was."""
-        if onboard is None:
-            return False
-        if self.cfg.onboarding == "non_blocking":
-            return self._catch_up(onboard)
-        behind = bool(onboard["behind"])
-        flat = self.outer.flat(self.committed)
-        error = None
-        try:
-            self.sync.group(self.step, "onboard", self.members).broadcast(flat, int(onboard["src"])).wait()
-        except (CommError, dist.DistError, RuntimeError) as e:
-            error = e
-        if not self.siblings.all(error is None):
-            if behind:  # without the state we cannot contribute: try again at the next boundary
-                raise Excluded(f"{self.worker}: onboarding at step {self.step} failed: {error or 'on another rank'}")
-            log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, error)
-            return False
-        if behind:
-            self.committed = self.outer.load_flat(flat)
-            self.step = self.committed
-            self.trainer.step = self.committed * self.cfg.inner_steps
-            self.outer.load_into(self.model)
-        return behind
-
-    def _catch_up(self, onboard: dict) -> bool:
-        """Non-blocking onboarding (:mod:`~intellect.diloco.catchup`): the source sends a snapshot of its
-        state to each member behind, which receives it during the step; True for those."""
-        me, t = self.members.index(self.worker), self.step
-        timeout = self.cfg.boundary_timeout
-        if me == int(onboard["src"]):
-            snapshot = self.outer.flat(self.committed)  # its own outer step never waits for the transfers
-            for j in onboard["joiners"]:
-                Transfer(self.store, self._catchup_prefix(j), 0, snapshot, timeout, f"catchup-send-{t}-{j}")
-            return False
-        if me not in onboard["joiners"]:
-            return False
-        self.catching_up = Transfer(self.store, self._catchup_prefix(me), 1, self.outer.flat(self.committed),
-                                    timeout, f"catchup-receive-{t}")
-        self.sync.before_step = self._caught_up
-        log.info("%s: catching up at step %d from %s in the background", self.worker, t,
-                 self.members[int(onboard["src"])])
-        return True
-
-    def _catchup_prefix(self, joiner: int) -> str:
-        prefix = PG(self.step, catchup_group(joiner))
-        rank = self.ranks.rank if self.ranks is not None else 0
-        return prefix if rank == 0 else shard_prefix(prefix, rank)
-
-    def _caught_up(self) -> None:
-        """At the catch-up step's commit (before its outer step): take the state received, or leave."""
-        transfer, self.catching_up, self.sync.before_step = self.catching_up, None, None
-        assert transfer is not None
-        ok = self.siblings.all(transfer.wait(self.cfg.boundary_timeout))
-        if not ok:
-            raise Excluded(f"{self.worker}: catching up at step {self.step} failed: {transfer.error or 'on another rank'}")
-        self.committed = self.outer.load_flat(transfer.flat)
-        self.trainer.step = (self.committed + 1) * self.cfg.inner_steps  # past the step it did not train
 
     def batches(self, seen: list[str]) -> Iterator:
         """This rank's rows of the worker's training batches; ``seen`` keeps the :func:`data_sketch` of

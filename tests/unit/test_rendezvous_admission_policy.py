@@ -88,6 +88,26 @@ def test_gloo_keys_belong_to_their_rank_in_the_attempts_member_order():
     assert scope("a", "delete", {"key": "pg/3/1//0/1"}, data) == "gloo's keys are written with set"
 
 
+def test_a_workers_rings_and_catch_up_groups_have_their_own_writers():
+    data = {"members/3/1": b'["b", "a"]', "ready/3/1/a": b"1", "ready/3/1/b": b"1",
+            "members/3/0": b'["a", "b", "c"]', "committed/3/a": b"3", "committed/3/b": b"3", "committed/3/c": b"1"}
+    # local rank 1's ring of a worker of several ranks: any of the worker's processes speaks as it
+    assert scope("a", "set", _set("pg/3/1/shard1//0/1"), data) is None
+    assert "only rank 0" in scope("a", "set", _set("pg/3/1/shard1//0/0"), data)
+    for key in ("pg/3/1/shard0//0/1", "pg/3/1/shard64//0/1", "pg/3/1/shardx//0/1", "pg/3/1/shard1/x/0/1"):
+        assert scope("a", "set", _set(key), data) is not None, key
+    # c (member 2) is behind: a (the source: first of the newest by name) is rank 0, c rank 1, nobody else
+    assert scope("a", "set", _set("pg/3/catchup2//0/0"), data) is None
+    assert scope("c", "set", _set("pg/3/catchup2//0/1"), data) is None
+    assert scope("a", "set", _set("pg/3/catchup2/shard1//0/0"), data) is None
+    assert "only a" in scope("b", "set", _set("pg/3/catchup2//0/0"), data)
+    assert "only c" in scope("a", "set", _set("pg/3/catchup2//0/1"), data)
+    assert "not behind" in scope("a", "set", _set("pg/3/catchup1//0/1"), data)
+    assert "no member 7" in scope("a", "set", _set("pg/3/catchup7//0/1"), data)
+    assert "two ranks" in scope("a", "set", _set("pg/3/catchup2//0/2"), data)
+    assert "once" in scope("c", "set", _set("pg/3/catchup2//0/1"), {**data, "pg/3/catchup2//0/1": b"x"})
+
+
 def test_the_store_drops_the_steps_the_run_left_behind():
     data = {f"metrics/{t}/a": b"{}" for t in range(30)} | {"pg/2/0//0/0": b"x", "hb/a": b"3", "banned/b": b"{}",
                                                           "launched/0": b"a", "progress": b"20"}

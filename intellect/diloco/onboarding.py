@@ -1,0 +1,180 @@
+"""Onboarding: how a worker behind the others (a joiner, a restarted worker) gets the run's state.
+
+Blocking (``diloco.onboarding = "blocking"``, INTELLECT-1's first mode, the default): every member
+waits at the boundary for newcomers still starting up, then the step's onboarding source
+(:func:`~intellect.diloco.protocol.onboarding_source`) broadcasts its outer state (``theta_sync``, the
+outer momentum, the step count: :meth:`OuterState.flat`) to all, rank *i* of every member over the
+boundary group of local rank *i* (shard to shard), before anyone trains.
+
+Non-blocking (``"non_blocking"``, INTELLECT-1's second mode): the members never wait for a joiner.
+
+1. Veterans propose a step's members without waiting for newcomers; a joiner is in as soon as it has
+   arrived, behind (its ``COMMITTED`` count is older than the step).
+2. In that step the joiner trains nothing and contributes nothing to the all-reduce (it relays and
+   receives, as a member with a non-finite pseudo-gradient does), while the step's onboarding source
+   (:func:`~intellect.diloco.protocol.onboarding_source`) sends it, in the background, the state the
+   step starts from: ``theta_sync``, the outer momentum and the step count (:meth:`OuterState.flat`),
+   rank *i* of the source to rank *i* of the joiner (shard to shard), over a group of two of their own
+   (:func:`~intellect.diloco.protocol.catchup_group`, whose keys only they may write).
+3. At the step's commit the joiner takes that state, then applies the step's average like everyone:
+   it holds the members' ``theta_sync`` bit for bit and contributes from the next step on.
+
+The source sends a snapshot taken at the boundary, so its own outer step never waits for the
+transfer; only the joiner waits for it, at its own commit (a transfer slower than a whole inner
+phase delays that joiner's vote, nobody else's training). A transfer that fails costs the joiner
+the step: it leaves and rejoins.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from intellect.diloco.protocol import COMMITTED, PG, catchup_group, onboarding_source, read_count
+from intellect.diloco.sync import Excluded
+
+if TYPE_CHECKING:
+    from intellect.diloco.config import DilocoConfig
+    from intellect.diloco.membership import Membership
+    from intellect.diloco.outer import OuterState
+    from intellect.diloco.siblings import Siblings
+    from intellect.diloco.sync import Synchronizer
+    from intellect.diloco.worker_ranks import WorkerRanks
+    from intellect.train import Trainer
+from intellect.diloco.transport import CommError, new_group, shard_prefix
+
+__all__ = ["Onboarding", "Transfer"]
+
+log = logging.getLogger("intellect.diloco")
+
+
+class Transfer:
+    """One background send (``rank`` 0, the source) or receive (``rank`` 1, the joiner) of ``flat`` over
+    a gloo group of two under ``prefix`` on the rendezvous ``store`` (whose client keeps a connection
+    per thread), bounded by ``timeout`` seconds."""
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, flat: torch.Tensor,  # pyright: ignore[reportPrivateImportUsage]
+                 timeout: float, name: str):
+        self.flat, self.error = flat, ""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store, prefix, rank, timeout), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, store, prefix: str, rank: int, timeout: float) -> None:
+        try:
+            group = new_group(store, prefix, rank, 2, timeout=timeout)
+            group.broadcast(self.flat, 0).wait()
+        except (CommError, dist.DistError, RuntimeError, ValueError) as e:
+            self.error = str(e) or type(e).__name__
+        finally:
+            close: Callable[[], None] | None = getattr(store, "close", None)
+            if close is not None:
+                close()  # this thread's connection
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the transfer completed within ``timeout`` seconds (else :attr:`error` says why)."""
+        if not self._done.wait(timeout):
+            self.error = self.error or f"not done in {timeout:.0f} s"
+            return False
+        return not self.error
+
+
+class Onboarding:
+    """The onboarding phases of :class:`~intellect.diloco.worker.DilocoWorker` (which this is a part of:
+    the attributes it uses are the worker's)."""
+
+    # the worker's, declared for the type checker
+    cfg: DilocoConfig
+    worker: str
+    step: int
+    committed: int
+    members: list[str]
+    outer: OuterState
+    model: torch.nn.Module
+    trainer: Trainer
+    sync: Synchronizer
+    siblings: Siblings
+    store: dist.Store  # pyright: ignore[reportPrivateImportUsage]
+    ranks: WorkerRanks | None
+    catching_up: Transfer | None
+
+    @property
+    def membership(self) -> Membership:
+        raise NotImplementedError
+
+    def _onboarding(self, members: list[str]) -> dict | None:
+        """Who hands its state to the members behind at this boundary (``src``, its index), those
+        (``joiners``) and whether this worker is one of them (None: nobody is behind). The rendezvous
+        takes only counts up to the step; one unreadable all the same is taken as behind."""
+        m, t = self.membership, self.step
+        source = onboarding_source(members, lambda w: m.get(COMMITTED(t, w)), t)
+        if source is None:
+            return None
+        newest = read_count(m.get(COMMITTED(t, source)), 0, t) or 0
+        joiners = [j for j, w in enumerate(members) if (read_count(m.get(COMMITTED(t, w)), 0, t) or 0) < newest]
+        return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners}
+
+    def _onboard(self, onboard: dict | None) -> bool:
+        """Every rank receives (or sends) its own shard of the state, from the same rank of the
+        source member (shard to shard); the worker is onboarded only if every rank was."""
+        if onboard is None:
+            return False
+        if self.cfg.onboarding == "non_blocking":
+            return self._catch_up(onboard)
+        behind = bool(onboard["behind"])
+        flat = self.outer.flat(self.committed)
+        error = None
+        try:
+            self.sync.group(self.step, "onboard", self.members).broadcast(flat, int(onboard["src"])).wait()
+        except (CommError, dist.DistError, RuntimeError) as e:
+            error = e
+        if not self.siblings.all(error is None):
+            if behind:  # without the state we cannot contribute: try again at the next boundary
+                raise Excluded(f"{self.worker}: onboarding at step {self.step} failed: {error or 'on another rank'}")
+            log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, error)
+            return False
+        if behind:
+            self.committed = self.outer.load_flat(flat)
+            self.step = self.committed
+            self.trainer.step = self.committed * self.cfg.inner_steps
+            self.outer.load_into(self.model)
+        return behind
+
+    def _catch_up(self, onboard: dict) -> bool:
+        """Non-blocking onboarding (:mod:`~intellect.diloco.catchup`): the source sends a snapshot of its
+        state to each member behind, which receives it during the step; True for those."""
+        me, t = self.members.index(self.worker), self.step
+        timeout = self.cfg.boundary_timeout
+        if me == int(onboard["src"]):
+            snapshot = self.outer.flat(self.committed)  # its own outer step never waits for the transfers
+            for j in onboard["joiners"]:
+                Transfer(self.store, self._catchup_prefix(j), 0, snapshot, timeout, f"catchup-send-{t}-{j}")
+            return False
+        if me not in onboard["joiners"]:
+            return False
+        self.catching_up = Transfer(self.store, self._catchup_prefix(me), 1, self.outer.flat(self.committed),
+                                    timeout, f"catchup-receive-{t}")
+        self.sync.before_step = self._caught_up
+        log.info("%s: catching up at step %d from %s in the background", self.worker, t,
+                 self.members[int(onboard["src"])])
+        return True
+
+    def _catchup_prefix(self, joiner: int) -> str:
+        prefix = PG(self.step, catchup_group(joiner))
+        rank = self.ranks.rank if self.ranks is not None else 0
+        return prefix if rank == 0 else shard_prefix(prefix, rank)
+
+    def _caught_up(self) -> None:
+        """At the catch-up step's commit (before its outer step): take the state received, or leave."""
+        transfer, self.catching_up, self.sync.before_step = self.catching_up, None, None
+        assert transfer is not None
+        ok = self.siblings.all(transfer.wait(self.cfg.boundary_timeout))
+        if not ok:
+            raise Excluded(f"{self.worker}: catching up at step {self.step} failed: {transfer.error or 'on another rank'}")
+        self.committed = self.outer.load_flat(transfer.flat)
+        self.trainer.step = (self.committed + 1) * self.cfg.inner_steps  # past the step it did not train
