@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -48,12 +47,10 @@ from flows.progress import show_progress
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import EXIT_DONE, main, parse_worker_args, worker_main
 from intellect.diloco.report import StepReport
-from intellect.diloco.sync import Excluded
 from intellect.diloco.worker import DilocoWorker
 
 T = TypeVar("T")
 OUTER_STEP = "diloco-outer-step"  # the flow of one outer step
-PHASES = ("boundary", "inner", "reduce", "commit", "checkpoint")  # its task runs, in order
 EXCLUDED = "Excluded"  # the name of the state of a step the worker was excluded from
 LISTS = ("members", "flagged", "banned")  # joined with commas in the table
 HIDDEN = ("data_sketch",)  # hashes for comparing workers' reads: in the metrics series, not the table
@@ -104,24 +101,17 @@ def driver(run_name: str) -> Callable[[DilocoWorker], StepReport]:
         @flow(name=OUTER_STEP, flow_run_name="{worker_id}-step-{step}", validate_parameters=False)
         def diloco_outer_step(worker_id: str, step: int, run_name: str):
             """One outer step of one worker, its phases as task runs, and its row as a table artifact."""
-            state = None
-            try:
-                run_phase("boundary", lambda: w.enter(report))
-                if report.step != step:  # a joiner's step is the run's, known only now
+            def phase(name: str, fn: Callable[[], T]) -> T:
+                out = run_phase(name, fn)
+                if name == "boundary" and report.step != step:  # a joiner's step is the run's, known only now
                     _rename(f"{worker_id}-step-{report.step}")
-                run_phase("inner", lambda: w.inner(report))
-                members = run_phase("reduce", lambda: w.reduce(report))
-                run_phase("commit", lambda: w.commit(members, report))
-                run_phase("checkpoint", w.checkpoint)
-            except Excluded as e:
-                run_phase("abandon", partial(w.abandon, e))
-                state = Completed(name=EXCLUDED, message=str(e))
-            else:
-                w.end(report)
+                return out
+
+            w.outer_step(phase, report)
             create_table_artifact(key=artifact_key(run_name, f"{worker_id}-outer-step"),
                                   table=[table_row(asdict(report))],
                                   description=f"DiLoCo outer step {report.step} on {worker_id}")
-            return state
+            return Completed(name=EXCLUDED, message=report.excluded) if report.excluded else None
 
         diloco_outer_step(w.worker, w.step, run_name)
         return report

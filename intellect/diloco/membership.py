@@ -183,15 +183,16 @@ class Membership:
         self.set(LEFT(step, self.worker), "1")
 
     def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float,
-                      step: int | None = None) -> tuple[list[str], list[str]]:
-        """Wait until every worker has ``prefix/<w>``, is dead, or left ``step``; returns (present, absent)."""
+                      step: int | None = None, until: Callable[[], bool] | None = None) -> tuple[list[str], list[str]]:
+        """Wait until every worker has ``prefix/<w>``, is dead, or left ``step`` (or ``until()`` holds:
+        whatever was waited for is decided already); returns (present, absent)."""
         workers = list(workers)
 
         def gone(w: str) -> bool:
             return not self.alive(w) or (step is not None and self.has(LEFT(step, w)))
 
         def settled() -> bool:
-            return all(self.has(f"{prefix}/{w}") or gone(w) for w in workers)
+            return (until is not None and until()) or all(self.has(f"{prefix}/{w}") or gone(w) for w in workers)
 
         try:
             self.wait_until(settled, deadline, f"{prefix} from {workers}")

@@ -41,6 +41,7 @@ class StepReport:
     tokens_per_s: float = 0.0  # tokens / outer_seconds
     mfu: float = 0.0  # model FLOPs of those tokens over outer_seconds, as a fraction of the devices' peak
     device_memory_mb: float = 0.0  # CUDA: the peak memory allocated on the worker's busiest device, MiB
+    excluded: str = ""  # why this worker was left out of the step (then not committed)
     shard: list[int] = field(default_factory=list)  # [i, n]: the data shard read (text: member i of n)
     data_sketch: list[str] = field(default_factory=list)  # data_sketch() of the sequences trained on
 

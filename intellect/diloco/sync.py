@@ -77,6 +77,9 @@ from intellect.trust.mac import derive_key
 log = logging.getLogger("intellect.diloco")
 
 
+JOIN_GRACE = 2  # contributions of a newly onboarded member that are not struck (Synchronizer.newcomers)
+
+
 class Excluded(RuntimeError):
     """This worker was left out of a step's membership; it rejoins at a later boundary."""
 
@@ -146,6 +149,7 @@ class Synchronizer:
         self.run_name, self.allreduce_root, self.faults, self.siblings = run_name, allreduce_root, faults, siblings
         self.strikes = Strikes(cfg.exclude_after)
         self.banned_here: set[str] = set()  # whom our own strikes banned: out of our proposals at once
+        self.grace: dict[str, int] = {}  # newcomers' contributions left before their flags count as strikes
         self.rates: dict[tuple[str, str], float] = {}  # (sender, receiver) -> bytes/s
         self.last_algorithm = ""  # logged when it changes
         self._step = 0
@@ -364,7 +368,7 @@ class Synchronizer:
                     raise RuntimeError(f"{self.worker}: committing step {r.step} without this rank's average")
                 self._commit(r, report)
                 if q is not None:
-                    self._judge(q, r.attempt, r.members, report)
+                    self._judge(q, r.attempt, r.members, report, [r.members[i] for i in r.stats.contributors])
                 return r.members
             if do["do"] == "excluded":
                 raise Excluded(do["why"])
@@ -399,10 +403,22 @@ class Synchronizer:
         full = getattr(self.outer, "full_digest", None)
         return full() if full is not None else self.outer.digest()
 
-    def _judge(self, q: Quorum, a: int, members: list[str], report: StepReport) -> None:
-        """Strike the members a majority reported in this committed attempt; ban the repeat offenders."""
+    def newcomers(self, workers: list[str]) -> None:
+        """``workers`` were onboarded at this boundary: their first :data:`JOIN_GRACE` contributions are
+        not struck (a fresh inner AdamW's first steps move further than the members' warm ones: clipped
+        and left out when they stand out, as any flagged contribution, but no step toward a ban)."""
+        for w in workers:
+            self.grace[w] = JOIN_GRACE
+
+    def _judge(self, q: Quorum, a: int, members: list[str], report: StepReport,
+               contributors: list[str] | None = None) -> None:
+        """Strike the members a majority reported in this committed attempt (newcomers in their grace
+        excepted); ban the repeat offenders."""
         report.flagged = majority_flagged(q.reports(FLAGS, a, members), members)
-        report.banned = self.strikes.add(report.flagged)
+        report.banned = self.strikes.add([w for w in report.flagged if not self.grace.get(w)])
+        for w in contributors or []:
+            if self.grace.get(w):
+                self.grace[w] -= 1
         self._ban(report.banned, q.step, a)
         if report.flagged:
             log.warning("%s: step %d: outlier contributions from %s", self.worker, q.step, report.flagged)
@@ -421,4 +437,4 @@ class Synchronizer:
         return members, a + 1
 
 
-__all__ = ["Attempt", "Excluded", "Reduction", "Synchronizer"]
+__all__ = ["JOIN_GRACE", "Attempt", "Excluded", "Reduction", "Synchronizer"]

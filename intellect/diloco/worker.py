@@ -45,7 +45,8 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from typing import Callable, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -74,6 +75,15 @@ from intellect.storage import RunStorage
 from intellect.train import Trainer
 
 log = logging.getLogger("intellect.diloco")
+
+
+T = TypeVar("T")
+Phase = Callable[[str, Callable[[], Any]], Any]  # runs one named phase of an outer step: phase(name, fn)
+PHASES = ("boundary", "inner", "reduce", "commit", "checkpoint")  # an outer step's phases, in order
+
+
+def _directly(name: str, fn: Callable[[], T]) -> T:  # noqa: ARG001 - the phase's name is for flows that show it
+    return fn()
 
 
 class Banned(RuntimeError):
@@ -257,6 +267,8 @@ class DilocoWorker(Onboarding):
             raise
         position = self.reshard(members)
         onboard = self._onboarding(members)
+        if onboard is not None:
+            self.sync.newcomers([members[j] for j in onboard["joiners"]])
         self.siblings.share({"step": self.step, "members": members, "committed": self.committed,
                              "position": position, "shard": list(self.shard), "onboard": onboard})
         self.members = members
@@ -301,8 +313,10 @@ class DilocoWorker(Onboarding):
             newcomers = [] if self.cfg.onboarding == "non_blocking" else [
                 w for w in launched if w not in self.prev_members and not m.has(LEFT(t, w))]
             expected = launched if founder else [w for w in self.prev_members if w in launched] + newcomers
+            # until a peer decided the members: one that never saw a newcomer this one waits for
+            # proposes without it, and the decision is final
             m.wait_for_keys(ARRIVE.under(t), [w for w in expected if w != me],
-                            self._deadline(self.cfg.boundary_timeout), step=t)
+                            self._deadline(self.cfg.boundary_timeout), step=t, until=lambda: q.members(0) is not None)
             arrived = [w for w in self.launched() if m.has(ARRIVE(t, w)) and m.alive(w)]
             members = q.propose_members(0, arrived)
         elif members is None:
@@ -433,18 +447,21 @@ class DilocoWorker(Onboarding):
             self.m.set(METRICS(report.step, self.worker), json.dumps(asdict(report)))
             self.metrics_log.log(report.step, asdict(report))
 
-    def outer_step(self) -> StepReport:
-        """One whole outer step, its phases in order (a flow that shows each phase calls them itself);
-        an excluded worker reverts and reports an uncommitted step."""
-        report = self.begin()
+    def outer_step(self, phase: Phase | None = None, report: StepReport | None = None) -> StepReport:
+        """One whole outer step, its :data:`PHASES` in order, each run through ``phase(name, fn)`` (default:
+        ``fn()``; a flow passes one that shows each as a task); an excluded worker runs ``abandon``
+        instead of the rest and reports an uncommitted step, with the reason (``report.excluded``)."""
+        run: Phase = phase or _directly
+        report = report or self.begin()
         try:
-            self.enter(report)
-            self.inner(report)
-            members = self.reduce(report)
-            self.commit(members, report)
-            self.checkpoint()
+            run("boundary", lambda: self.enter(report))
+            run("inner", lambda: self.inner(report))
+            members = run("reduce", lambda: self.reduce(report))
+            run("commit", lambda: self.commit(members, report))
+            run("checkpoint", self.checkpoint)
         except Excluded as e:
-            self.abandon(e)
+            report.excluded = str(e)
+            run("abandon", partial(self.abandon, e))
         else:
             self.end(report)
         return report
@@ -482,4 +499,4 @@ class DilocoWorker(Onboarding):
             self.mesh.close()
 
 
-__all__ = ["Banned", "DilocoWorker", "StoreLost", "inner_train_config"]
+__all__ = ["PHASES", "Banned", "DilocoWorker", "Phase", "StoreLost", "inner_train_config"]

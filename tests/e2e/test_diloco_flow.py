@@ -10,7 +10,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 
 from flows.diloco import diloco_train
-from flows.diloco_worker import PHASES
+from intellect.diloco.worker import PHASES
 from intellect.config import load_config
 from intellect.diloco.config import DilocoRunConfig
 from intellect.storage import RunStorage

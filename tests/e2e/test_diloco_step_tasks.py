@@ -20,7 +20,8 @@ from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunF
 from prefect.client.schemas.objects import StateType
 
 from flows.diloco import diloco_train
-from flows.diloco_worker import EXCLUDED, OUTER_STEP, PHASES, run_phase
+from flows.diloco_worker import EXCLUDED, OUTER_STEP, run_phase
+from intellect.diloco.worker import PHASES
 from intellect.config import load_config
 from intellect.diloco.config import DilocoRunConfig
 

@@ -24,7 +24,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from infra import cluster
-from flows.diloco_worker import PHASES
+from intellect.diloco.worker import PHASES
 from infra.automations import NAME
 from intellect.config import ModelConfig, load_config
 from intellect.diloco.config import DilocoRunConfig
