@@ -86,7 +86,7 @@ PHASE = Sidecar.PHASE
 
 TRAINER_ONLY = frozenset(s.value for s in Sidecar if not s.for_inference)
 
-# A sharded folder (:mod:`intellect.checkpoint_shards`) is a run-storage step folder, e.g. a DiLoCo
+# A sharded folder (:mod:`intellect.diloco.checkpoint_shards`) is a run-storage step folder, e.g. a DiLoCo
 # worker's ``worker_state/<worker>/step_<n>``: torch.distributed.checkpoint's files, the JSON below,
 # then ``STABLE``. The two DCP names are DCP's own (its FileSystemWriter picks them).
 SHARDS_INDEX = ".metadata"  # DCP's index of every saved chunk, written by the coordinating rank

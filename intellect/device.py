@@ -252,16 +252,11 @@ def autocast(device: torch.device, precision: PrecisionSetting) -> Iterator[None
 
 
 def prepare_model(model: torch.nn.Module, compute: ComputeConfig, device: torch.device,
-                  train: bool = True, mesh=None) -> torch.nn.Module:
+                  train: bool = True) -> torch.nn.Module:
     """Move ``model`` to ``device`` in the precision's weight dtype; for training, turn on activation
     checkpointing and ``torch.compile`` as configured. Returns the same module (compiled in place,
-    so its ``state_dict`` keys and ``config`` are unchanged). ``mesh``: a 1-D device mesh of the
-    ranks that share the model, which then is sharded over them instead, its weights kept fp32
-    (:func:`intellect.parallel.parallelize`)."""
-    if mesh is not None:
-        from intellect.parallel import parallelize  # noqa: PLC0415 - it builds on this module
-
-        return parallelize(model, mesh, compute)
+    so its ``state_dict`` keys and ``config`` are unchanged). A model shared by several ranks is
+    prepared by :func:`intellect.parallel.parallelize` instead (its weights stay fp32)."""
     model.to(device=device)
     dtype = param_dtype(compute.precision)
     if train:

@@ -71,6 +71,7 @@ from intellect.diloco.sync import Excluded, Synchronizer
 from intellect.diloco.onboarding import Onboarding, Transfer
 from intellect.diloco.worker_ranks import WorkerRanks
 from intellect.metrics import Peak, flops_per_token
+from intellect.parallel import parallelize
 from intellect.storage import RunStorage
 from intellect.train import Trainer
 
@@ -137,7 +138,7 @@ class DilocoWorker(Onboarding):
         if ranks is not None and ranks.size > 1:
             # fp32 weights sharded over the worker's ranks, theta_sync per shard (never cast before sharding)
             self.mesh = WorkerMesh.create(self.device, rank, size, store=ranks.store, timeout=self.cfg.boundary_timeout)
-            prepare_model(self.model, run.compute, self.device, mesh=self.mesh.fsdp_mesh)
+            parallelize(self.model, self.mesh.fsdp_mesh, run.compute)
             self.outer: OuterState = ShardedOuterState(self.model, self.cfg.outer_lr, self.cfg.outer_momentum,
                                                        self.cfg.nesterov, device=self.device)
             load_outer_state(self.storage, n, self.outer)

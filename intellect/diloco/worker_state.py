@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from intellect.checkpoint_shards import ShardsRefused, load_worker, save_worker
+from intellect.diloco.checkpoint_shards import ShardsRefused, load_worker, save_worker
 from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER, SHARDS_STATE
 from intellect.diloco.protocol import read_count, read_json, read_names
 from intellect.storage import STABLE, RunStorage
@@ -128,7 +128,7 @@ def save_sharded(storage: RunStorage, worker: str, state: WorkerState, trainer: 
                  group: dist.ProcessGroup | None, barrier) -> None:
     """:func:`save` for a worker whose model is sharded over its ranks (collective over ``group``): the
     inner AdamW state in ``torch.distributed.checkpoint``'s form, which loads on any number of ranks
-    (:func:`~intellect.checkpoint_shards.save_worker`), and the data position as the folder's JSON
+    (:func:`~intellect.diloco.checkpoint_shards.save_worker`), and the data position as the folder's JSON
     (``state.trainer`` is not used). ``barrier()``: the worker's ranks wait for its first to have
     dropped a stale folder."""
     kind = state_kind(worker)

@@ -1,5 +1,5 @@
 """Sharded worker checkpoints reshard, and the consolidated HF export loads in ``transformers``
-(:mod:`intellect.checkpoint_shards`), over real gloo groups of spawned processes on 127.0.0.1.
+(:mod:`intellect.diloco.checkpoint_shards`), over real gloo groups of spawned processes on 127.0.0.1.
 
 One module-scoped run: a worker of 2 ranks (FSDP2, the odd-sized llama of ``test_fsdp_worker``, so
 every shard pair is uneven) trains two AdamW steps, takes an outer step (momentum set, theta_sync
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from intellect.checkpoint_shards import ShardsRefused, export_hf, load_worker, publish_consolidated, save_worker
+from intellect.diloco.checkpoint_shards import ShardsRefused, export_hf, load_worker, publish_consolidated, save_worker
 from intellect.checkpoints import STABLE, fetch
 from intellect.config import ComputeConfig
 from intellect.diloco.mesh import WorkerMesh
