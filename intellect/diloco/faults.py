@@ -23,6 +23,11 @@ class Faults(Protocol):
         holds up the collective, not the readiness wait)."""
         ...
 
+    def ring(self, step: int, attempt: int, worker: str, rank: int) -> None:
+        """Called on local rank ``rank`` of a worker once its ring's group is built, before its
+        all-reduce; raising fails that ring alone (the worker's other rings run)."""
+        ...
+
 
 class NoFaults:
     """Every hook does nothing."""
@@ -31,6 +36,9 @@ class NoFaults:
         pass
 
     def before_allreduce(self, step: int, attempt: int, worker: str) -> None:
+        pass
+
+    def ring(self, step: int, attempt: int, worker: str, rank: int) -> None:
         pass
 
 

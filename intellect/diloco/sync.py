@@ -266,6 +266,7 @@ class Synchronizer:
             plan = out.plan
             # built only once every member is ready: a member that died before then cannot stall it
             group = self.group(step, a, members)
+            self.faults.ring(step, a, me, sib.rank)
             # a ring of partial sums runs only where the config names it, with outlier_clip 0 (DilocoConfig)
             robust = self.cfg.outlier_clip if plan["algorithm"] in SCREENED else 0.0
             stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute,

@@ -38,6 +38,7 @@ class FaultPlan(BaseModel):
     lie_scale: float = 1.5
     lie_seed: int = 1234
     lie_keep_norm: bool = False  # direction: scaled back to the honest pseudo-gradient's norm
+    fail_ring: list | None = None  # [step, attempt, worker, local rank]: that ring fails once (workers of several ranks)
     plan_worker: str | None = None  # this worker decides every attempt's plan/ key first ...
     plan: str = '{"algorithm": "ring", "order": null, "estimates": {}}'  # ... as this JSON
     nan_worker: str | None = None  # this worker's pseudo-gradient turns non-finite ...
@@ -96,6 +97,10 @@ class ScriptedFaults:
                         g.mul_(100.0)
         if p.nan_worker == worker and p.nan_step == step:
             pseudo[0].view(-1)[0] = float("nan")
+
+    def ring(self, step: int, attempt: int, worker: str, rank: int) -> None:
+        if self.plan.fail_ring == [step, attempt, worker, rank]:
+            raise RuntimeError(f"injected: {worker}'s ring {rank} fails at step {step} attempt {attempt}")
 
     def before_allreduce(self, step: int, attempt: int, worker: str) -> None:
         p = self.plan

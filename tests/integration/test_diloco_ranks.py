@@ -239,3 +239,27 @@ def test_a_worker_whose_shards_lie_is_clipped_flagged_and_banned(tmp_path):
     # the liar moved nothing far: every weight of the last checkpoint is of an honest run's size
     model, _ = fetch(RunStorage.from_config(cfg.storage, cfg.run_name))
     assert max(p.abs().max().item() for p in model.parameters()) < 10
+
+
+def test_one_failed_ring_rolls_back_every_shard_and_the_retry_commits_what_a_clean_run_does(tmp_path):
+    """w1's local rank 1 fails its ring in step 1's first attempt while both rank-0 rings succeed: both
+    workers vote fail, nobody applies an averaged shard beside a local one, and the retry commits the
+    very weights of a run without the fault."""
+    over = {"diloco.ranks_per_worker": 2, "diloco.outer_steps": 3, "diloco.inner_steps": 4}
+    checkpoints = {}
+    for name, plan in (("clean", None), ("faulty", FaultPlan(fail_ring=[1, 0, "w1", 1]))):
+        cfg = arithmetic_cfg(tmp_path, **{"run_name": name, **over})
+        c = Coordinator(cfg, faulty_launcher(tmp_path / "logs", plan))
+        try:
+            c.start()
+            codes = c.watch(timeout=300)
+            assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, logs(tmp_path)
+            steps = [json.loads(c.store.get(f"metrics/{t}/w0")) for t in range(3)]
+            assert [s["attempts"] for s in steps] == ([1, 1, 1] if plan is None else [1, 2, 1]), steps
+            for t in range(3):
+                assert len(set(digests(c, t).values())) == 1
+        finally:
+            c.close()
+        checkpoints[name] = fetch(RunStorage.from_config(cfg.storage, cfg.run_name))[0].state_dict()
+    assert all(torch.equal(checkpoints["clean"][k], checkpoints["faulty"][k]) for k in checkpoints["clean"])
+    assert "injected: w1's ring 1 fails at step 1 attempt 0" in (tmp_path / "logs" / "w1.log").read_text()
