@@ -112,11 +112,12 @@ class Onboarding:
         (``joiners``) and whether this worker is one of them (None: nobody is behind). The rendezvous
         takes only counts up to the step; one unreadable all the same is taken as behind."""
         m, t = self.membership, self.step
-        source = onboarding_source(members, lambda w: m.get(COMMITTED(t, w)), t)
+        records = {w: m.get(COMMITTED(t, w)) for w in members}  # one read of each: the store is remote
+        source = onboarding_source(members, records.get, t)
         if source is None:
             return None
-        newest = read_count(m.get(COMMITTED(t, source)), 0, t) or 0
-        joiners = [j for j, w in enumerate(members) if (read_count(m.get(COMMITTED(t, w)), 0, t) or 0) < newest]
+        progress = {w: read_count(records[w], 0, t) or 0 for w in members}
+        joiners = [j for j, w in enumerate(members) if progress[w] < progress[source]]
         return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners}
 
     def _onboard(self, onboard: dict | None) -> bool:
