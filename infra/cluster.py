@@ -37,13 +37,26 @@ from pathlib import Path
 from typing import Iterator
 
 from infra.automations import create_automations
+from infra.devices import host_devices
 from infra.procs import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS_DIR = Path(__file__).with_name("pools")
 POOLS = ("cpu", "gpu-rollout", "gpu-train", "gpu-diloco", "validator")
-# how many flow runs a worker of each pool runs at once on one host (gpu pools: one per GPU)
+# how many flow runs a worker of each pool runs at once on one host; a GPU pool's is raised to the host's
+# device count (pool_limit), and its device lease (infra/devices.py) decides which run gets which devices
 LIMITS = {"cpu": 4, "gpu-rollout": 2, "gpu-train": 1, "gpu-diloco": 2, "validator": 1}
+
+
+def pool_limit(pool: str, devices: tuple[str, ...]) -> int:
+    """The flow runs a worker of ``pool`` runs at once on a host with ``devices``: a GPU pool's runs are
+    bounded by the devices they lease (a DiLoCo worker of 4 ranks takes 4 of 8), not by a count that
+    would leave GPUs idle; the others keep :data:`LIMITS`.
+
+    >>> pool_limit("gpu-diloco", tuple("01234567")), pool_limit("gpu-diloco", ()), pool_limit("cpu", ("0",))
+    (8, 2, 4)
+    """
+    return max(LIMITS[pool], len(devices)) if pool.startswith("gpu-") else LIMITS[pool]
 AUTH_FILE = "api-auth"
 
 
@@ -142,8 +155,9 @@ def wait_healthy(api_url: str, timeout: float, pid: int | None = None) -> None:
         time.sleep(0.5)
 
 
-def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
-    """Create (or update) each pool from its base job template, with its concurrency limit."""
+def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS, devices: tuple[str, ...] = ()) -> None:
+    """Create (or update) each pool from its base job template, with its concurrency limit
+    (:func:`pool_limit` of this host's ``devices``)."""
     from prefect.client.orchestration import get_client  # noqa: PLC0415 - heavy, see api_settings
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate  # noqa: PLC0415 - heavy
     from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415 - heavy
@@ -156,10 +170,10 @@ def create_pools(env: dict[str, str], pools: tuple[str, ...] = POOLS) -> None:
             desc = template["variables"].get("description")
             try:
                 client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template,
-                                                       description=desc, concurrency_limit=LIMITS[name]))
+                                                       description=desc, concurrency_limit=pool_limit(name, devices)))
             except ObjectAlreadyExists:
                 client.update_work_pool(name, WorkPoolUpdate(base_job_template=template, description=desc,
-                                                             concurrency_limit=LIMITS[name]))
+                                                             concurrency_limit=pool_limit(name, devices)))
 
 
 def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = POOLS,
@@ -176,11 +190,12 @@ def up(state: Path, port: int, timeout: float = 180.0, pools: tuple[str, ...] = 
                  server_env(env), state)
     try:
         wait_healthy(env["PREFECT_API_URL"], timeout, pid)
-        create_pools(env, pools)
+        devices = host_devices(None)
+        create_pools(env, pools, devices)
         with api_settings(env):
             create_automations(alert_webhook)
         for name in pools:
-            start_worker(state, env, name, LIMITS[name])
+            start_worker(state, env, name, pool_limit(name, devices))
     except BaseException:
         down(state)
         raise

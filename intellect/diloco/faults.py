@@ -28,6 +28,11 @@ class Faults(Protocol):
         all-reduce; raising fails that ring alone (the worker's other rings run)."""
         ...
 
+    def onboarding_state(self, step: int, worker: str, flat: torch.Tensor) -> None:
+        """Called on the onboarding source with the state it is about to send to the members behind
+        (:meth:`~intellect.diloco.outer.OuterState.flat`); may alter it in place (a source that lies)."""
+        ...
+
 
 class NoFaults:
     """Every hook does nothing."""
@@ -39,6 +44,9 @@ class NoFaults:
         pass
 
     def ring(self, step: int, attempt: int, worker: str, rank: int) -> None:
+        pass
+
+    def onboarding_state(self, step: int, worker: str, flat: torch.Tensor) -> None:
         pass
 
 

@@ -23,6 +23,15 @@ The source sends a snapshot taken at the boundary, so its own outer step never w
 transfer; only the joiner waits for it, at its own commit (a transfer slower than a whole inner
 phase delays that joiner's vote, nobody else's training). A transfer that fails costs the joiner
 the step: it leaves and rejoins.
+
+Both modes check what arrives before taking it: the step count must be the one the source committed,
+and ``theta_sync`` must hash to the ``DIGEST`` a strict majority of the members as far ahead as the
+source recorded for that step (:func:`~intellect.diloco.protocol.agreed_digest`); otherwise the joiner
+keeps its own state, says why, and tries again at the next boundary (a source that lies cannot put
+other weights into a joiner, only keep it out). With no such record (a run resumed under a new
+rendezvous) the state is taken unchecked and the log says so. The momentum has no record of its own:
+a wrong one moves the joiner's ``theta_sync`` off the members' at its first commit, which its digest
+shows.
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from intellect.diloco.protocol import COMMITTED, PG, catchup_group, onboarding_source, read_count
+from intellect.diloco.protocol import (
+    COMMITTED, DIGEST, PG, agreed_digest, catchup_group, onboarding_source, read_count, read_digest,
+)
 from intellect.diloco.sync import Excluded
 
 if TYPE_CHECKING:
@@ -102,6 +113,7 @@ class Onboarding:
     store: dist.Store  # pyright: ignore[reportPrivateImportUsage]
     ranks: WorkerRanks | None
     catching_up: Transfer | None
+    catching_up_from: dict | None = None  # the onboarding decision a background transfer is checked against
 
     @property
     def membership(self) -> Membership:
@@ -113,12 +125,31 @@ class Onboarding:
         takes only counts up to the step; one unreadable all the same is taken as behind."""
         m, t = self.membership, self.step
         records = {w: m.get(COMMITTED(t, w)) for w in members}  # one read of each: the store is remote
+        progress = {w: read_count(records[w], 0, t) or 0 for w in members}
+        self._same_as_the_members([w for w in members if progress[w] == self.committed])
         source = onboarding_source(members, records.get, t)
         if source is None:
             return None
-        progress = {w: read_count(records[w], 0, t) or 0 for w in members}
-        joiners = [j for j, w in enumerate(members) if progress[w] < progress[source]]
-        return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners}
+        count = progress[source]
+        joiners = [j for j, w in enumerate(members) if progress[w] < count]
+        # what the state sent must hash to: the digest the members as far ahead agree on for that step
+        held = [m.get(DIGEST(count - 1, w)) for w in members if progress[w] == count]
+        return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners,
+                "count": count, "digest": agreed_digest(held), "records": sum(r is not None for r in held)}
+
+    def _same_as_the_members(self, peers: list[str]) -> None:
+        """Leave, to be onboarded afresh, when this worker's ``theta_sync`` is not the one a strict majority
+        of ``peers`` (the members with as many commits) recorded for the last step: a replica that drifted
+        (a wrong momentum taken from a source that lied, a fault) never contributes or publishes from it."""
+        n, m = self.committed, self.membership
+        if n == 0 or len(peers) < 3:  # two that differ: no majority to side with
+            return
+        agreed = agreed_digest([m.get(DIGEST(n - 1, w)) for w in peers])
+        mine = read_digest(m.get(DIGEST(n - 1, self.worker)))
+        if agreed is not None and mine is not None and mine != agreed:
+            self.committed = 0  # behind everyone: the next boundary onboards it
+            raise Excluded(f"{self.worker}: theta_sync after step {n - 1} hashes to {mine[:12]}, "
+                           f"the members recorded {agreed[:12]}: leaving to be onboarded again")
 
     def _onboard(self, onboard: dict | None) -> bool:
         """Every rank receives (or sends) its own shard of the state, from the same rank of the
@@ -129,6 +160,8 @@ class Onboarding:
             return self._catch_up(onboard)
         behind = bool(onboard["behind"])
         flat = self.outer.flat(self.committed)
+        if self.members.index(self.worker) == int(onboard["src"]):
+            self.sync.faults.onboarding_state(self.step, self.worker, flat)
         error = None
         try:
             self.sync.group(self.step, "onboard", self.members).broadcast(flat, int(onboard["src"])).wait()
@@ -140,11 +173,34 @@ class Onboarding:
             log.warning("%s: onboarding broadcast at step %d failed: %s", self.worker, self.step, error)
             return False
         if behind:
-            self.committed = self.outer.load_flat(flat)
+            self.committed = self._take(flat, onboard)
             self.step = self.committed
             self.trainer.step = self.committed * self.cfg.inner_steps
             self.outer.load_into(self.model)
         return behind
+
+    def _take(self, flat: torch.Tensor, onboard: dict) -> int:
+        """Load the received state ``flat`` and return its step count, or refuse it (the worker's own
+        state back in place) with :class:`Excluded` saying why. Collective over the worker's ranks."""
+        mine = self.outer.flat(self.committed)
+        count = self.outer.load_flat(flat)
+        source, expected = self.members[int(onboard["src"])], onboard.get("digest")
+        why = ""
+        if count != int(onboard["count"]):
+            why = f"it holds {count} outer steps, {source} committed {onboard['count']}"
+        got = self.sync.digest()  # every rank takes part (a sharded worker's digest gathers its shards)
+        if not why and expected is None and onboard.get("records"):
+            why = "the members as far ahead disagree on the digest of that step"
+        elif not why and expected is not None and got != expected:
+            why = f"its theta_sync hashes to {got[:12]}, the members recorded {expected[:12]}"
+        if not self.siblings.all(not why):
+            self.outer.load_flat(mine)
+            raise Excluded(f"{self.worker}: refused the state {source} sent at step {self.step}: "
+                           f"{why or 'on another rank'}")
+        if expected is None:
+            log.warning("%s: took the state %s sent at step %d unchecked: no member recorded its digest",
+                        self.worker, source, self.step)
+        return count
 
     def _catch_up(self, onboard: dict) -> bool:
         """Non-blocking onboarding (:mod:`~intellect.diloco.catchup`): the source sends a snapshot of its
@@ -153,6 +209,7 @@ class Onboarding:
         timeout = self.cfg.boundary_timeout
         if me == int(onboard["src"]):
             snapshot = self.outer.flat(self.committed)  # its own outer step never waits for the transfers
+            self.sync.faults.onboarding_state(t, self.worker, snapshot)
             for j in onboard["joiners"]:
                 Transfer(self.store, self._catchup_prefix(j), 0, snapshot, timeout, f"catchup-send-{t}-{j}")
             return False
@@ -160,7 +217,7 @@ class Onboarding:
             return False
         self.catching_up = Transfer(self.store, self._catchup_prefix(me), 1, self.outer.flat(self.committed),
                                     timeout, f"catchup-receive-{t}")
-        self.sync.before_step = self._caught_up
+        self.sync.before_step, self.catching_up_from = self._caught_up, onboard
         log.info("%s: catching up at step %d from %s in the background", self.worker, t,
                  self.members[int(onboard["src"])])
         return True
@@ -173,9 +230,10 @@ class Onboarding:
     def _caught_up(self) -> None:
         """At the catch-up step's commit (before its outer step): take the state received, or leave."""
         transfer, self.catching_up, self.sync.before_step = self.catching_up, None, None
-        assert transfer is not None
+        onboard, self.catching_up_from = self.catching_up_from, None
+        assert transfer is not None and onboard is not None
         ok = self.siblings.all(transfer.wait(self.cfg.boundary_timeout))
         if not ok:
             raise Excluded(f"{self.worker}: catching up at step {self.step} failed: {transfer.error or 'on another rank'}")
-        self.committed = self.outer.load_flat(transfer.flat)
+        self.committed = self._take(transfer.flat, onboard)
         self.trainer.step = (self.committed + 1) * self.cfg.inner_steps  # past the step it did not train

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import math
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -135,13 +136,18 @@ class OuterState:
                          + [torch.tensor([float(committed), float(self.has_momentum())])])
 
     def load_flat(self, flat: torch.Tensor) -> int:
-        """Take a peer's :meth:`flat`; returns its ``committed``."""
+        """Take a peer's :meth:`flat` (a state without momentum clears ours); returns its ``committed``,
+        or -1 when that is no step count (the caller refuses such a state and loads its own back)."""
         sizes = [p.numel() for p in self.params]
         n = sum(sizes)
         params = [c.view_as(p) for c, p in zip(flat[:n].split(sizes), self.params)]
         momentum = [c.view_as(p) for c, p in zip(flat[n:2 * n].split(sizes), self.params)]
         self.set_state(params, momentum if flat[-1] > 0 else None)
-        return int(flat[-2])
+        if not flat[-1] > 0:
+            for p in self.params:
+                self.optimizer.state.get(p, {}).pop("momentum_buffer", None)
+        count = float(flat[-2])
+        return int(count) if math.isfinite(count) and count == int(count) and 0 <= count < 2 ** 40 else -1
 
     @torch.no_grad()
     def set_state(self, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor] | None) -> None:

@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 
 class Writer(StrEnum):
@@ -148,6 +148,36 @@ def onboarding_source(members: list[str], committed: Callable[[str], object], st
     if not progress or min(progress.values()) == newest:
         return None
     return min(w for w in members if progress[w] == newest)
+
+
+def agreed_digest(records: Sequence[object]) -> str | None:
+    """The ``DIGEST`` a strict majority of ``records`` (the records of the members the onboarding
+    source is one of, unreadable ones included) hold, else None: what a worker behind checks the
+    state it receives against, so a source that sends other weights than the ones it and the others
+    committed is refused.
+
+    >>> a, b = "a" * 64, "b" * 64
+    >>> agreed_digest([a, a, b]) == a, agreed_digest([a, b]), agreed_digest([a, None, None]), agreed_digest([a])
+    (True, None, None, 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa')
+    """
+    held = [read_digest(r) for r in records]
+    for d in set(held) - {None}:
+        if 2 * held.count(d) > len(held):
+            return d
+    return None
+
+
+def read_digest(raw) -> str | None:
+    """A SHA-256 hex digest (a ``DIGEST`` record), else None.
+
+    >>> read_digest(b"0" * 64) == "0" * 64, read_digest("x" * 64), read_digest(b"0" * 65)
+    (True, None, None)
+    """
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    return text if isinstance(text, str) and _HEX64.match(text) else None
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def catchup_group(joiner: int) -> str:

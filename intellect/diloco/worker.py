@@ -3,9 +3,7 @@
 One outer step ``t`` (:meth:`DilocoWorker.outer_step`) is four phases:
 
 1. :meth:`DilocoWorker.boundary` agrees on the members of step ``t`` (the previous members that
-   arrived plus any joiner), and, when someone is behind (a joiner, a worker that was excluded),
-   broadcasts ``theta_sync``, the outer momentum and the step counter from the most advanced
-   member: onboarding blocks at the boundary, as INTELLECT-1 chose.
+   arrived plus any joiner) and onboards whoever is behind (:mod:`~intellect.diloco.onboarding`).
 2. :meth:`DilocoWorker.inner` runs H AdamW steps on the worker's data shard, on the configured
    device and precision (``run.compute``); the inner optimizer state stays resident across outer
    steps. With a text corpus (``data.kind = "text"``) the shard is member ``i`` of the ``n``
@@ -16,8 +14,8 @@ One outer step ``t`` (:meth:`DilocoWorker.outer_step`) is four phases:
    (``finish``, ``should_commit``); otherwise everyone discards and retries with the survivors
    (Decoupled DiLoCo: the average is over the contributors; a non-finite pseudo-gradient
    contributes nothing). :meth:`DilocoWorker.commit` then records the committed step.
-4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer state to run storage
-   (the first member by admission order does it, every N steps).
+4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer state (the first member by
+   admission order, every N steps).
 
 Trust. A worker holds its own rendezvous key and the all-reduce root, never the run secret
 (``coordinator.worker_credentials``), and writes only what ``membership.scope`` allows. Every
@@ -29,7 +27,7 @@ worker that a majority reports in ``diloco.exclude_after`` committed steps is ba
 majority of an attempt's members record ``BAN(w, me)``.
 
 Invariant after every commit: all members hold bit-identical ``theta_sync`` (their SHA-256 is
-written to ``DIGEST(t, w)`` for anyone to compare).
+written to ``DIGEST(t, w)``; a worker whose digest is not the majority's leaves to be onboarded again).
 
 Devices. Whatever the inner device and precision, ``theta_sync``, the pseudo-gradients and the outer
 momentum are fp32 on the CPU (:class:`~intellect.diloco.outer.OuterState`), so the collectives run on
@@ -263,11 +261,11 @@ class DilocoWorker(Onboarding):
             return self._follow(self.siblings.share())
         try:
             members = self._agree()
+            onboard = self._onboarding(members)
         except Excluded as e:
             self.siblings.share({"excluded": str(e)})
             raise
         position = self.reshard(members)
-        onboard = self._onboarding(members)
         if onboard is not None:
             self.sync.newcomers([members[j] for j in onboard["joiners"]])
         self.siblings.share({"step": self.step, "members": members, "committed": self.committed,
@@ -436,7 +434,7 @@ class DilocoWorker(Onboarding):
         log.warning("%s", e)
         if self.m is not None:
             self.m.leave(self.step)
-        self.catching_up, self.sync.before_step = None, None
+        self.catching_up, self.catching_up_from, self.sync.before_step = None, None, None
         self.outer.load_into(self.model)
         self.prev_members = []
         time.sleep(self.cfg.heartbeat_interval)  # the others are mid-step: no point in spinning

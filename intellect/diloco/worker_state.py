@@ -20,13 +20,16 @@ changes anything), starts a fresh AdamW at the start of its shard, and says why.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from intellect.diloco.checkpoint_shards import ShardsRefused, load_worker, save_worker
 from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER, SHARDS_STATE
@@ -174,14 +177,72 @@ def restore_any(storage: RunStorage, worker: str, step: int, trainer: Trainer, o
                 group: dist.ProcessGroup | None) -> tuple[WorkerState | None, str]:
     """The worker's newest saved state up to checkpoint ``step`` whichever form it was saved in: a
     sharded one (:func:`restore_sharded`) on any number of ranks, a one-rank file (:func:`restore`) by
-    a worker of one rank (``group`` None); a worker of several ranks given a one-rank file starts a
-    fresh AdamW."""
+    a worker of one rank (``group`` None) and, its moments cut into shards, by a worker of several ranks
+    (:func:`restore_resharded`)."""
     steps = [s for s in storage.complete_steps(state_kind(worker)) if s <= step]
     if steps and storage.exists(f"{storage.step_path(steps[-1], state_kind(worker))}/{SHARDS_STATE}"):
         return restore_sharded(storage, worker, step, trainer, outer, group)
     if group is None:
         return restore(storage, worker, step, trainer)
-    return None, "no saved state of a sharded worker" if not steps else "its saved state is of a worker of one rank"
+    if not steps:
+        return None, "no saved state of a sharded worker"
+    return restore_resharded(storage, worker, step, trainer, outer)
 
 
-__all__ = ["WorkerState", "load", "restore", "restore_any", "restore_sharded", "save", "save_sharded", "state_kind"]
+def restore_resharded(storage: RunStorage, worker: str, step: int, trainer: Trainer,
+                      outer) -> tuple[WorkerState | None, str]:
+    """:func:`restore` by a worker of several ranks from the file a worker of one rank saved: the full
+    AdamW moments cut into this rank's shards (``set_optimizer_state_dict`` with full tensors, collective
+    over the worker's ranks, which all read the same file and so fail alike). The file is bounded by the
+    full model's size and checked (every moment shaped as its parameter's full shape) before anything
+    changes; or None and why not, the trainer untouched."""
+    full = [tuple(s) for s in outer.full_shapes]
+    bound = 8 * sum(math.prod(s) for s in full) + 4096 * len(full) + (1 << 20)  # Trainer.max_state_bytes, unsharded
+    opt, model = trainer.optimizer, trainer.model
+    try:
+        saved = load(storage, worker, step, bound)
+        if saved is None:
+            return None, "no saved state"
+        try:
+            state = torch.load(io.BytesIO(saved.trainer), weights_only=True, map_location="cpu")
+        except Exception as e:  # a truncated zip, a foreign pickle: torch raises many kinds
+            raise ValueError(f"not a trainer state file ({type(e).__name__})") from e
+        moments, groups = _full_moments(state, model, opt)
+        set_optimizer_state_dict(model, opt, {"state": moments, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
+        trainer.step = int(state["step"])
+        if isinstance(state.get("rng"), torch.Tensor):
+            torch.set_rng_state(state["rng"])
+        return saved, ""
+    except (OSError, ValueError) as e:
+        return None, f"its saved state is unreadable ({str(e)[:300]})"
+
+
+def _full_moments(state: object, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, list]:
+    """A one-rank :meth:`~intellect.train.Trainer.state_dict`'s AdamW state keyed by parameter name, as
+    ``set_optimizer_state_dict`` takes full tensors; ValueError unless it fits ``opt``'s parameters."""
+    if not (isinstance(state, dict) and isinstance(state.get("optimizer"), dict)
+            and type(state.get("step")) is int and state["step"] >= 0):
+        raise ValueError("not a trainer state")
+    saved = state["optimizer"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    order = [names[id(p)] for p in params]
+    groups, moments = saved.get("param_groups"), saved.get("state")
+    if not (isinstance(groups, list) and len(groups) == len(opt.param_groups) and isinstance(moments, dict)
+            and all(isinstance(g, dict) and g.get("params") == list(range(sum(len(h["params"]) for h in
+                    opt.param_groups[:i]), sum(len(h["params"]) for h in opt.param_groups[:i + 1])))
+                    for i, g in enumerate(groups))):
+        raise ValueError("its parameter groups are not this model's")
+    out = {}
+    for i, m in moments.items():
+        if not (type(i) is int and 0 <= i < len(params) and isinstance(m, dict)):
+            raise ValueError(f"a moment of no parameter ({i!r})")
+        for k, t in m.items():
+            if k != "step" and not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(params[i].shape)):
+                raise ValueError(f"{order[i]}: its {k} is not shaped as the parameter {tuple(params[i].shape)}")
+        out[order[i]] = m
+    return out, [{**g, "params": [order[j] for j in g["params"]]} for g in groups]
+
+
+__all__ = ["WorkerState", "load", "restore", "restore_any", "restore_resharded", "restore_sharded", "save", "save_sharded", "state_kind"]

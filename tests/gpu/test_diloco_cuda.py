@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,29 +47,36 @@ def test_outer_state_of_a_bf16_cuda_model_is_pinned_fp32_on_the_host():
     assert all(torch.equal(h.detach(), s) for h, s in zip(host.parameters(), outer.params))
 
 
-def test_two_cuda_workers_in_bf16_mixed_commit_identical_fp32_checkpoints(tmp_path):
-    over = {
-        "storage.url": f"file://{tmp_path}/runs", "run_name": "cuda",
+def _run(tmp_path, name: str, workers: int, **over) -> tuple[RunStorage, Path, list[set[str]]]:
+    """A bf16-mixed CUDA run of ``workers`` to its end: its storage, its logs and each step's digests."""
+    base = {
+        "storage.url": f"file://{tmp_path}/runs", "run_name": name,
         "model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 4,
         "model.intermediate_size": 128, "train.batch_size": 16, "train.warmup_steps": 2,
         "compute.device": "cuda", "compute.precision": "bf16-mixed",
-        "diloco.workers": 2, "diloco.inner_steps": 10, "diloco.outer_steps": 3,
+        "diloco.workers": workers, "diloco.inner_steps": 10, "diloco.outer_steps": 3,
         "diloco.heartbeat_interval": 0.5, "diloco.heartbeat_timeout": 5,
-        "diloco.collective_timeout": 30, "diloco.boundary_timeout": 120,
+        "diloco.collective_timeout": 30, "diloco.boundary_timeout": 120, **over,
     }
-    cfg = load_config(DilocoRunConfig, overrides=[f"{k}={v}" for k, v in over.items()], environ={})
+    cfg = load_config(DilocoRunConfig, overrides=[f"{k}={v}" for k, v in base.items()], environ={})
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
     logs = worker_log_dir(storage)
     assert logs is not None
     c = Coordinator(cfg, worker_launcher(logs))
+    names = [f"w{i}" for i in range(workers)]
     try:
         c.start()
         codes = c.watch(timeout=400)
-        assert codes == {"w0": EXIT_DONE, "w1": EXIT_DONE}, "\n".join(
+        assert codes == dict.fromkeys(names, EXIT_DONE), "\n".join(
             f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.log")))
-        digests = [{c.store.get(f"digest/{t}/{w}").decode() for w in ("w0", "w1")} for t in range(3)]
+        digests = [{c.store.get(f"digest/{t}/{w}").decode() for w in names} for t in range(3)]
     finally:
         c.close()
+    return storage, logs, digests
+
+
+def test_two_cuda_workers_in_bf16_mixed_commit_identical_fp32_checkpoints(tmp_path):
+    storage, logs, digests = _run(tmp_path, "cuda", 2)
     assert all(len(d) == 1 for d in digests), digests
     count = torch.cuda.device_count()
     for rank, w in enumerate(("w0", "w1")):
@@ -88,29 +96,8 @@ def test_workers_of_two_cuda_ranks_shard_the_model_and_commit_identical_checkpoi
     """FSDP2 over NCCL inside each worker, one gloo ring per local rank across workers: as many workers
     of two ranks as the GPUs hold (one of two GPUs: a single worker, its rings alone)."""
     workers = min(2, torch.cuda.device_count() // 2)
-    over = {
-        "storage.url": f"file://{tmp_path}/runs", "run_name": "fsdp",
-        "model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 4,
-        "model.intermediate_size": 128, "train.batch_size": 16, "train.warmup_steps": 2,
-        "compute.device": "cuda", "compute.precision": "bf16-mixed",
-        "diloco.workers": workers, "diloco.ranks_per_worker": 2, "diloco.inner_steps": 10, "diloco.outer_steps": 3,
-        "diloco.heartbeat_interval": 0.5, "diloco.heartbeat_timeout": 5,
-        "diloco.collective_timeout": 30, "diloco.boundary_timeout": 120,
-    }
-    cfg = load_config(DilocoRunConfig, overrides=[f"{k}={v}" for k, v in over.items()], environ={})
-    storage = RunStorage.from_config(cfg.storage, cfg.run_name)
-    logs = worker_log_dir(storage)
-    assert logs is not None
-    c = Coordinator(cfg, worker_launcher(logs))
+    storage, logs, digests = _run(tmp_path, "fsdp", workers, **{"diloco.ranks_per_worker": 2})
     names = [f"w{i}" for i in range(workers)]
-    try:
-        c.start()
-        codes = c.watch(timeout=400)
-        assert codes == dict.fromkeys(names, EXIT_DONE), "\n".join(
-            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.log")))
-        digests = [{c.store.get(f"digest/{t}/{w}").decode() for w in names} for t in range(3)]
-    finally:
-        c.close()
     assert all(len(d) == 1 for d in digests), digests
     for i, w in enumerate(names):  # worker i's ranks on GPUs 2i and 2i+1
         text = (logs / f"{w}.log").read_text()

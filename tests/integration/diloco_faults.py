@@ -46,6 +46,9 @@ class FaultPlan(BaseModel):
     stall_worker: str | None = None  # this worker stalls inside the all-reduce (once every member is ready) ...
     stall_step: int = -1  # ... of this outer step, until killed
     stall_marker: str | None = None  # a folder: ``stalled-<step>-<worker>`` appears there when it stalls
+    onboard_lie_worker: str | None = None  # as the onboarding source, this worker sends other weights ...
+    onboard_lies: int = 0  # ... the first this many times it is: one element moved by 1 ...
+    onboard_lie: Literal["theta", "momentum"] = "theta"  # ... of theta_sync or of the momentum
 
 
 def direction(seed: int, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
@@ -65,6 +68,7 @@ class ScriptedFaults:
 
     def __init__(self, plan: FaultPlan, board: RendezvousStore | None = None):
         self.plan, self.board = plan, board  # board: the worker's own rendezvous client (plan_worker)
+        self.lies_told = 0
 
     def _decide_plan(self, step: int, attempt: int, worker: str) -> None:
         # the plan race: the first compare_set on plan/<t>/<a> wins; whether anyone runs it is the question
@@ -101,6 +105,11 @@ class ScriptedFaults:
     def ring(self, step: int, attempt: int, worker: str, rank: int) -> None:
         if self.plan.fail_ring == [step, attempt, worker, rank]:
             raise RuntimeError(f"injected: {worker}'s ring {rank} fails at step {step} attempt {attempt}")
+
+    def onboarding_state(self, step: int, worker: str, flat: torch.Tensor) -> None:
+        if self.plan.onboard_lie_worker == worker and self.lies_told < self.plan.onboard_lies:
+            self.lies_told += 1
+            flat[0 if self.plan.onboard_lie == "theta" else (len(flat) - 2) // 2] += 1.0  # OuterState.flat's layout
 
     def before_allreduce(self, step: int, attempt: int, worker: str) -> None:
         p = self.plan

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from infra import cluster, pool_worker
 from infra import devices as devices_mod
-from infra import pool_worker
 from infra.cluster import POOLS
 from infra.devices import DeviceLease, host_devices, parse_devices, smi_indices
 from infra.pool_worker import check_job_variables, pool_template, requested_devices
@@ -19,6 +19,7 @@ GPU_POOLS = ("gpu-rollout", "gpu-train", "gpu-diloco")
 def test_doctests():
     assert doctest.testmod(devices_mod).failed == 0
     assert doctest.testmod(pool_worker).failed == 0
+    assert doctest.testmod(cluster).failed == 0  # a GPU pool's limit follows the host's devices
 
 
 def test_device_lists_parse_and_refuse_what_cuda_would_not_take():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import doctest
 
 import pytest
 
@@ -54,3 +55,8 @@ def test_readers_ignore_what_they_cannot_parse():
     assert P.read_ban(P.ban_record(3, 1)) == (3, 1)
     assert P.read_ban(b'{"step": "x", "attempt": 1}') is None and P.read_ban(b"[") is None
     assert P.read_count(b"-1") is None and P.read_names(b'["' + b"x" * 65 + b'"]') is None
+
+
+def test_doctests():
+    # among them: agreed_digest, what a joiner checks the state it receives against
+    assert doctest.testmod(P).failed == 0
