@@ -73,6 +73,8 @@ class Sidecar(StrEnum):
     OUTER_STATE = "outer_state.pt", False
     # single-machine pretraining's outcome, returned again when the step is reused
     TRAIN_REPORT = "train_report.json", False
+    # a DiLoCo worker's error-feedback residual (``diloco.compression = "topk"``): what it has not sent yet
+    FEEDBACK = "feedback.pt", False
 
 
 STEP_REPORT = Sidecar.STEP_REPORT
@@ -83,6 +85,7 @@ TRAIN_REPORT = Sidecar.TRAIN_REPORT
 DATA_STATE = Sidecar.DATA_STATE
 DATA_MEMBERS = Sidecar.DATA_MEMBERS
 PHASE = Sidecar.PHASE
+FEEDBACK = Sidecar.FEEDBACK
 
 TRAINER_ONLY = frozenset(s.value for s in Sidecar if not s.for_inference)
 

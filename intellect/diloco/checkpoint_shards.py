@@ -268,8 +268,11 @@ def _resharded(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _worker_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: OuterState,
-                  momentum: list[torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state dict DCP saves or loads, and the optimizer's full state dict (with ``param_groups``)."""
+                  momentum: list[torch.Tensor], feedback: list[torch.Tensor] | None = None,
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state dict DCP saves or loads, and the optimizer's full state dict (with ``param_groups``);
+    ``feedback``: the error-feedback residual (``diloco.compression = "topk"``) laid out as ``outer``'s
+    shards, so it reshards as ``theta_sync`` does."""
     _resharded(model)
     names = [n for n, _ in model.named_parameters()]
     if len(names) != len(outer.params):
@@ -279,21 +282,25 @@ def _worker_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, oute
     state = {"model": get_model_state_dict(model), "optimizer": {"state": optim["state"]},
              "outer": {"theta": dict(zip(names, _outer_tensors(outer, outer.params))),
                        "momentum": dict(zip(names, _outer_tensors(outer, momentum)))}}
+    if feedback is not None:
+        state["feedback"] = dict(zip(names, _outer_tensors(outer, feedback)))
     return state, optim
 
 
 def save_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                outer: OuterState, extra_json: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> str:
+                outer: OuterState, extra_json: Mapping[str, Any], group: dist.ProcessGroup | None = None,
+                feedback: list[torch.Tensor] | None = None) -> str:
     """Save a worker's state at an outer boundary into the step folder ``rel`` (:func:`save_shards`):
     ``model``'s weights, ``optimizer``'s state (moments, step counts), ``theta_sync`` and the outer
     momentum of ``outer`` (an :class:`OuterState`, or a
     :class:`~intellect.diloco.outer_shard.ShardedOuterState` over ``model``'s shards), and
     ``extra_json`` (JSON-able, e.g. the data position; rank 0's is written), read back by
-    :func:`load_worker`. Collective over ``group``; its URI."""
-    state, _ = _worker_state(model, optimizer, outer, outer.momentum_buffers())
+    :func:`load_worker`; ``feedback`` too when given (:func:`_worker_state`). Collective over ``group``;
+    its URI."""
+    state, _ = _worker_state(model, optimizer, outer, outer.momentum_buffers(), feedback)
     _, ranks = _rank(group)
     doc = {"format": _FORMAT, "ranks": ranks, "outer": {"has_momentum": outer.has_momentum()},
-           "extra": dict(extra_json)}
+           "feedback": feedback is not None, "extra": dict(extra_json)}
     raw = json.dumps(doc).encode()
     if len(raw) > MAX_STATE_BYTES:
         raise ValueError(f"save_worker: the JSON is {len(raw)} bytes, over {MAX_STATE_BYTES}")
@@ -301,11 +308,12 @@ def save_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer
 
 
 def load_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                outer: OuterState, group: dist.ProcessGroup | None = None,
+                outer: OuterState, group: dist.ProcessGroup | None = None, feedback: list[torch.Tensor] | None = None,
                 *, max_file_bytes: int = MAX_SHARD_FILE_BYTES) -> dict[str, Any]:
     """Load what :func:`save_worker` saved, on any number of ranks (the same model, sharded or not,
-    and the optimizer built over it), into ``model``, ``optimizer`` and ``outer``; the saved
-    ``extra_json``. Collective over ``group``. The optimizer keeps its own hyperparameters; any
+    and the optimizer built over it), into ``model``, ``optimizer`` and ``outer`` (and ``feedback``'s
+    tensors, when given and saved); the saved ``extra_json``, with ``feedback`` (whether it was saved)
+    added when ``feedback`` is given. Collective over ``group``. The optimizer keeps its own hyperparameters; any
     gradients are dropped. A torn folder raises :class:`ShardsRefused` before anything changed."""
     def read_doc() -> dict[str, Any]:
         _listing(storage, rel, max_file_bytes)  # STABLE first: a torn folder's JSON is not read
@@ -320,7 +328,8 @@ def load_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer
     optimizer.zero_grad(set_to_none=True)
     fresh = not optimizer.state
     momentum = [torch.zeros_like(p) for p in outer.params]
-    state, optim = _worker_state(model, optimizer, outer, momentum)
+    saved_feedback = doc.get("feedback") is True and feedback is not None
+    state, optim = _worker_state(model, optimizer, outer, momentum, feedback if saved_feedback else None)
     try:
         load_shards(storage, rel, state, group, max_file_bytes=max_file_bytes)
     except BaseException:
@@ -331,7 +340,7 @@ def load_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer
     set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"]["state"],
                                                 "param_groups": optim["param_groups"]})
     outer.set_state(outer.params, momentum if doc["outer"].get("has_momentum") else None)
-    return doc["extra"]
+    return {**doc["extra"], "feedback": saved_feedback} if feedback is not None else doc["extra"]
 
 
 # ------------------------------------------------------------------ consolidated export

@@ -63,12 +63,30 @@ class DilocoConfig(StrictModel):
         "byte, so it pays on slow links; sent raw when coding saves nothing. none: raw uint8 (fast links, "
         "CPU-starved hosts). Peers may differ; NCCL groups always send raw.",
     )
-    compression: Literal["int8", "fp32"] = Field(
+    compression: Literal["int8", "fp32", "topk"] = Field(
         default="int8",
         description="What the all-reduce sends per value. int8: a codebook index (the quantizer above). fp32: the "
         "pseudo-gradient's values as they are, 4 bytes each: the exact mean (up to fp32 summation order, "
         "bit-identical on every member) for 4x the bytes; for equivalence checks (sharded vs unsharded "
-        "workers) and as the full-precision baseline. Every member must use the same (the plan digest checks).",
+        "workers) and as the full-precision baseline. topk: of pseudo-gradient + error-feedback residual, the "
+        "topk_k largest of each topk_chunk values, 2 bits each with packed indices (0.234 bits per parameter at "
+        "the defaults), sent to every member and averaged per index (intellect/diloco/topk_reduce.py); "
+        "algorithm, clip_sigmas and wire_codec do not apply, outlier_clip does (3+ contributors). Every member "
+        "must use the same (the plan digest checks).",
+    )
+    topk_chunk: int = Field(
+        default=4096, ge=64, le=1 << 20,
+        description="compression topk: values per chunk; indices take ceil(log2(topk_chunk)) bits (12 at 4096).",
+    )
+    topk_k: int = Field(
+        default=64, ge=1, le=4096,
+        description="compression topk: values sent per chunk (64 of 4096: 1.56%, SparseLoCo's density); the rest "
+        "waits in the error-feedback residual. At most topk_chunk.",
+    )
+    topk_decay: float = Field(
+        default=1.0, gt=0, le=1,
+        description="compression topk: the residual is multiplied by this before the next pseudo-gradient is "
+        "added (1: nothing unsent is forgotten; SparseLoCo uses 0.95).",
     )
     data_split: Literal["iid", "non_iid"] = Field(
         default="iid",
@@ -154,9 +172,11 @@ class DilocoConfig(StrictModel):
             raise ValueError(f"clip_sigmas must lie in (0, 64] (got {self.clip_sigmas})")
         if self.outlier_clip and self.outlier_clip < 1:
             raise ValueError(f"outlier_clip must be 0 (off) or at least 1 (got {self.outlier_clip})")
-        if self.outlier_clip and self.algorithm in ("ring", "ring-residual"):
+        if self.outlier_clip and self.algorithm in ("ring", "ring-residual") and self.compression != "topk":
             raise ValueError(f"algorithm {self.algorithm!r} sends partial sums, so no owner sees a contribution "
                              "to clip: set outlier_clip = 0 to run it without robust aggregation")
+        if self.topk_k > self.topk_chunk:
+            raise ValueError(f"topk_k ({self.topk_k}) must not exceed topk_chunk ({self.topk_chunk})")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"

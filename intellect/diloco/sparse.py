@@ -1,10 +1,8 @@
 """Sub-8-bit DiLoCo pseudo-gradients: top-k per chunk, 2-bit values, packed indices, error feedback
 (the SparseLoCo scheme, arXiv 2508.15706; facts in ``shared/reference/overlap-compression.md``).
 
-Library layer only. What remains (issue 37, item 2): ``diloco.compression = "topk"`` in the
-config, an all-gather of these messages (or all-to-all to chunk owners) in the all-reduce in place
-of the int8 ring (per-hop requantization does not work below 8 bits), announced norms and MACs
-around it, and the error-feedback residual in the checkpoint and through onboarding.
+The codec. Its all-reduce (every member's message to every other, sealed, echoed, averaged per
+index) and the error-feedback state a worker keeps per shard: ``topk_reduce``.
 
 Per flat tensor of ``numel`` values (one all-reduce bucket), cut into chunks of ``TopK.chunk``:
 
@@ -142,8 +140,10 @@ def compress(residual: torch.Tensor, delta: torch.Tensor, cfg: TopK) -> tuple[Sp
     """Error-feedback step: (what to send, the new residual) for the flat ``delta`` and the residual
     carried from the previous step (zeros at first). Neither input is modified.
     ``ValueError`` if the accumulator is not finite: such a worker must not send."""
-    acc = (residual.reshape(-1).float() * cfg.decay) + delta.reshape(-1).float()
-    if not bool(torch.isfinite(acc).all()):
+    kept = residual.reshape(-1).float()
+    acc = delta.reshape(-1).float() + (kept if cfg.decay == 1.0 else kept * cfg.decay)  # a new tensor
+    # a finite sum proves every value finite (NaN and Inf propagate); only an overflowed sum needs the scan
+    if not (bool(torch.isfinite(acc.sum())) or bool(torch.isfinite(acc).all())):
         raise ValueError("compress: pseudo-gradient or residual contains NaN or Inf")
     n = acc.numel()
     full = n // cfg.chunk * cfg.chunk
@@ -167,9 +167,8 @@ def compress(residual: torch.Tensor, delta: torch.Tensor, cfg: TopK) -> tuple[Sp
         val_parts.append(vals.reshape(-1))
         hi_lo.append(torch.stack([hi, lo], dim=1))
     s = Sparse(n, _cat(idx_parts, torch.int64), _cat(val_parts, torch.float32))
-    new_residual = acc.clone()
-    new_residual[s.indices] -= s.values
-    return s, new_residual
+    acc[s.indices] -= s.values  # acc is this call's own tensor: it becomes the new residual
+    return s, acc
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -71,6 +71,8 @@ from intellect.diloco.protocol import BAN, BLAME, BW, DIGEST, FLAGS, PG, PROBE, 
 from intellect.diloco.report import StepReport
 from intellect.diloco.robust import Screen, Strikes, majority_flagged, reported
 from intellect.diloco.siblings import ALONE, Siblings
+from intellect.diloco.sparse import TopK
+from intellect.diloco.topk_reduce import ErrorFeedback, topk_all_reduce_mean
 from intellect.diloco.transport import CommError, new_group, shard_prefix
 from intellect.trust.mac import derive_key
 
@@ -159,6 +161,10 @@ class Synchronizer:
         self._handle: Reduction | None = None
         self._tries = 0
         self.before_step: Callable[[], None] | None = None  # run at a commit, before the outer step
+        # compression "topk": this rank's error-feedback residual (its shard); the worker checkpoints it
+        self.feedback = ErrorFeedback(sum(p.numel() for p in outer.params),
+                                      TopK(cfg.topk_chunk, cfg.topk_k, cfg.topk_decay)) \
+            if cfg.compression == "topk" else None
 
     @property
     def membership(self) -> Membership:
@@ -269,11 +275,18 @@ class Synchronizer:
             self.faults.ring(step, a, me, sib.rank)
             # a ring of partial sums runs only where the config names it, with outlier_clip 0 (DilocoConfig)
             robust = self.cfg.outlier_clip if plan["algorithm"] in SCREENED else 0.0
-            stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute,
-                                    algorithm=plan["algorithm"], clip_sigmas=tuple(self.cfg.clip_sigmas),
-                                    codec=self.cfg.wire_codec, compression=self.cfg.compression, outlier_clip=robust,
-                                    screen=Screen(self.cfg.outlier_clip_crowd, self.cfg.direction_screen),
-                                    mac_key=self.mac_key(step, a))
+            if self.feedback is not None:  # a gather: every contribution is seen as sent, so the clip applies
+                stats = topk_all_reduce_mean(average, group, self.feedback, order=plan["order"],
+                                             contribute=self._contribute, mac_key=self.mac_key(step, a),
+                                             outlier_clip=self.cfg.outlier_clip,
+                                             screen=Screen(self.cfg.outlier_clip_crowd, 0.0))
+            else:
+                stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute,
+                                        algorithm=plan["algorithm"], clip_sigmas=tuple(self.cfg.clip_sigmas),
+                                        codec=self.cfg.wire_codec, compression=self.cfg.compression,
+                                        outlier_clip=robust,
+                                        screen=Screen(self.cfg.outlier_clip_crowd, self.cfg.direction_screen),
+                                        mac_key=self.mac_key(step, a))
             flagged = reported(stats.outliers, members)
             out.ok, out.average, out.stats = True, average, stats
         except Misbehaviour as e:
@@ -321,6 +334,17 @@ class Synchronizer:
             log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", self.worker, step)
         self._pseudo = pseudo
         return self._begin(0, members)
+
+    def feedback_after(self, contribute: bool = True) -> torch.Tensor | None:
+        """The error-feedback residual (``compression = "topk"``; None for the others) as the step about to
+        start leaves it once it commits: what the worker's state for the next checkpoint holds, written
+        before the reduction begins (``contribute`` False: a worker catching up keeps its residual)."""
+        if self.feedback is None:
+            return None
+        if not contribute:
+            return self.feedback.state_dict()["residual"]
+        flat = torch.cat([g.reshape(-1) for g in self.outer.pseudo_gradient(self.model)])
+        return self.feedback.state_dict_after(flat)["residual"]
 
     def should_commit(self, ok: bool) -> bool:
         """Whether everyone commits the attempt in flight (the leader asks): ``ok``, the worker's result
@@ -387,6 +411,8 @@ class Synchronizer:
         assert r.stats is not None and r.average is not None and r.plan is not None
         if self.before_step is not None:
             self.before_step()  # a worker catching up takes the state the step started from
+        if self.feedback is not None:
+            self.feedback.commit()  # what this attempt sent leaves the residual only now that it counts
         if r.stats.contributors:
             self.outer.step(r.average)
         self.apply()

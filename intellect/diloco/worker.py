@@ -157,7 +157,8 @@ class DilocoWorker(Onboarding):
         self.trainer.step = n * self.cfg.inner_steps
         # this worker's inner AdamW state and data position at checkpoint n, when it saved them
         group = self.mesh.intra if self.mesh is not None else None
-        saved, why = worker_state.restore_any(self.storage, worker, n, self.trainer, self.outer, group) if n else (None, "")
+        saved, why = worker_state.restore_any(self.storage, worker, n, self.trainer, self.outer, group,
+                                              self.sync.feedback) if n else (None, "")
         if saved is not None:
             self.trainer.step = n * self.cfg.inner_steps  # the run's schedule, if the state is older
             log.info("%s: resuming with its inner state and data position of checkpoint %d", worker, saved.step)
@@ -385,13 +386,13 @@ class DilocoWorker(Onboarding):
         n = self.step + 1
         if not self.checkpoint_step(n):
             return
-        keep = self.run.storage.keep_last
+        keep, fb = self.run.storage.keep_last, self.sync.feedback_after(self.catching_up is None)
         if self.mesh is None:
             state = worker_state.WorkerState(n, self.trainer.state_bytes(), self.stream.state_dict(),
-                                             self.data_at[1], self.rows_per_step)
+                                             self.data_at[1], self.rows_per_step, fb)
             worker_state.save(self.storage, self.worker, state, keep)
         else:  # every rank writes its shards of the AdamW state
-            state = worker_state.WorkerState(n, b"", self.stream.state_dict(), self.data_at[1], self.rows_per_step)
+            state = worker_state.WorkerState(n, b"", self.stream.state_dict(), self.data_at[1], self.rows_per_step, fb)
             worker_state.save_sharded(self.storage, self.worker, state, self.trainer, self.outer, keep,
                                       self.mesh.intra, lambda: self.siblings.all(True))
 

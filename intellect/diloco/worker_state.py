@@ -32,8 +32,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from intellect.diloco.checkpoint_shards import ShardsRefused, load_worker, save_worker
-from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER, SHARDS_STATE
+from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, FEEDBACK, OPTIMIZER, SHARDS_STATE
+from intellect.diloco.outer_shard import local_part
 from intellect.diloco.protocol import read_count, read_json, read_names
+from intellect.diloco.topk_reduce import ErrorFeedback
 from intellect.storage import STABLE, RunStorage
 from intellect.train import Trainer
 
@@ -59,6 +61,7 @@ class WorkerState:
     data: dict[str, Any]  # the training stream's state_dict()
     members: list[str] = field(default_factory=list)  # the members of the step that reached the position
     rows_per_step: int = 0  # rows the reader passed in that step (0: not known)
+    feedback: torch.Tensor | None = None  # the error-feedback residual, flat (diloco.compression = "topk")
 
 
 def _drop_stale(storage: RunStorage, kind: str, step: int) -> str:
@@ -78,9 +81,13 @@ def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> Non
     kind = state_kind(worker)
     _drop_stale(storage, kind, state.step)
     reached = {"members": state.members, "rows_per_step": state.rows_per_step}
-    storage.write_step(state.step, kind, {OPTIMIZER.value: state.trainer,
-                                          DATA_STATE.value: json.dumps(state.data).encode(),
-                                          DATA_MEMBERS.value: json.dumps(reached).encode()})
+    files = {OPTIMIZER.value: state.trainer, DATA_STATE.value: json.dumps(state.data).encode(),
+             DATA_MEMBERS.value: json.dumps(reached).encode()}
+    if state.feedback is not None:
+        buf = io.BytesIO()
+        torch.save({"residual": state.feedback.contiguous()}, buf)
+        files[FEEDBACK.value] = buf.getvalue()
+    storage.write_step(state.step, kind, files)
     storage.retain(kind, keep)
 
 
@@ -106,19 +113,37 @@ def load(storage: RunStorage, worker: str, step: int, max_trainer_bytes: int | N
     members, rows = read_names(reached.get("members")), read_count(reached.get("rows_per_step"))
     if members is None or rows is None:
         members, rows = [], 0
+    feedback = None
+    if storage.exists(f"{rel}/{FEEDBACK.value}"):
+        doc = _torch_file(storage.read_bytes(f"{rel}/{FEEDBACK.value}", max_trainer_bytes))
+        feedback = doc.get("residual") if isinstance(doc, dict) else None
+        if not isinstance(feedback, torch.Tensor):
+            raise ValueError(f"{storage.uri(rel)}: the saved error-feedback residual is no tensor")
     return WorkerState(step=step, trainer=storage.read_bytes(f"{rel}/{OPTIMIZER.value}", max_trainer_bytes),
-                       data=data, members=members, rows_per_step=rows)
+                       data=data, members=members, rows_per_step=rows, feedback=feedback)
 
 
-def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer) -> tuple[WorkerState | None, str]:
+def _torch_file(data: bytes):
+    """What a ``torch.save`` file holds (tensors and plain containers only, never arbitrary pickles)."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # a truncated zip, a foreign pickle: torch raises many kinds
+        raise ValueError(f"not a torch.save file of tensors ({type(e).__name__})") from e
+
+
+def restore(storage: RunStorage, worker: str, step: int, trainer: Trainer,
+            feedback: ErrorFeedback | None = None) -> tuple[WorkerState | None, str]:
     """``worker``'s newest saved state up to checkpoint ``step`` (:func:`load`), its AdamW state and step
-    count loaded into ``trainer``; or None and why not, ``trainer`` untouched. The files are the worker's
-    own, yet a lost disk or a garbled copy must cost a fresh AdamW, never the worker."""
+    count loaded into ``trainer`` (and its error-feedback residual into ``feedback``, when both are
+    there); or None and why not, ``trainer`` untouched. The files are the worker's own, yet a lost disk
+    or a garbled copy must cost a fresh AdamW, never the worker."""
     try:
         saved = load(storage, worker, step, trainer.max_state_bytes())
         if saved is None:
             return None, "no saved state"
         trainer.load_state_bytes(saved.trainer)  # checks the state before it changes anything
+        if feedback is not None and saved.feedback is not None:
+            feedback.load_state_dict({"residual": saved.feedback})
         return saved, ""
     except (OSError, ValueError) as e:
         return None, f"its saved state is unreadable ({str(e)[:300]})"
@@ -139,13 +164,15 @@ def save_sharded(storage: RunStorage, worker: str, state: WorkerState, trainer: 
     rel = _drop_stale(storage, kind, state.step) if rank == 0 else storage.step_path(state.step, kind)
     barrier()
     save_worker(storage, rel, trainer.model, trainer.optimizer, outer,
-                {"data": state.data, "members": state.members, "rows_per_step": state.rows_per_step}, group)
+                {"data": state.data, "members": state.members, "rows_per_step": state.rows_per_step}, group,
+                None if state.feedback is None else _as_shards(state.feedback, outer.params))
     if rank == 0:
         storage.retain(kind, keep)
 
 
 def restore_sharded(storage: RunStorage, worker: str, step: int, trainer: Trainer, outer,
-                    group: dist.ProcessGroup | None) -> tuple[WorkerState | None, str]:
+                    group: dist.ProcessGroup | None, feedback: ErrorFeedback | None = None,
+                    ) -> tuple[WorkerState | None, str]:
     """:func:`restore` from a state :func:`save_sharded` wrote, by a worker of any number of ranks (one
     included: ``group`` None). ``outer`` and the model keep the checkpoint's ``theta_sync``: the
     folder's copies are those the step started from."""
@@ -158,8 +185,11 @@ def restore_sharded(storage: RunStorage, worker: str, step: int, trainer: Traine
         return None, "its saved state is of a worker of one rank (not sharded)"
     theta = [p.clone() for p in outer.params]
     momentum = [m.clone() for m in outer.momentum_buffers()] if outer.has_momentum() else None
+    parts = [torch.zeros_like(p) for p in outer.params] if feedback is not None else None
     try:
-        extra = load_worker(storage, rel, trainer.model, trainer.optimizer, outer, group)
+        extra = load_worker(storage, rel, trainer.model, trainer.optimizer, outer, group, parts)
+        if parts is not None and feedback is not None and extra["feedback"]:
+            feedback.load_state_dict({"residual": torch.cat([t.reshape(-1) for t in parts])})
     except (OSError, ValueError, ShardsRefused) as e:
         return None, f"its saved state is unreadable ({str(e)[:300]})"
     finally:
@@ -174,23 +204,24 @@ def restore_sharded(storage: RunStorage, worker: str, step: int, trainer: Traine
 
 
 def restore_any(storage: RunStorage, worker: str, step: int, trainer: Trainer, outer,
-                group: dist.ProcessGroup | None) -> tuple[WorkerState | None, str]:
+                group: dist.ProcessGroup | None, feedback: ErrorFeedback | None = None,
+                ) -> tuple[WorkerState | None, str]:
     """The worker's newest saved state up to checkpoint ``step`` whichever form it was saved in: a
     sharded one (:func:`restore_sharded`) on any number of ranks, a one-rank file (:func:`restore`) by
     a worker of one rank (``group`` None) and, its moments cut into shards, by a worker of several ranks
     (:func:`restore_resharded`)."""
     steps = [s for s in storage.complete_steps(state_kind(worker)) if s <= step]
     if steps and storage.exists(f"{storage.step_path(steps[-1], state_kind(worker))}/{SHARDS_STATE}"):
-        return restore_sharded(storage, worker, step, trainer, outer, group)
+        return restore_sharded(storage, worker, step, trainer, outer, group, feedback)
     if group is None:
-        return restore(storage, worker, step, trainer)
+        return restore(storage, worker, step, trainer, feedback)
     if not steps:
         return None, "no saved state of a sharded worker"
-    return restore_resharded(storage, worker, step, trainer, outer)
+    return restore_resharded(storage, worker, step, trainer, outer, feedback)
 
 
-def restore_resharded(storage: RunStorage, worker: str, step: int, trainer: Trainer,
-                      outer) -> tuple[WorkerState | None, str]:
+def restore_resharded(storage: RunStorage, worker: str, step: int, trainer: Trainer, outer,
+                      feedback: ErrorFeedback | None = None) -> tuple[WorkerState | None, str]:
     """:func:`restore` by a worker of several ranks from the file a worker of one rank saved: the full
     AdamW moments cut into this rank's shards (``set_optimizer_state_dict`` with full tensors, collective
     over the worker's ranks, which all read the same file and so fail alike). The file is bounded by the
@@ -203,19 +234,31 @@ def restore_resharded(storage: RunStorage, worker: str, step: int, trainer: Trai
         saved = load(storage, worker, step, bound)
         if saved is None:
             return None, "no saved state"
-        try:
-            state = torch.load(io.BytesIO(saved.trainer), weights_only=True, map_location="cpu")
-        except Exception as e:  # a truncated zip, a foreign pickle: torch raises many kinds
-            raise ValueError(f"not a trainer state file ({type(e).__name__})") from e
+        state = _torch_file(saved.trainer)
         moments, groups = _full_moments(state, model, opt)
+        residual = None
+        if feedback is not None and saved.feedback is not None:  # the whole model's, cut as theta_sync is
+            if saved.feedback.numel() != sum(math.prod(s) for s in full):
+                raise ValueError("its error-feedback residual is not the model's size")
+            mine = local_part(outer, [c.view(s) for c, s in zip(saved.feedback.split([math.prod(s) for s in full]),
+                                                                  full)])
+            residual = torch.cat([t.reshape(-1) for t in mine])
+            ErrorFeedback(feedback.numel, feedback.cfg).load_state_dict({"residual": residual})  # checked first
         set_optimizer_state_dict(model, opt, {"state": moments, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
         trainer.step = int(state["step"])
         if isinstance(state.get("rng"), torch.Tensor):
             torch.set_rng_state(state["rng"])
+        if feedback is not None and residual is not None:
+            feedback.load_state_dict({"residual": residual})
         return saved, ""
     except (OSError, ValueError) as e:
         return None, f"its saved state is unreadable ({str(e)[:300]})"
+
+
+def _as_shards(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A flat residual as tensors shaped as ``like`` (a worker's local shards, in parameter order)."""
+    return [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in like]), like)]
 
 
 def _full_moments(state: object, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, list]:

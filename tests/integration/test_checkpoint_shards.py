@@ -31,7 +31,7 @@ from intellect.checkpoints import STABLE, fetch
 from intellect.config import ComputeConfig
 from intellect.diloco.mesh import WorkerMesh
 from intellect.diloco.outer import OuterState
-from intellect.diloco.outer_shard import ShardedOuterState
+from intellect.diloco.outer_shard import ShardedOuterState, local_part
 from intellect.model.arch import new_model
 from intellect.model.tokenizer import build_tokenizer
 from intellect.parallel import parallelize
@@ -78,6 +78,11 @@ def _snapshot(model, opt, outer) -> dict:
             "adam": [{k: _whole(opt.state[p][k]) for k in ADAM} for p in model.parameters()]}
 
 
+def _feedback(shapes) -> list[torch.Tensor]:
+    """A full error-feedback residual, laid out as the parameters (every element its own value)."""
+    return [torch.arange(math.prod(s), dtype=torch.float32).view(s) + 1000 * i for i, s in enumerate(shapes)]
+
+
 def _rank_main(phase: str, local: int, ranks: int, port: int, root: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     res: dict = {}
@@ -97,7 +102,8 @@ def _rank_main(phase: str, local: int, ranks: int, port: int, root: str, out_dir
             for i in range(2):
                 _train_step(model, opt, _batch(i)[rows])
             outer.step(outer.pseudo_gradient(model))
-            save_worker(storage, REL, model, opt, outer, EXTRA, mesh.intra)
+            save_worker(storage, REL, model, opt, outer, EXTRA, mesh.intra,
+                        local_part(outer, _feedback(outer.full_shapes)))
             export_hf(model, build_tokenizer(), f"{out_dir}/hf", mesh.intra)
             publish_consolidated(model, build_tokenizer(), storage, 1, mesh.intra, outer=outer)
         else:
@@ -106,7 +112,9 @@ def _rank_main(phase: str, local: int, ranks: int, port: int, root: str, out_dir
             except ShardsRefused as e:
                 res["torn"] = str(e)
             res["torn_fresh"] = not opt.state and not outer.has_momentum()
-            res["extra"] = load_worker(storage, REL, model, opt, outer, mesh.intra)
+            parts = [torch.zeros_like(p) for p in outer.params]
+            res["extra"] = load_worker(storage, REL, model, opt, outer, mesh.intra, parts)
+            res["feedback"] = outer.gather(parts)
         res["local_numel"] = [p.numel() for p in outer.params]
         res.update(_snapshot(model, opt, outer))
         if phase == "save":
@@ -152,7 +160,8 @@ def _fresh():
 def _load_one(storage: RunStorage) -> dict:
     """The 1-process load: an unsharded model and OuterState, no process group."""
     model, outer, opt = _fresh()
-    res = {"extra": load_worker(storage, REL, model, opt, outer)}
+    parts = [torch.zeros_like(p) for p in outer.params]
+    res = {"extra": load_worker(storage, REL, model, opt, outer, feedback=parts), "feedback": parts}
     res.update(_snapshot(model, opt, outer))
     _train_step(model, opt, _batch(5))
     res["next"] = [p.detach().clone() for p in model.parameters()]
@@ -198,7 +207,9 @@ def test_resharded_load_is_exact(run, target):
     assert any(float(m.abs().max()) > 0 for m in saved["momentum"])
     loaded = [run["one"]] if target == "one" else run["four"]
     for res in loaded:
-        assert res["extra"] == EXTRA
+        assert res["extra"] == {**EXTRA, "feedback": True}
+        # the error-feedback residual (compression topk) reshards as theta_sync does
+        assert _equal(res["feedback"], _feedback([t.shape for t in saved["theta"]]))
         for key in ("weights", "theta", "momentum"):
             assert _equal(res[key], saved[key]), key
         for got, want in zip(res["adam"], saved["adam"]):

@@ -217,12 +217,15 @@ def text_corpus(tmp_path) -> dict:
             "data.text.eval_sequences": 4, "data.heldout_percent": 10, "model.max_position_embeddings": 64}
 
 
-@pytest.mark.parametrize("kind", ["arithmetic", "text"])
+@pytest.mark.parametrize("kind", ["arithmetic", "text", "topk"])
 def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path, kind):
     """The whole run (coordinator and workers) killed and resumed ends with the weights of a run that
     was never killed, each worker resuming from its own saved inner AdamW state and data position
-    (on a text corpus too: a resumed position is current, nobody realigns)."""
+    (on a text corpus too: a resumed position is current, nobody realigns; with top-k pseudo-gradients,
+    its error-feedback residual too)."""
     data = text_corpus(tmp_path) if kind == "text" else {}
+    if kind == "topk":
+        data = {"diloco.compression": '"topk"', "diloco.topk_chunk": 256, "diloco.topk_k": 8}
     cfg = run_cfg(tmp_path, **{"diloco.outer_steps": 6, "diloco.inner_steps": 10, **data})
     ref_cfg = cfg.model_copy(update={"run_name": "unkilled"})
     ref = Coordinator(ref_cfg, worker_launcher(tmp_path / "logs-ref"))
@@ -276,8 +279,11 @@ def test_coordinator_killed_workers_stop_and_run_resumes(tmp_path, kind):
         saved, unkilled = (worker_state.load(s, w, resumed_from) for s in (storage, ref_storage))
         assert saved is not None and unkilled is not None and saved.data == unkilled.data
         assert (saved.members, saved.rows_per_step) == (unkilled.members, unkilled.rows_per_step)
-        if kind == "arithmetic":
+        if kind != "text":
             assert saved.data["read"] == resumed_from * 10 * 8  # outer steps x inner steps x batch
+        if kind == "topk":  # what the worker had not sent yet, as the unkilled worker had it
+            assert saved.feedback is not None and unkilled.feedback is not None and saved.feedback.abs().sum() > 0
+            assert torch.equal(saved.feedback, unkilled.feedback)
     want, got = (fetch(s, 6)[0].state_dict() for s in (ref_storage, storage))
     assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
 
