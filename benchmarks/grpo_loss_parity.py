@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from intellect.rl.advantages import group_advantages
-from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
+from intellect.rl.trainer.loss import GRPOLossConfig, grpo_loss, token_logprobs
 
 ROOT = Path(__file__).resolve().parent
 PEER = ROOT / "peers" / "trl"
@@ -120,7 +120,7 @@ def main() -> None:
     data = make_inputs(args.seed)
     out = run_trl(data)
     results = iter(out["results"])
-    print(f"TRL {out['trl_version']} vs intellect.rl.loss  (B={B} C={C} V={V} T={TEMPERATURE} "
+    print(f"TRL {out['trl_version']} vs intellect.rl.trainer.loss  (B={B} C={C} V={V} T={TEMPERATURE} "
           f"delta={CLIP['delta']} eps={CLIP['epsilon']}, seed {args.seed})")
     print(f"{'level':7} {'ours / TRL loss_type':24} {'loss':>12} {'|d loss|':>9} {'|d grad|':>9} "
           f"{'clip lo/hi/delta (ours)':>24} {'TRL lo/hi':>12}  result")

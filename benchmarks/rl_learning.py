@@ -3,7 +3,7 @@
 Pretrains the model of ``--pretrain-config`` (default ``configs/smoke-slips.toml``: the smoke
 model on a corpus where 60% of the answers carry a sign error) or reuses a checkpoint folder
 (``--from``), copies it as checkpoint 0 of a fresh RL run, then loops
-:func:`intellect.rl.local_step.run_rl_step` (2 workers, async level 0) on a pool of non-held-out 1-2 digit
+:func:`intellect.rl.trainer.local_step.run_rl_step` (2 workers, async level 0) on a pool of non-held-out 1-2 digit
 problems until a time budget runs out, evaluating held-out greedy exact-match accuracy of the
 published checkpoints every few steps. The pretraining is not part of the budget.
 
@@ -33,11 +33,11 @@ from intellect.ledger import Ledger  # noqa: E402
 from intellect.model.checkpoint import load_checkpoint  # noqa: E402
 from intellect.checkpoints import fetch, publish, record  # noqa: E402
 from intellect.pretrain import init_checkpoint, pretrain  # noqa: E402
-from intellect.rl.loss import GRPOLossConfig  # noqa: E402
+from intellect.rl.trainer.loss import GRPOLossConfig  # noqa: E402
 from intellect.rl.config import RLRunConfig  # noqa: E402
-from intellect.rl.local_step import run_rl_step  # noqa: E402
-from intellect.rl.submission import SubmissionConfig  # noqa: E402
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig  # noqa: E402
+from intellect.rl.trainer.local_step import run_rl_step  # noqa: E402
+from intellect.rl.worker.submission import SubmissionConfig  # noqa: E402
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
 from intellect.train import evaluate  # noqa: E402
 

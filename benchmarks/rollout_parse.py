@@ -5,8 +5,8 @@ Honest: a demo-sized submission (32 prompts x 8 samples, 64 prompt and 8 output 
 2 Mi zero tokens (a few KiB on disk, 128 MiB decoded), 16 rows pointing at one 32 MiB
 dictionary entry, and 512 DELTA_BYTE_ARRAY proofs that each repeat a 1 MiB prefix (512 MiB
 decoded), each parsed in a fresh interpreter that reports its peak RSS (VmHWM) growth.
-``--module FILE`` measures another version of ``intellect/rl/rollouts.py`` (e.g. the one before
-these bounds: ``git show REV:intellect/rl/rollouts.py > /tmp/old_rollouts.py``).
+``--module FILE`` measures another version of ``intellect/rl/wire/rollouts.py`` (e.g. the one before
+these bounds: ``git show REV:intellect/rl/wire/rollouts.py > /tmp/old_rollouts.py``).
 
     .venv/bin/python benchmarks/rollout_parse.py
     .venv/bin/python benchmarks/rollout_parse.py --module /tmp/old_rollouts.py
@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from intellect.rl.rollouts import Rollout, RolloutLimits, encode_submission, rows_to_table  # noqa: E402
+from intellect.rl.wire.rollouts import Rollout, RolloutLimits, encode_submission, rows_to_table  # noqa: E402
 
 LIMITS = RolloutLimits(vocab_size=50257)
 

@@ -45,11 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from intellect.data.arithmetic import ALPHABET, Problem  # noqa: E402
 from intellect.data.loaders import MathTask  # noqa: E402
-from intellect.rl.rollouts import (  # noqa: E402
+from intellect.rl.wire.rollouts import (  # noqa: E402
     Rollout, RolloutLimits, encode_submission, load_submission, write_submission,
 )
-from intellect.rl.service import ServiceConfig, SubmissionService  # noqa: E402
-from intellect.rl.service_client import ServiceClient  # noqa: E402
+from intellect.rl.service.server import ServiceConfig, SubmissionService  # noqa: E402
+from intellect.rl.worker.client import ServiceClient  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
 from intellect.toploc.proofs import ToplocConfig, proof_size  # noqa: E402
 from intellect.trust.keys import SigningKey  # noqa: E402

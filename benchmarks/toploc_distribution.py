@@ -54,7 +54,7 @@ from intellect.inference.protocol import Request  # noqa: E402
 from intellect.inference.sampling import LowProb, SamplingParams  # noqa: E402
 from intellect.inference.torch_engine import TorchEngine  # noqa: E402
 from intellect.model.checkpoint import build_model, load_checkpoint  # noqa: E402
-from intellect.rl.rollouts import Rollout  # noqa: E402
+from intellect.rl.wire.rollouts import Rollout  # noqa: E402
 from intellect.toploc.check import Draws, toploc_check  # noqa: E402
 from intellect.toploc.proofs import ToplocConfig, build_proofs_many  # noqa: E402
 

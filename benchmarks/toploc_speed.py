@@ -45,7 +45,7 @@ from intellect.inference.sampling import SamplingParams  # noqa: E402
 from intellect.inference.torch_engine import TorchEngine  # noqa: E402
 from intellect.model.checkpoint import build_model  # noqa: E402
 from intellect.model.generate import left_pad  # noqa: E402
-from intellect.rl.rollouts import Rollout  # noqa: E402
+from intellect.rl.wire.rollouts import Rollout  # noqa: E402
 from intellect.toploc.check import toploc_check  # noqa: E402
 from intellect.toploc.proofs import ToplocConfig, build_proofs, check_chunks, completion_proofs  # noqa: E402
 

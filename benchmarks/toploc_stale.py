@@ -38,7 +38,7 @@ from intellect.data.arithmetic import Problem  # noqa: E402
 from intellect.inference.protocol import Request  # noqa: E402
 from intellect.inference.torch_engine import TorchEngine  # noqa: E402
 from intellect.model.checkpoint import load_checkpoint  # noqa: E402
-from intellect.rl.submission import SubmissionConfig, generate_submission  # noqa: E402
+from intellect.rl.worker.submission import SubmissionConfig, generate_submission  # noqa: E402
 from intellect.toploc.check import low_prob_surprise, toploc_check  # noqa: E402
 from intellect.toploc.proofs import ToplocConfig, check_many  # noqa: E402
 

@@ -50,10 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.proc_memory import reset_peak, status_kb  # noqa: E402
-from intellect.rl.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs, split_causal_lm  # noqa: E402
-from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs  # noqa: E402
-from intellect.rl.packing import output_mask, pack, unpack  # noqa: E402
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample  # noqa: E402
+from intellect.rl.trainer.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs, split_causal_lm  # noqa: E402
+from intellect.rl.trainer.loss import GRPOLossConfig, grpo_loss, token_logprobs  # noqa: E402
+from intellect.rl.trainer.packing import output_mask, pack, unpack  # noqa: E402
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig, Sample  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 VOCAB, HIDDEN = 151_936, 896

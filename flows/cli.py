@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:  # its own parser, and no Prefect: it runs on machines nobody here owns
-        from intellect.rl.worker import main as worker_main  # noqa: PLC0415 - no Prefect, no RL trainer code
+        from intellect.rl.worker.worker import main as worker_main  # noqa: PLC0415 - no Prefect, no RL trainer code
 
         return worker_main(argv[1:], prog="intellect worker")
     if argv[:1] == ["diloco-join"]:  # a DiLoCo contributor: its own key, no Prefect, no run secret

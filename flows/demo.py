@@ -22,8 +22,8 @@ from flows.filter import filter_pass_at_k
 from flows.rl import rl_train
 from intellect.ledger import Ledger
 from intellect.pipeline import DemoConfig, plot_pretraining
-from intellect.rl.report import CURVE
-from intellect.rl.setup import ledger_path, run_storage
+from intellect.rl.trainer.report import CURVE
+from intellect.rl.trainer.setup import ledger_path, run_storage
 from intellect.storage import RunStorage
 from tasks.rl import EvalPoint, evaluate_run
 

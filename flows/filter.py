@@ -8,7 +8,6 @@ result with ``tasks.file = "<filter run>/tasks.jsonl"``.
 
 from __future__ import annotations
 
-import hashlib
 from typing import cast
 
 import pyarrow as pa
@@ -20,12 +19,15 @@ from pydantic import BaseModel
 
 from flows.artifacts import artifact_key
 from flows.progress import show_progress
+from intellect.checkpoints import local_digest
+from intellect.inference.engines import load_tokenizer, make_engine
 from intellect.ledger import Ledger
 from intellect.progress import Progress
-from intellect.rl.filter import from_parquet, histogram, kept_tasks_jsonl, scores_table, solve_counts, to_parquet
+from intellect.rl.trainer.filter import (
+    from_parquet, histogram, kept_tasks_jsonl, scores_table, solve_counts, to_parquet,
+)
 from intellect.rl.config import FilterRunConfig
-from intellect.rl.setup import initial_weights, ledger_path, run_storage, task_pool
-from intellect.rl.submission import torch_engine
+from intellect.rl.trainer.setup import initial_folder, ledger_path, run_storage, task_pool
 
 PARTS = "parts"
 
@@ -39,16 +41,17 @@ class FilterReport(BaseModel):
     solve_rates_file: str
 
 
-_MODELS: dict[str, tuple] = {}
+_ENGINES: dict[str, tuple] = {}
 
 
-def _model(cfg: FilterRunConfig):
-    key = cfg.init.model_dump_json()
-    if key not in _MODELS:
-        model, tok, origin = initial_weights(cfg.init, cfg)
-        sha = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.state_dict().values())).hexdigest()
-        _MODELS[key] = (model, tok, origin, sha)
-    return _MODELS[key]
+def _engine(cfg: FilterRunConfig):
+    """(engine, tokenizer, where from, checkpoint digest) of the filter's model, built once per process."""
+    key = "\0".join(c.model_dump_json() for c in (cfg.init, cfg.engine, cfg.compute))
+    if key not in _ENGINES:
+        with initial_folder(cfg.init, cfg) as (folder, origin):
+            engine = make_engine(cfg.engine.kind, folder, cfg.compute, cfg.engine)
+            _ENGINES[key] = (engine, load_tokenizer(folder), origin, local_digest(folder, inference=True))
+    return _ENGINES[key]
 
 
 @task(name="score-chunk", cache_policy=NO_CACHE, retries=1, timeout_seconds=3600)
@@ -58,9 +61,8 @@ def score_chunk(cfg: FilterRunConfig, index: int) -> int:
     rel = f"{PARTS}/part-{index:05d}.parquet"
     tasks = task_pool(cfg.tasks, storage)[index * cfg.filter.chunk_size:(index + 1) * cfg.filter.chunk_size]
     if not storage.exists(rel):
-        model, tok, _, _ = _model(cfg)
-        counts = solve_counts(torch_engine(model, tok, compute=cfg.compute), tok, tasks, cfg.filter,
-                              cfg.tasks.reward_fn())
+        engine, tok, _, _ = _engine(cfg)
+        counts = solve_counts(engine, tok, tasks, cfg.filter, cfg.tasks.reward_fn())
         storage.write_bytes(rel, to_parquet(scores_table(tasks, counts, cfg.filter)))
     return len(tasks)
 
@@ -72,7 +74,7 @@ def collect_scores(cfg: FilterRunConfig, chunks: int) -> FilterReport:
                               for i in range(chunks)])
     storage.write_bytes("solve_rates.parquet", to_parquet(table))
     storage.write_text("tasks.jsonl", kept_tasks_jsonl(table))
-    _, _, origin, sha = _model(cfg)
+    _, _, origin, sha = _engine(cfg)
     # the scores table's schema (scores_table): non-null columns of these types
     ids = cast(list[str], table["prompt_id"].to_pylist())
     solved, kept = cast(list[int], table["solved"].to_pylist()), cast(list[bool], table["kept"].to_pylist())

@@ -3,7 +3,7 @@
 One step is the DAG ``collect -> validate -> record -> grpo-update -> broadcast -> commit-step``:
 six task runs whatever the number of workers (``collect`` and ``validate`` handle each worker in a
 thread of their own). In ``rl-train`` the generation is done by ``intellect worker`` processes
-(:mod:`intellect.rl.worker`; subprocesses of the flow run, or with ``workers.launch =
+(:mod:`intellect.rl.worker.worker`; subprocesses of the flow run, or with ``workers.launch =
 "deployments"`` flow runs of ``rl-worker`` on ``gpu-rollout``, :mod:`flows.rl_worker`), each with
 its own key, which reach the run only through the submission service the flow starts beside the
 trainer and get weights only through SHARDCAST (signed by the trainer; without ``cfg.shardcast``
@@ -13,7 +13,7 @@ written, and the flow ingests (collect, validate, record) step ``n + 1`` in a se
 step ``n`` trains: the pipelining of INTELLECT-2, bounded by the lag rule. ``rl-step`` alone
 generates in this process (synchronous).
 
-Each flow opens the run once (:func:`tasks.rl.open_run`, an :class:`~intellect.rl.run.RLRun`) and
+Each flow opens the run once (:func:`tasks.rl.open_run`, an :class:`~intellect.rl.trainer.run.RLRun`) and
 its tasks act on it; ``rl-train`` holds SHARDCAST, the submission service and the workers in
 context managers, so whatever it started stops when it ends, however it ends.
 

@@ -2,7 +2,7 @@
 
 * ``rl-generate`` one worker's submissions of a step (pool ``gpu-rollout``): run storage only, so
   only for GPU pools the operator owns; untrusted machines join a run as ``intellect worker``
-  (:mod:`intellect.rl.worker`), never as a Prefect worker.
+  (:mod:`intellect.rl.worker.worker`), never as a Prefect worker.
 * ``rl-validate`` every submission of a step checked and recorded in the ledger (pool ``validator``).
 * ``rl-update`` GRPO update, broadcast and commit of a step (pool ``gpu-train``).
 

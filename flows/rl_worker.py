@@ -3,13 +3,13 @@
 ``rl-train`` with ``workers.launch = "deployments"`` starts each of its workers as a flow run of
 the ``rl-worker`` deployment (``gpu-rollout``), a child of its own run, through
 :class:`RLWorkerLauncher` (a :class:`~flows.launch.DeploymentLauncher`). The flow run keeps the
-worker's key on its own machine (:func:`~intellect.rl.workers.host_key_file`:
+worker's key on its own machine (:func:`~intellect.rl.trainer.workers.host_key_file`:
 ``~/.intellect/keys/<run>/<name>.key``, made there on first use with mode 0600, or ``key_file``),
 so a worker restarted on that host keeps its id. Before the worker starts, the flow announces the
 key id with the public key (nothing secret) as a table artifact of its flow run
 (``<run>-<name>-worker-key``); the launcher reads it through the API and checks that the id is the
 public key's (:meth:`RLWorkerLauncher.key_id`), which is how the trainer learns whose submissions to
-wait for. Then it runs the process :func:`~intellect.rl.workers.worker_argv` describes, its download
+wait for. Then it runs the process :func:`~intellect.rl.trainer.workers.worker_argv` describes, its download
 cache on that machine too (``~/.intellect/cache/<run>/<name>``, its log beside it), until it exits.
 
 The flow returns the worker's exit status, 0; any other status fails the flow run (its log's tail
@@ -31,9 +31,10 @@ from prefect.artifacts import create_table_artifact
 
 from flows.artifacts import artifact_key
 from flows.launch import DeploymentLauncher, FlowRunHandle
+from intellect.inference.engines import worker_python
 from intellect.launch import Handle, LocalLauncher, stop
 from intellect.rl.config import RLRunConfig
-from intellect.rl.workers import (WORKER_MODULE, deployment_parameters, ensure_key, host_cache, host_key_file,
+from intellect.rl.trainer.workers import (WORKER_MODULE, deployment_parameters, ensure_key, host_cache, host_key_file,
                                   key_record, wait_key_id, worker_argv)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +72,8 @@ def rl_worker(config: RLRunConfig, worker: str, url: str, trainer_key: str, key_
     argv = worker_argv(config, worker, url, trainer_key, key_path, cache=cache_dir, parent=os.getpid())
     withhold = [k for k in os.environ if k.startswith(WITHHELD_PREFIXES)]
     pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    proc = LocalLauncher(cache_dir.parent, WORKER_MODULE, withhold=withhold).launch(
-        worker, argv, {"PYTHONPATH": pythonpath})
+    proc = LocalLauncher(cache_dir.parent, WORKER_MODULE, withhold=withhold,
+                         python=worker_python(config.workers.engine.kind)).launch(worker, argv, {"PYTHONPATH": pythonpath})
     try:
         code = _wait(proc)
     finally:
@@ -97,8 +98,8 @@ def _wait(proc: Handle) -> int:
 
 class RLWorkerLauncher(DeploymentLauncher):
     """Each launch a flow run of ``rl-worker`` (named as ``cfg.dispatch`` says), a child of the
-    current flow run, with :func:`~intellect.rl.workers.deployment_parameters`; its workers keep
-    their keys on their own machines (a :class:`~intellect.rl.workers.RemoteKeys` launcher)."""
+    current flow run, with :func:`~intellect.rl.trainer.workers.deployment_parameters`; its workers keep
+    their keys on their own machines (a :class:`~intellect.rl.trainer.workers.RemoteKeys` launcher)."""
 
     def __init__(self, cfg: RLRunConfig):
         super().__init__(rl_worker, cfg.dispatch, functools.partial(deployment_parameters, cfg))

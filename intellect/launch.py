@@ -80,16 +80,16 @@ class LocalLauncher:
     """
 
     def __init__(self, log_dir: str | os.PathLike, module: str, withhold: Iterable[str] = (),
-                 cwd: str | os.PathLike | None = None):
+                 cwd: str | os.PathLike | None = None, python: str | os.PathLike | None = None):
         self.log_dir, self.module, self.withhold = Path(log_dir), module, frozenset(withhold)
-        self.cwd = cwd
+        self.cwd, self.python = cwd, str(python or sys.executable)  # python: another environment's interpreter
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def launch(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> LocalProcess:
         path = self.log_dir / f"{name}.log"
         inherited = {k: v for k, v in os.environ.items() if k not in self.withhold}
         with open(path, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", self.module, *args], stdout=out,
+            proc = subprocess.Popen([self.python, "-m", self.module, *args], stdout=out,
                                     stderr=subprocess.STDOUT, env={**inherited, **env}, cwd=self.cwd,
                                     start_new_session=True)
         return LocalProcess(name, proc, path)

@@ -3,7 +3,7 @@
 Tables (schema version :data:`LEDGER_SCHEMA_VERSION`, kept in ``meta``):
 
 * ``rollouts``: one row per submitted sample, keyed by its location ``(file, row_index)`` in run
-  storage, with its content hash (:func:`intellect.rl.rollout_schema.content_hash`), step, policy step,
+  storage, with its content hash (:func:`intellect.rl.wire.rollout_schema.content_hash`), step, policy step,
   worker, submission, prompt, group, reward, advantage, token counts, ``status``
   (``accepted``/``rejected``) and ``reason``. A whole file rejected before its rows could be read is
   one row with ``row_index = -1``.

@@ -26,7 +26,7 @@ import pyarrow.compute as _pc
 from intellect.ids import canonical_worker
 
 if TYPE_CHECKING:
-    from intellect.rl.rollout_schema import Rollout
+    from intellect.rl.wire.rollout_schema import Rollout
 
 #: pyarrow's compute kernels take Python scalars, which the overloads of pyarrow-stubs reject.
 pc: Any = _pc

@@ -1,9 +1,9 @@
-"""Prefect tasks of an RL run: each one phase of :class:`~intellect.rl.run.RLRun` (one side effect on
+"""Prefect tasks of an RL run: each one phase of :class:`~intellect.rl.trainer.run.RLRun` (one side effect on
 run storage, the ledger, the submission service, SHARDCAST or the worker processes), with its retries
 and timeout set here.
 
 Tasks take the run config and step numbers and return the small pydantic reports of
-:mod:`intellect.rl.run`. They act on the run the calling flow opened in this process with
+:mod:`intellect.rl.trainer.run`. They act on the run the calling flow opened in this process with
 :func:`open_run` (a context manager: the run is closed when the flow leaves it); a task called with no
 such run open fails at once.
 """
@@ -21,16 +21,17 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from intellect.checkpoints import CHECKPOINTS, fetch
+from intellect.checkpoints import CHECKPOINTS, fetch, verified_copy
 from intellect.config import StorageConfig
+from intellect.inference.engines import load_tokenizer, worker_python
 from intellect.launch import Launcher, LocalLauncher
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
-from intellect.rl.run import RecordReport, RLRun, RunInfo, UpdateReport, ValidationReport
-from intellect.rl.run import generate_here as _generate_here
-from intellect.rl.evaluation import HeldOut
-from intellect.rl.setup import local_run_dir, run_storage, task_pool
-from intellect.rl.submission import SubmissionConfig
-from intellect.rl.workers import WORKER_MODULE, WorkerResult, worker_key_file
+from intellect.rl.trainer.run import RecordReport, RLRun, RunInfo, UpdateReport, ValidationReport
+from intellect.rl.trainer.run import generate_here as _generate_here
+from intellect.rl.trainer.evaluation import HeldOut
+from intellect.rl.trainer.setup import local_run_dir, run_storage, task_pool
+from intellect.rl.worker.submission import SubmissionConfig
+from intellect.rl.trainer.workers import WORKER_MODULE, WorkerResult, worker_key_file
 from intellect.storage import RunStorage
 
 __all__ = ["RecordReport", "RunInfo", "UpdateReport", "ValidationReport", "WorkerResult", "worker_key_file"]
@@ -127,7 +128,8 @@ def start_workers(cfg: RLRunConfig, url: str, launcher: Launcher | None = None) 
     env: dict[str, str] = {}
     if launcher is None:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        launcher = LocalLauncher(local_run_dir(cfg).resolve() / "logs", WORKER_MODULE)
+        launcher = LocalLauncher(local_run_dir(cfg).resolve() / "logs", WORKER_MODULE,
+                                 python=worker_python(cfg.workers.engine.kind))
     run = _run(cfg)
     pids = run.start_workers(url, launcher, env=env)
     get_run_logger().info("workers started, by key id: %s", run.worker_ids)
@@ -250,5 +252,6 @@ def evaluate_run(storage: StorageConfig, run_name: str, step: int | None, tasks:
     step = st.latest_step(CHECKPOINTS) if step is None else step
     if step is None:
         raise FileNotFoundError(f"run {run_name} has no complete checkpoint")
-    model, tok = fetch(st, step)
-    return EvalPoint(run=run_name, step=step, accuracy=HeldOut(tasks, size, st).accuracy(model, tok, submission))
+    with verified_copy(st, step) as folder:
+        accuracy = HeldOut(tasks, size, st).accuracy(folder, load_tokenizer(folder), submission)
+    return EvalPoint(run=run_name, step=step, accuracy=accuracy)

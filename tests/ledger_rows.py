@@ -3,7 +3,7 @@ process tests of tests/integration/test_ledger_processes.py): rollouts, their ve
 
 from __future__ import annotations
 
-from intellect.rl.rollouts import Rollout
+from intellect.rl.wire.rollouts import Rollout
 from intellect.verdict import Verdict
 
 

@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from intellect.checkpoints import CHECKPOINTS, STEP_REPORT, fetch, publish  # noqa: E402
-from intellect.rl.rollouts import Rollout, encode_submission, rows_to_table, table_to_rows  # noqa: E402
-from intellect.rl.service_client import ServiceClient, ServiceError  # noqa: E402
-from intellect.rl.submission import sample_seed  # noqa: E402
-from intellect.rl.worker import run_name  # noqa: E402
+from intellect.rl.wire.rollouts import Rollout, encode_submission, rows_to_table, table_to_rows  # noqa: E402
+from intellect.rl.worker.client import ServiceClient, ServiceError  # noqa: E402
+from intellect.rl.worker.submission import sample_seed  # noqa: E402
+from intellect.rl.worker.worker import run_name  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
 from intellect.trust.keys import SigningKey  # noqa: E402
 from intellect.trust.requests import KEY_HEADER, sign_request  # noqa: E402

@@ -8,8 +8,8 @@ import torch
 from intellect.config import ModelConfig
 from intellect.data.arithmetic import Problem
 from intellect.inference import Request
-from intellect.rl.submission import SubmissionConfig
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample
+from intellect.rl.worker.submission import SubmissionConfig
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig, Sample
 from intellect.toploc.proofs import ToplocConfig
 
 TINY = ModelConfig(num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from intellect.rl.rollouts import Rollout, RolloutLimits, encode_submission, rows_to_table
+from intellect.rl.wire.rollouts import Rollout, RolloutLimits, encode_submission, rows_to_table
 
 LIMITS = RolloutLimits(vocab_size=50, max_rows=16, max_prompt_tokens=8, max_output_tokens=12, max_proof_bytes=516)
 

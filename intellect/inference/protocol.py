@@ -58,6 +58,18 @@ class Scored:
     chance: torch.Tensor | None = None  # float64 [n_out]
 
 
+def stop_ids(tokenizer_eos: int | None, generation_eos: int | Sequence[int] | None) -> list[int]:
+    """The ids a completion ends at: the tokenizer's EOS and the generation config's (chat models often
+    list several there). Every engine stops at these and the validator's length check ends a ``stop``
+    completion at them: one rule, so an honest rollout that ends at any of them passes.
+
+    >>> stop_ids(2, [7, 2]), stop_ids(2, None), stop_ids(None, 5), stop_ids(None, None)
+    ([2, 7], [2], [5], [])
+    """
+    extra = list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
+    return sorted({e for e in [tokenizer_eos, *extra] if isinstance(e, int)})
+
+
 class InferenceEngine(Protocol):
     def generate(
         self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]

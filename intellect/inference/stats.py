@@ -1,13 +1,13 @@
-"""What a :class:`~intellect.inference.torch_engine.TorchEngine` has run: forwards, rows, tokens."""
+"""What an inference engine has run: forwards, rows, tokens, weight updates."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
 class EngineStats:
-    """What :meth:`~intellect.inference.torch_engine.TorchEngine.generate` has run, summed over calls (``reset`` to start over).
+    """What an engine's ``generate`` and ``update_weights`` have run, summed over calls (``reset`` to start over).
 
     A *row-step* is one row of one forward that yields next-token logits: a prompt in a prefill
     forward, or a row of a decode forward. Each returned token took one, so ``useful_share`` is 1
@@ -22,6 +22,8 @@ class EngineStats:
     tokens: int = 0  # returned, EOS included
     peak_rows: int = 0  # most rows decoding at once
     peak_reserved_tokens: int = 0  # most len(prompt) + max_tokens summed over rows decoding at once
+    weight_updates: int = 0  # new policies loaded into the running engine (update_weights), never a rebuild
+    weight_update_seconds: float = 0.0  # wall time of those updates, reading the folder included
 
     @property
     def row_steps(self) -> int:
@@ -33,8 +35,12 @@ class EngineStats:
         return self.tokens / self.row_steps if self.row_steps else 1.0
 
     def reset(self) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, 0)
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def updated(self, seconds: float) -> None:
+        """One in-place weight update that took ``seconds``."""
+        self.weight_updates, self.weight_update_seconds = self.weight_updates + 1, self.weight_update_seconds + seconds
 
     def prefilled(self, rows: int, running: int, reserved: int) -> None:
         """A prefill forward of ``rows`` prompts, after which ``running`` rows reserving ``reserved``

@@ -43,7 +43,9 @@ the logits, which in bf16 flips an occasional near-tie (TOPLOC's seeded re-check
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from pathlib import Path
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -53,8 +55,10 @@ from intellect.device import Precision, autocast, prepare_model, resolve_device,
 from intellect.inference.config import EngineConfig
 from intellect.inference.kv_slots import KVSlots, UnsupportedCache
 from intellect.inference.stats import EngineStats
-from intellect.inference.protocol import Completion, Request, Scored, per_request
+from intellect.inference.protocol import Completion, Request, Scored, per_request, stop_ids
 from intellect.inference.sampling import LowProb, SamplingParams, chosen_logprobs, sample, score_tokens, uniforms
+from intellect.inference.weight_folder import load_in_place, read_state_dict
+from intellect.model.checkpoint import load_checkpoint_copy
 from intellect.model.generate import _cache_kwarg, _cache_of, left_pad
 
 if TYPE_CHECKING:
@@ -132,9 +136,8 @@ class TorchEngine:
         for ``bf16``) and forwards run in ``compute.precision``; without, the model stays as it is.
         Other keyword arguments (``config``, ``max_batch_size``...) go to the constructor.
         """
-        eos = {tokenizer.eos_token_id}
-        extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+        eos = stop_ids(tokenizer.eos_token_id,
+                       getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token to pad prompts with")
@@ -142,7 +145,23 @@ class TorchEngine:
             device = resolve_device(compute.device)
             prepare_model(model, compute, device, train=False)
             kwargs["precision"] = resolve_precision(compute.precision, device)
-        return cls(model, eos_token_id=sorted(e for e in eos if e is not None), pad_token_id=pad, **kwargs)
+        return cls(model, eos_token_id=eos, pad_token_id=pad, **kwargs)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, compute: ComputeConfig | None = None, cfg: EngineConfig | None = None,
+                    *, capture_hidden: bool = False) -> "TorchEngine":
+        """An engine of the HF checkpoint ``folder`` (:meth:`for_tokenizer`), batching as ``cfg`` says.
+        The weights are copied into memory, so the folder may go once this returns."""
+        model, tok = load_checkpoint_copy(folder)
+        return cls.for_tokenizer(model, tok, compute=compute, capture_hidden=capture_hidden, config=cfg)
+
+    def update_weights(self, folder: str | Path) -> None:
+        """Load the weights of the HF checkpoint ``folder`` (same architecture) into this engine's model
+        in place (:func:`~intellect.inference.weight_folder.load_in_place`: each parameter keeps its device
+        and precision, as a fresh engine's would have them); the time it took goes to ``stats``."""
+        t0 = time.perf_counter()
+        load_in_place(self.model, read_state_dict(folder))
+        self.stats.updated(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ helpers
 

@@ -16,14 +16,14 @@ from pydantic import Field, field_validator, model_validator
 
 from intellect.config import ComputeConfig, DataConfig, DispatchConfig, LoggingConfig, StorageConfig, StrictModel
 from intellect.inference.config import EngineConfig
-from intellect.rl.admission import submission_bytes
-from intellect.rl.lag import DEFAULT_ASYNC_LEVEL, PolicyLag
+from intellect.rl.service.admission import submission_bytes
+from intellect.rl.wire.lag import DEFAULT_ASYNC_LEVEL, PolicyLag
 from intellect.prompts import PromptConfig
-from intellect.rl.rollout_schema import RolloutLimits
-from intellect.rl.service_config import ServiceConfig
+from intellect.rl.wire.rollout_schema import RolloutLimits
+from intellect.rl.service.config import ServiceConfig
 from intellect.rl.rewards.code import CodeRewardConfig
-from intellect.rl.submission import RewardFn, SubmissionConfig, task_reward_fn
-from intellect.rl.trainer import RLTrainerConfig
+from intellect.rl.worker.submission import RewardFn, SubmissionConfig, task_reward_fn
+from intellect.rl.trainer.grpo import RLTrainerConfig
 from intellect.shardcast.config import ShardcastConfig
 from intellect.toploc.proofs import ToplocConfig, proof_size
 from intellect.trust.keys import is_key_id
@@ -140,7 +140,8 @@ class WorkersConfig(StrictModel):
     threads: int = Field(default=1, ge=1, le=256, description="torch threads of each worker process.")
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
-        description="How each worker's torch engine batches generation (continuous by default; rows, KV budget).",
+        description="Each worker's engine: kind (torch, or vllm from the vLLM environment) and how it batches "
+        "generation (continuous by default; rows, KV budget).",
     )
     launch: Literal["local", "deployments"] = Field(
         default="local",
@@ -179,7 +180,7 @@ class WorkersConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Held-out greedy accuracy of published checkpoints (intellect/rl/evaluation.py)."""
+    """Held-out greedy accuracy of published checkpoints (intellect/rl/trainer/evaluation.py)."""
 
     every: int = Field(default=10, ge=0, le=1_000_000, description="Evaluate every N steps (0: only first and last).")
     size: int = Field(default=512, ge=1, le=100_000, description="Held-out problems per evaluation.")
@@ -201,7 +202,7 @@ class RLRunConfig(StrictModel):
     policy_lag: PolicyLag = Field(
         default="newest", description="Which fresh checkpoint generates step n: the newest one (lag 0..async_level, "
         "set by how fast the trainer ran) or 'fixed', checkpoint n - async_level (what the run learns does not "
-        "depend on the machine's speed; intellect/rl/lag.py).",
+        "depend on the machine's speed; intellect/rl/wire/lag.py).",
     )
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     submission: SubmissionConfig = Field(default_factory=SubmissionConfig)
@@ -277,7 +278,7 @@ class RLRunConfig(StrictModel):
     def service_config(self, prompt_tokens: int | None = None) -> ServiceConfig:
         """``service`` as the run's submission service applies it: ``ahead`` (async_level + 1),
         ``max_submissions_per_step`` (workers.max_submissions) and ``max_submission_bytes`` (the
-        largest file of this run's rows, tokens and proofs, :func:`~intellect.rl.admission.submission_bytes`,
+        largest file of this run's rows, tokens and proofs, :func:`~intellect.rl.service.admission.submission_bytes`,
         its prompts at most ``prompt_tokens`` long: the pool's longest rendered prompt, else
         ``limits.max_prompt_tokens``) from the run where it leaves them unset.
 
@@ -350,4 +351,7 @@ class FilterRunConfig(StrictModel):
     filter: FilterConfig = Field(default_factory=FilterConfig)
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads (0: torch's default).")
     compute: ComputeConfig = Field(default_factory=ComputeConfig, description="Device and precision of the engine.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="The engine that samples (kind: torch or vllm) and its batching.",
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress lines (progress_seconds).")

@@ -5,7 +5,7 @@ A worker's engine captures the final hidden state of every generated token
 (:class:`~intellect.inference.protocol.Completion`);
 :func:`~intellect.toploc.proofs.completion_proofs` turns a batch of completions into one proof blob
 each. The validator's :func:`toploc_check` is a
-:data:`~intellect.rl.validator.RowCheck`: it groups a submission's rows by the checkpoint they
+:data:`~intellect.rl.service.validator.RowCheck`: it groups a submission's rows by the checkpoint they
 claim, prefills ``prompt + output`` once with that checkpoint
 (:meth:`~intellect.inference.torch_engine.TorchEngine.prefill`, or :func:`right_padded_prefill`),
 and checks every chunk's proof against its own hidden states
@@ -17,7 +17,7 @@ rows with ``toploc_no_checkpoint`` instead of raising.
 The prefill computes on its engine's device and in its precision (the run's ``compute``:
 :meth:`~intellect.inference.torch_engine.TorchEngine.for_tokenizer`); TOPLOC commits to bf16
 hidden states whatever the precision, and its tolerances hold when workers and validator compute
-alike (:class:`~intellect.rl.worker.WorkerRunInfo` tells workers the run's precision).
+alike (:class:`~intellect.rl.worker.worker.WorkerRunInfo` tells workers the run's precision).
 
 The same prefill gives two more checks, in this order after the computation check. It computes
 on the logits' device what they need per scored token (the seeded choice, the claimed token's
@@ -28,7 +28,7 @@ reaches the CPU (:func:`~intellect.inference.sampling.score_tokens`).
 
 * *seeded re-check* (``cfg.seeded_check``): the engines sample with seeded Gumbel-max, so the
   validator recomputes each token's choice from its own logits and the request seed: the row's
-  ``seed``, which :func:`~intellect.rl.validator.validate_submission` sets to the seed the
+  ``seed``, which :func:`~intellect.rl.service.validator.validate_submission` sets to the seed the
   assignment fixes before any extra check sees the row (a seed the worker chose or searched for
   never reaches this check). A differing
   token that scores more than ``flip_margin`` below the seeded choice fails the rollout (an edited
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from intellect.inference.protocol import Scorer
     from intellect.inference.sampling import SamplingParams
     from intellect.inference.torch_engine import TorchEngine
-    from intellect.rl.rollouts import Rollout
+    from intellect.rl.wire.rollouts import Rollout
 
 log = logging.getLogger("intellect.toploc.check")
 

@@ -28,9 +28,9 @@ from intellect.model.checkpoint import build_model
 from intellect.checkpoints import CHECKPOINTS, OPTIMIZER, publish
 from intellect.data.loaders import load_math_tasks
 from intellect.rl.config import FilterRunConfig, RLRunConfig
-from intellect.rl.report import CURVE, load_evals
-from intellect.rl.rollouts import list_submissions
-from intellect.rl.setup import ledger_path, run_storage
+from intellect.rl.trainer.report import CURVE, load_evals
+from intellect.rl.wire.rollouts import list_submissions
+from intellect.rl.trainer.setup import ledger_path, run_storage
 from intellect.shardcast.store import VersionStore
 from intellect.storage import RunStorage
 

@@ -15,10 +15,10 @@ from intellect.inference import Request, SamplingParams, TorchEngine, uniforms
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
-from intellect.rl.local_step import run_rl_step
-from intellect.rl.step import CheckpointEngines, torch_engine
-from intellect.rl.submission import generate_submission
-from intellect.rl.trainer import RLTrainerConfig
+from intellect.rl.trainer.local_step import run_rl_step
+from intellect.rl.trainer.step import CheckpointEngines
+from intellect.rl.worker.submission import generate_submission
+from intellect.rl.trainer.grpo import RLTrainerConfig
 from intellect.storage import RunStorage
 from intellect.toploc.check import toploc_check
 from intellect.toploc.proofs import check_many
@@ -87,7 +87,7 @@ def test_engine_on_cuda_is_deterministic(tiny, compute):
 
 def test_bf16_mixed_proofs_verify_on_cuda(tiny):
     tok = tiny[1]
-    worker = torch_engine(copy.deepcopy(tiny[0]), tok, capture_hidden=True, compute=MIXED)
+    worker = TorchEngine.for_tokenizer(copy.deepcopy(tiny[0]), tok, capture_hidden=True, compute=MIXED)
     validator = TorchEngine.for_tokenizer(copy.deepcopy(tiny[0]), tok, capture_hidden=True, compute=MIXED)
     rows = generate_submission(worker, tok, TASKS, "w", 0, 0, 0, SUB, run="t", proofs=PROOFS)
     scored = validator.prefill([Request(list(r.prompt_tokens), r.seed) for r in rows],

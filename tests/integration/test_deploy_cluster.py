@@ -33,7 +33,7 @@ from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.checkpoints import publish
 from intellect.rl.config import RLRunConfig
-from intellect.rl.setup import ledger_path
+from intellect.rl.trainer.setup import ledger_path
 from intellect.storage import RunStorage
 
 pytestmark = pytest.mark.slow

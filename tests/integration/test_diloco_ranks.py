@@ -244,6 +244,27 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path, ranks, resumed_as):
             assert rel < 1e-5, f"{name}: {key} differs by {rel:.2e}"
 
 
+def test_workers_of_two_ranks_reduce_top_k_pseudo_gradients_shard_by_shard(tmp_path):
+    """diloco.compression = "topk" on workers of two ranks: each rank's ring sends the top-k of its own
+    shard (with its own error-feedback residual, saved with the worker's sharded state), the replicas
+    stay bit-identical, and the bytes are a small fraction of int8's."""
+    write_corpus(tmp_path / "corpus")
+    sparse = run_cfg(tmp_path, "topk", 2, **{"diloco.compression": '"topk"', "diloco.topk_chunk": 256,
+                                             "diloco.topk_k": 4, "diloco.checkpoint_every": 1})
+    dense = run_cfg(tmp_path, "int8", 2)
+    run(sparse, tmp_path / "logs-topk")  # digests agree at every step
+    run(dense, tmp_path / "logs-int8")
+    sent = {}
+    for cfg in (sparse, dense):
+        storage = RunStorage.from_config(cfg.storage, cfg.run_name)
+        rows = [json.loads(line) for line in storage.read_text(metrics_series("w0")).splitlines()]
+        assert [r["step"] for r in rows] == list(range(OUTER)) and all(r["committed"] for r in rows)
+        sent[cfg.run_name] = sum(r["bytes_sent"] for r in rows)
+    assert 0 < sent["topk"] < sent["int8"] / 4, sent
+    storage = RunStorage.from_config(sparse.storage, sparse.run_name)
+    assert _saved(storage, "w0", OUTER) is not None  # the sharded state, residual included, for the last step
+
+
 def test_a_worker_whose_shards_lie_is_clipped_flagged_and_banned(tmp_path):
     """Four workers of two ranks, one lying (1e6 everywhere) on both its shards: each ring's owners
     clip and flag it, the leaders report it, a majority bans it, and the honest replicas agree."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from intellect.config import DataConfig
 from intellect.data import batch_texts, train_stream
-from intellect.rl.assignment import assign_prompts
+from intellect.rl.wire.assignment import assign_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_stream_is_stable_across_processes():
 
 
 def test_same_in_a_fresh_interpreter_with_another_hash_seed():
-    code = "from intellect.rl.assignment import assign_prompts as a; print(a(1000, 'w-1', 3, 2, 16))"
+    code = "from intellect.rl.wire.assignment import assign_prompts as a; print(a(1000, 'w-1', 3, 2, 16))"
     outs = {
         subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env={"PYTHONHASHSEED": s}, capture_output=True, text=True, check=True

@@ -26,7 +26,7 @@ from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.checkpoints import CHECKPOINTS, CheckpointMismatch, digest, fetch_recorded, publish
 from intellect.rl.config import RLRunConfig
-from intellect.rl.setup import ledger_path, local_run_dir, run_storage, trainer_dir
+from intellect.rl.trainer.setup import ledger_path, local_run_dir, run_storage, trainer_dir
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from tasks.rl import worker_key_file

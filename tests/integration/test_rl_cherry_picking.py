@@ -34,13 +34,13 @@ from intellect.inference.protocol import Request
 from intellect.inference.sampling import scores, uniforms
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.rl import work
-from intellect.rl.assignment import assign_prompts
-from intellect.rl.rollouts import RolloutLimits, write_submission
-from intellect.rl.service import ServiceConfig, SubmissionService
-from intellect.rl.service_client import ServiceClient, ServiceError
-from intellect.rl.submission import SubmissionConfig, generate_assigned, sample_seed, unclaimed_reward
-from intellect.rl.validator import validate_submission
+from intellect.rl.wire import work
+from intellect.rl.wire.assignment import assign_prompts
+from intellect.rl.wire.rollouts import RolloutLimits, write_submission
+from intellect.rl.service.server import ServiceConfig, SubmissionService
+from intellect.rl.worker.client import ServiceClient, ServiceError
+from intellect.rl.worker.submission import SubmissionConfig, generate_assigned, sample_seed, unclaimed_reward
+from intellect.rl.service.validator import validate_submission
 from intellect.storage import RunStorage
 from intellect.toploc.check import toploc_check
 from intellect.toploc.proofs import ToplocConfig, build_proofs, completion_proofs

@@ -17,11 +17,11 @@ from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
 from intellect.rl.rewards import CodeRewardConfig, sandbox_status
 from intellect.rl.rewards.code import code_rewards
-from intellect.rl.rollouts import RolloutLimits, write_submission
-from intellect.rl.setup import heldout_task_file, task_pool
-from intellect.rl.submission import CodeTaskReward, generate_submission, math_task_reward, task_reward_fn
-from intellect.rl.validator import validate_submission
-from intellect.rl.worker import WorkerRunInfo
+from intellect.rl.wire.rollouts import RolloutLimits, write_submission
+from intellect.rl.trainer.setup import heldout_task_file, task_pool
+from intellect.rl.worker.submission import CodeTaskReward, generate_submission, math_task_reward, task_reward_fn
+from intellect.rl.service.validator import validate_submission
+from intellect.rl.worker.worker import WorkerRunInfo
 from intellect.storage import RunStorage
 
 ROWS = code_tasks(24, seed=1)
@@ -118,7 +118,7 @@ def test_the_validator_scores_code_in_the_sandbox_and_rejects_claimed_passes(tin
 
 @pytest.mark.usefixtures("bwrap")
 def test_the_pass_at_k_filter_scores_code_tasks_and_writes_them_back(tiny, tmp_path):
-    from intellect.rl import filter as F  # noqa: PLC0415 - this test's import
+    from intellect.rl.trainer import filter as F  # noqa: PLC0415 - this test's import
     from intellect.rl.config import FilterConfig  # noqa: PLC0415
 
     model, tok = tiny
@@ -133,8 +133,8 @@ def test_the_pass_at_k_filter_scores_code_tasks_and_writes_them_back(tiny, tmp_p
 
 
 def test_a_malformed_assignment_is_the_services_bad_answer_not_a_worker_crash():
-    from intellect.rl.service_client import ServiceError  # noqa: PLC0415 - this test's imports
-    from intellect.rl.worker import _tasks  # noqa: PLC0415
+    from intellect.rl.worker.client import ServiceError  # noqa: PLC0415 - this test's imports
+    from intellect.rl.worker.worker import _tasks  # noqa: PLC0415
 
     # the service sends no tests (nor math answers): the worker's tasks carry none
     assert _tasks([{"id": TASKS[0].id, "prompt": TASKS[0].prompt}], "code") == [

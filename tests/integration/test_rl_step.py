@@ -9,11 +9,11 @@ from intellect.data.arithmetic import Problem
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
-from intellect.rl.rollouts import list_submissions, write_submission
-from intellect.rl.local_step import run_rl_step
-from intellect.rl.step import torch_engine
-from intellect.rl.submission import SubmissionConfig, generate_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig
+from intellect.rl.wire.rollouts import list_submissions, write_submission
+from intellect.rl.trainer.local_step import run_rl_step
+from intellect.inference.torch_engine import TorchEngine
+from intellect.rl.worker.submission import SubmissionConfig, generate_submission
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig
 from intellect.storage import RunStorage
 from intellect.toploc.proofs import ToplocConfig
 
@@ -113,8 +113,9 @@ def test_steps_with_toploc_accept_honest_workers_and_reject_a_forger(run):
     assert rows and all(r["policy_step"] == 1 for r in rows)
     # a forger: same prompts and seeds, another model's tokens and hidden states, the honest policy claimed
     _, tok = build_model(TINY)
-    fake = generate_submission(torch_engine(forged, tok, capture_hidden=True), tok, TASKS, "mallory", 2, 0, 2,
-                               cfg.submission, run=cfg.run_name, reward_fn=parity_reward, proofs=cfg.toploc)
+    forger = TorchEngine.for_tokenizer(forged, tok, capture_hidden=True)
+    fake = generate_submission(forger, tok, TASKS, "mallory", 2, 0, 2, cfg.submission, run=cfg.run_name,
+                               reward_fn=parity_reward, proofs=cfg.toploc)
     write_submission(storage, 2, "mallory", 0, fake)
     report = run_rl_step(cfg, storage, ledger, 2, WORKERS, TASKS, reward_fn=parity_reward)
     reasons = {r["reason"] for r in ledger.summary() if r["step"] == 2 and r["status"] == "rejected"}

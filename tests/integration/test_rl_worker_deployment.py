@@ -26,9 +26,9 @@ from intellect.diloco.coordinator import free_port
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
-from intellect.rl.run import RLRun
-from intellect.rl.setup import ledger_path
-from intellect.rl.workers import host_key_file, worker_key_file
+from intellect.rl.trainer.run import RLRun
+from intellect.rl.trainer.setup import ledger_path
+from intellect.rl.trainer.workers import host_key_file, worker_key_file
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 
@@ -137,5 +137,5 @@ def test_a_stopped_worker_flow_run_is_cancelled_and_its_worker_killed(rollout_po
     # the flow stopped its worker on the way out (the worker would also notice its parent gone)
     assert "worker w0 stopped: exit code -15" in logs, logs
     no_flow_run_process_left(state)
-    left = subprocess.run(["pgrep", "-f", "intellect.rl.worker.*rl-cancel"], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-f", "intellect.rl.worker.worker.*rl-cancel"], capture_output=True, text=True).stdout
     assert left == "", left

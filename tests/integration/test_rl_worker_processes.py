@@ -13,9 +13,9 @@ import time
 import pytest
 
 from intellect.launch import LocalLauncher, stop
-from intellect.rl import workers as workers_module
+from intellect.rl.trainer import workers as workers_module
 from intellect.rl.config import RLRunConfig
-from intellect.rl.workers import (RemoteKeys, host_key_file, parse_worker_argv, stop_workers, wait_key_id,
+from intellect.rl.trainer.workers import (RemoteKeys, host_key_file, parse_worker_argv, stop_workers, wait_key_id,
                                   worker_key_file)
 from intellect.trust.keys import SigningKey
 
@@ -72,7 +72,7 @@ def test_a_failed_launch_stops_the_workers_already_started(tmp_path):
 # A launcher whose workers make their own keys, as rl-worker flow runs do on their hosts: a child
 # process makes its key in its own home (not the run folder) and announces it in a file.
 ANNOUNCER = """import json, pathlib, sys, time
-from intellect.rl.workers import ensure_key, host_key_file, key_record
+from intellect.rl.trainer.workers import ensure_key, host_key_file, key_record
 name, home, out = sys.argv[1:4]
 if name != "silent":
     key = ensure_key(host_key_file("rl", name, home=home))

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_files import BOMBS, LIMITS, make_rows
 
-from intellect.rl.rollouts import (
+from intellect.rl.wire.rollouts import (
     REASONS, SCHEMA, RolloutLimits, RolloutRejected, check_layout, encode_submission, read_submission, rows_to_table,
 )
 
@@ -32,7 +32,7 @@ MAX_GROWTH = 64 << 20
 # Parses one file in a fresh interpreter: warm up on an honest file, then measure the bomb alone.
 CHILD = r"""
 import json, sys
-from intellect.rl.rollouts import RolloutLimits, RolloutRejected, read_submission
+from intellect.rl.wire.rollouts import RolloutLimits, RolloutRejected, read_submission
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):

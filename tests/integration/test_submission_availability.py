@@ -19,10 +19,10 @@ import pytest
 
 from intellect.data.loaders import MathTask
 from intellect.rl.config import RLRunConfig
-from intellect.rl.rollout_schema import MAX_ID_CHARS, Rollout
-from intellect.rl.rollouts import encode_submission
-from intellect.rl.service import ServiceConfig, SubmissionService
-from intellect.rl.service_client import ServiceClient, ServiceError
+from intellect.rl.wire.rollout_schema import MAX_ID_CHARS, Rollout
+from intellect.rl.wire.rollouts import encode_submission
+from intellect.rl.service.server import ServiceConfig, SubmissionService
+from intellect.rl.worker.client import ServiceClient, ServiceError
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import sign_request

@@ -23,10 +23,10 @@ import httpx
 import pytest
 
 from intellect.data.loaders import MathTask
-from intellect.rl.registry import uploads_settled_at
-from intellect.rl.rollouts import RolloutLimits, RolloutRejected, load_submission, submission_path
-from intellect.rl.service import ServiceConfig, SubmissionService
-from intellect.rl.service_client import ServiceClient, ServiceError
+from intellect.rl.service.registry import uploads_settled_at
+from intellect.rl.wire.rollouts import RolloutLimits, RolloutRejected, load_submission, submission_path
+from intellect.rl.service.server import ServiceConfig, SubmissionService
+from intellect.rl.worker.client import ServiceClient, ServiceError
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import sign_request
@@ -60,7 +60,7 @@ def _presign(svc: SubmissionService, key: SigningKey, step: int, k: int, sha: st
 
 _WORKER = """
 import json, os, sys
-from intellect.rl.service_client import ServiceClient
+from intellect.rl.worker.client import ServiceClient
 from intellect.trust.keys import SigningKey
 assert not [v for v in os.environ if v.startswith("AWS_")], "the worker must hold no storage credentials"
 key = SigningKey.from_seed(bytes.fromhex(sys.argv[2]))

@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from intellect.data.loaders import MathTask
-from intellect.rl.assignment import assign_prompts
-from intellect.rl.rollouts import submission_path
-from intellect.rl.service import ServiceConfig, SubmissionService
-from intellect.rl.service_client import ServiceClient, ServiceError
+from intellect.rl.wire.assignment import assign_prompts
+from intellect.rl.wire.rollouts import submission_path
+from intellect.rl.service.server import ServiceConfig, SubmissionService
+from intellect.rl.worker.client import ServiceClient, ServiceError
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import CONTENT_HEADER, sign_request

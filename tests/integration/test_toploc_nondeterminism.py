@@ -16,7 +16,7 @@ from intellect.inference.protocol import Request
 from intellect.inference.sampling import SamplingParams
 from intellect.inference.torch_engine import TorchEngine
 from intellect.model.checkpoint import build_model
-from intellect.rl.rollouts import Rollout
+from intellect.rl.wire.rollouts import Rollout
 from intellect.inference.sampling import LowProb
 from intellect.toploc.check import (
     Draws,

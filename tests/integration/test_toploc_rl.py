@@ -15,10 +15,10 @@ from intellect.config import ModelConfig
 from intellect.data.arithmetic import Problem
 from intellect.inference import TorchEngine
 from intellect.model.checkpoint import build_model
-from intellect.rl.rollouts import RolloutLimits, write_submission
-from intellect.rl.submission import SubmissionConfig, generate_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample
-from intellect.rl.validator import validate_submission
+from intellect.rl.wire.rollouts import RolloutLimits, write_submission
+from intellect.rl.worker.submission import SubmissionConfig, generate_submission
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig, Sample
+from intellect.rl.service.validator import validate_submission
 from intellect.storage import RunStorage
 from intellect.inference.protocol import Request
 from intellect.toploc.check import low_prob_surprise, toploc_check

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from intellect.rl.worker import main
+from intellect.rl.worker.worker import main
 from intellect.trust.keys import SigningKey
 
 ROOT = Path(__file__).resolve().parents[2]

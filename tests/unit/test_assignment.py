@@ -11,9 +11,9 @@ import pytest
 
 from intellect import ids
 from intellect.ids import canonical_worker
-from intellect.rl import assignment
-from intellect.rl.assignment import assign_prompts, assignment_seed, check_assignment
-from intellect.rl.rollouts import Rollout
+from intellect.rl.wire import assignment
+from intellect.rl.wire.assignment import assign_prompts, assignment_seed, check_assignment
+from intellect.rl.wire.rollouts import Rollout
 
 
 def test_doctests():

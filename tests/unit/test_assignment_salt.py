@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from intellect.rl import work
-from intellect.rl.assignment import NO_SALT, assign_prompts, assignment_seed
-from intellect.rl.registry import Registry, read_salts
-from intellect.rl.submission import sample_seed
+from intellect.rl.wire import work
+from intellect.rl.wire.assignment import NO_SALT, assign_prompts, assignment_seed
+from intellect.rl.service.registry import Registry, read_salts
+from intellect.rl.worker.submission import sample_seed
 from intellect.trust.keys import SigningKey
 
 KEY, OTHER = SigningKey.from_seed(b"k" * 32).public, SigningKey.from_seed(b"o" * 32).public

@@ -74,7 +74,7 @@ def test_publish_writes_only_declared_sidecars(tiny: Pair, tmp_path):
 
 def test_shardcast_receives_the_inference_files_and_no_sidecar(tiny: Pair, tmp_path):
     from intellect.rl.config import RLRunConfig  # noqa: PLC0415 - the RL side only in the test of it
-    from intellect.rl.weights import publish_to_origin  # noqa: PLC0415
+    from intellect.rl.trainer.publish import publish_to_origin  # noqa: PLC0415
     from intellect.shardcast.store import VersionStore  # noqa: PLC0415
 
     storage = RunStorage(f"file://{tmp_path}/run")

@@ -4,8 +4,8 @@ import pydantic
 import pytest
 import torch
 
-from intellect.rl import loss as loss_mod
-from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
+from intellect.rl.trainer import loss as loss_mod
+from intellect.rl.trainer.loss import GRPOLossConfig, grpo_loss, token_logprobs
 
 TOKEN = GRPOLossConfig(normalization="token")
 

@@ -166,7 +166,7 @@ def cycles(edges: Iterable[tuple[str, str]]) -> list[list[str]]:
 
 
 def component(module: str) -> str:
-    """``intellect.rl.step`` -> ``intellect.rl``; ``intellect.ledger`` -> ``intellect.ledger``."""
+    """``intellect.rl.trainer.step`` -> ``intellect.rl``; ``intellect.ledger`` -> ``intellect.ledger``."""
     return ".".join(module.split(".")[:2])
 
 
@@ -185,17 +185,17 @@ def test_the_scanner_sees_every_kind_of_import():
         "from typing import TYPE_CHECKING\n"
         "import prefect\n"
         "from . import ledger\n"
-        "from .rl import step as s\n"
+        "from .rl.trainer import step as s\n"
         "if TYPE_CHECKING:\n"
-        "    from intellect.rl.rollouts import Rollout\n"
+        "    from intellect.rl.wire.rollouts import Rollout\n"
         "def f():\n"
         "    import flows.rl\n"
         "    importlib.import_module('tasks.rl')\n"
     )
     got = {(e.dst, e.kind) for e in imports_of("intellect.verdict", src)}
     assert got == {("__future__", "module"), ("typing", "module"), ("prefect", "module"),
-                   ("intellect", "module"), ("intellect.ledger", "module"), ("intellect.rl", "module"),
-                   ("intellect.rl.step", "module"), ("intellect.rl.rollouts", "typing"),
+                   ("intellect", "module"), ("intellect.ledger", "module"), ("intellect.rl.trainer", "module"),
+                   ("intellect.rl.trainer.step", "module"), ("intellect.rl.wire.rollouts", "typing"),
                    ("flows.rl", "function"), ("tasks.rl", "function")}
     assert cycles([("a", "b"), ("b", "a"), ("c", "c")]) == [["a", "b"]] and cycles([("a", "b")]) == []
 
@@ -203,8 +203,8 @@ def test_the_scanner_sees_every_kind_of_import():
 def test_the_package_scan_finds_the_known_edges():
     found = {(e.src, e.dst) for e in EDGES}
     assert len(MODULES) > 50
-    assert ("intellect.rl.step", "intellect.ledger") in found
-    assert ("intellect.rl.validator", "intellect.verdict") in found
+    assert ("intellect.rl.trainer.step", "intellect.ledger") in found
+    assert ("intellect.rl.service.validator", "intellect.verdict") in found
 
 
 # ---------------------------------------------------------------------------- the contract
@@ -239,16 +239,20 @@ def test_no_import_cycles_between_components():
 # ---------------------------------------------------------------------------- the untrusted worker
 
 #: What a permissionless inference worker's process must never load: it runs on machines nobody here
-#: owns, and needs none of the trainer's, the ledger's or the validator's code.
-NOT_IN_A_WORKER = ("intellect.rl.trainer", "intellect.rl.loss", "intellect.ledger", "duckdb", "intellect.rl.validator",
-                   "intellect.toploc.check")
+#: owns, and needs none of the trainer's, the ledger's or the validator's code, nor the orchestrator. A
+#: name stands for itself and every module under it.
+NOT_IN_A_WORKER = ("intellect.rl.trainer", "intellect.ledger", "duckdb", "intellect.rl.service.validator",
+                   "intellect.toploc.check", "prefect")
+WORKER = "intellect.rl.worker"
+WORKER_MODULES = sorted(m for m in MODULES if m == WORKER or m.startswith(WORKER + "."))
 CLI = PKG.parent / "flows" / "cli.py"
 
 
-def loaded_by(roots: Iterable[str], edges: Iterable[Edge]) -> dict[str, Edge | None]:
+def loaded_by(roots: Iterable[str], edges: Iterable[Edge], kinds: tuple[Kind, ...] = ("module",)
+              ) -> dict[str, Edge | None]:
     """Every module importing ``roots`` loads, with the edge it was first reached by (None: a root).
-    Module-level imports only (what an import runs), typing-only ones left out, each package's
-    ``__init__`` included.
+    Imports of ``kinds`` only (module level: what an import runs; with "function", what calling into
+    the modules may load too), typing-only ones left out, each package's ``__init__`` included.
 
     >>> sorted(loaded_by(["intellect.a.b"], [Edge("intellect.a.b", "c", 1, "module"),
     ...                                       Edge("c", "d", 2, "typing")]))
@@ -256,7 +260,7 @@ def loaded_by(roots: Iterable[str], edges: Iterable[Edge]) -> dict[str, Edge | N
     """
     graph: dict[str, list[Edge]] = {}
     for e in edges:
-        if e.kind == "module":
+        if e.kind in kinds:
             graph.setdefault(e.src, []).append(e)
     seen: dict[str, Edge | None] = {}
     todo: list[tuple[str, Edge | None]] = [(r, None) for r in roots]
@@ -280,13 +284,35 @@ def _chain(seen: dict[str, Edge | None], module: str) -> str:
     return "\n  ".join(reversed(links))
 
 
+def _forbidden(seen: dict[str, Edge | None]) -> dict[str, str]:
+    return {m: _chain(seen, m) for m in seen if any(m == f or m.startswith(f + ".") for f in NOT_IN_A_WORKER)}
+
+
 def test_the_untrusted_worker_loads_no_trainer_ledger_or_validator_code():
-    """``intellect worker`` (flows/cli.py, which imports intellect.rl.worker when the command is
-    ``worker``) and the worker module itself: the whole module-level closure of each."""
+    """``intellect worker`` (flows/cli.py, which imports intellect.rl.worker.worker when the command is
+    ``worker``) and every module of the worker package: the whole module-level closure of each."""
     cli_edges = [e for e in imports_of("flows.cli", CLI.read_text()) if e.kind == "module"]
-    assert ("flows.cli", "intellect.rl.worker") in {(e.src, e.dst) for e in imports_of("flows.cli", CLI.read_text())}
-    for roots in (["intellect.rl.worker"], ["intellect.rl.worker", *{e.dst for e in cli_edges}]):
+    assert ("flows.cli", WORKER + ".worker") in {(e.src, e.dst) for e in imports_of("flows.cli", CLI.read_text())}
+    assert len(WORKER_MODULES) > 3
+    for roots in (WORKER_MODULES, [*WORKER_MODULES, *{e.dst for e in cli_edges}]):
         seen = loaded_by(roots, EDGES)
         assert len(seen) > 20  # the scan follows imports at all
-        bad = {m: _chain(seen, m) for m in NOT_IN_A_WORKER if m in seen}
-        assert bad == {}, "\n".join(f"{roots[-1]} loads {m}:\n  {chain}" for m, chain in bad.items())
+        bad = _forbidden(seen)
+        assert bad == {}, "\n".join(f"the worker loads {m}:\n  {chain}" for m, chain in bad.items())
+
+
+def test_the_worker_package_reaches_none_of_it_at_run_time_either():
+    """Imports inside functions count too: whatever a worker calls never loads the trainer, the
+    validator, the ledger, DuckDB or Prefect."""
+    seen = loaded_by(WORKER_MODULES, EDGES, ("module", "function"))
+    bad = _forbidden(seen)
+    assert bad == {}, "\n".join(f"the worker may load {m}:\n  {chain}" for m, chain in bad.items())
+
+
+def test_the_worker_contract_catches_a_forbidden_import():
+    """The check itself: a worker module that imported the trainer, or DuckDB in a function, is caught."""
+    trainer = Edge(WORKER_MODULES[-1], "intellect.rl.trainer.step", 1, "module")
+    duck = Edge(WORKER_MODULES[0], "duckdb", 1, "function")
+    assert "intellect.rl.trainer.step" in _forbidden(loaded_by(WORKER_MODULES, [*EDGES, trainer]))
+    assert "duckdb" in _forbidden(loaded_by(WORKER_MODULES, [*EDGES, duck], ("module", "function")))
+    assert "duckdb" not in _forbidden(loaded_by(WORKER_MODULES, [*EDGES, duck]))

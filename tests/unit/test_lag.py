@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-from intellect.rl import lag
-from intellect.rl.lag import DEFAULT_ASYNC_LEVEL, is_fresh, policy_for
+from intellect.rl.wire import lag
+from intellect.rl.wire.lag import DEFAULT_ASYNC_LEVEL, is_fresh, policy_for
 
 
 def test_doctests():
@@ -92,7 +92,7 @@ def test_fixed_lag_never_waits_longer_than_the_generation_horizon(async_level):
 
 def test_the_runs_policy_lag_reaches_its_workers():
     from intellect.rl.config import RLRunConfig  # noqa: PLC0415 - only this test needs the run config
-    from intellect.rl.worker import WorkerRunInfo, wait_for_policy  # noqa: PLC0415
+    from intellect.rl.worker.worker import WorkerRunInfo, wait_for_policy  # noqa: PLC0415
 
     relays = ["http://127.0.0.1:1"]
     info = WorkerRunInfo.of(RLRunConfig(policy_lag="fixed"), committed=-1, relays=relays)

@@ -13,7 +13,7 @@ import pytest
 import intellect.ledger as ledger_mod
 import intellect.verdict as verdict_mod
 from intellect.ledger import Ledger, RecordResult
-from intellect.rl.submission import advantages_of
+from intellect.rl.worker.submission import advantages_of
 from intellect.verdict import MAX_ABS_ADVANTAGE, MAX_GROUP_SIZE, BadVerdictTable, LedgerError, Verdict, verdict_table
 from ledger_rows import accepted_elsewhere, counts, verdicts, worker_rows
 

@@ -12,16 +12,16 @@ from intellect.data import loaders
 from intellect.data.loaders import MathTask, TaskFileError, split_heldout
 from intellect.inference import TorchEngine
 from intellect.model.bpe import TURN_END, save_tokenizer, train_bpe
-from intellect.model.checkpoint import build_model
+from intellect.model.checkpoint import build_model, save_checkpoint
 from intellect.model.tokenizer import load_tokenizer
 from intellect import prompts
 from intellect.rl.config import RLRunConfig, TaskPoolConfig
-from intellect.rl.evaluation import HeldOut, score_tasks
+from intellect.rl.trainer.evaluation import HeldOut, score_tasks
 from intellect.prompts import PromptConfig, PromptError, render_prompt
-from intellect.rl.rollouts import RolloutLimits, write_submission
-from intellect.rl.setup import heldout_task_file, task_pool
-from intellect.rl.submission import SubmissionConfig, generate_submission
-from intellect.rl.validator import validate_submission
+from intellect.rl.wire.rollouts import RolloutLimits, write_submission
+from intellect.rl.trainer.setup import heldout_task_file, task_pool
+from intellect.rl.worker.submission import SubmissionConfig, generate_submission
+from intellect.rl.service.validator import validate_submission
 from intellect.storage import RunStorage
 
 TEXTS = [f"What is {a}+{b}? {a + b}" for a in range(30) for b in range(30)]
@@ -97,7 +97,7 @@ def test_completion_text_ends_where_the_template_ends_the_turn(chat_model):
     model, tok = chat_model
     engine = TorchEngine.for_tokenizer(model, tok)
     assert tok.convert_tokens_to_ids(TURN_END) in engine.eos  # generation stops at the turn's end
-    from intellect.rl.submission import completion_text  # noqa: PLC0415 - next to its one use
+    from intellect.rl.worker.submission import completion_text  # noqa: PLC0415 - next to its one use
     ids = tok("42", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(TURN_END)]
     assert completion_text(tok, ids) == "42"
 
@@ -157,7 +157,7 @@ def test_heldout_accuracy_scores_the_users_tasks_with_the_reward(chat_model, tmp
     # a reward that knows the answer is what the metric counts: all solved, then none
     assert score_tasks(engine, tok, tasks, sub, reward_fn=lambda c, t: 1.0).accuracy == 1.0
     assert score_tasks(engine, tok, tasks, sub, reward_fn=lambda c, t: 0.5).accuracy == 0.0
-    got = held.accuracy(model, tok, sub)
+    got = held.accuracy(save_checkpoint(model, tok, tmp_path / "model"), tok, sub)
     assert got == score_tasks(engine, tok, tasks, sub).accuracy
 
 
@@ -178,7 +178,7 @@ def test_a_prompt_the_template_cannot_render_names_its_row_or_is_skipped(chat_to
         task_pool(strict, tokenizer=tok, prompt=PromptConfig())
     assert str(err.value) == f"{path} row 4: prompt: the chat template cannot render it: no forbidden words"
     lenient = strict.model_copy(update={"lenient": True})
-    with caplog.at_level(logging.WARNING, logger="intellect.rl.setup"):
+    with caplog.at_level(logging.WARNING, logger="intellect.rl.trainer.setup"):
         kept = task_pool(lenient, tokenizer=tok, prompt=PromptConfig())
     assert [t.id for t in kept] == ["p0", "p1", "p2", "p4", "p5"]
     assert "row 4 skipped: prompt: the chat template cannot render it" in caplog.text

@@ -18,11 +18,11 @@ from intellect.inference.torch_engine import lm_head
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl.config import RLRunConfig
-from intellect.rl.local_step import run_rl_step
-from intellect.rl.step import CheckpointEngines, torch_engine
-from intellect.rl.submission import generate_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig
-from intellect.rl.worker import WorkerRunInfo, keygen, main as worker_main
+from intellect.rl.trainer.local_step import run_rl_step
+from intellect.rl.trainer.step import CheckpointEngines
+from intellect.rl.worker.submission import generate_submission
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig
+from intellect.rl.worker.worker import WorkerRunInfo, keygen, main as worker_main
 from intellect.storage import RunStorage
 from intellect.toploc.check import right_padded_prefill, toploc_check
 from intellect.toploc.proofs import check_many
@@ -154,7 +154,7 @@ def test_for_tokenizer_pads_with_eos_when_the_tokenizer_has_no_pad_token(tiny):
 
 def test_bf16_mixed_proofs_verify_under_a_bf16_mixed_validator(tiny):
     tok = tiny[1]
-    worker = torch_engine(copy.deepcopy(tiny[0]), tok, capture_hidden=True, compute=MIXED)
+    worker = TorchEngine.for_tokenizer(copy.deepcopy(tiny[0]), tok, capture_hidden=True, compute=MIXED)
     validator = TorchEngine.for_tokenizer(copy.deepcopy(tiny[0]), tok, capture_hidden=True, compute=MIXED)
     rows = generate_submission(worker, tok, TASKS, "w", 0, 0, 0, SUB, run="t", proofs=PROOFS)
     # the computation check alone: every chunk's proof matches the validator's bf16-mixed hidden states

@@ -8,12 +8,12 @@ import torch
 
 from intellect.config import ModelConfig
 from intellect.model.checkpoint import build_model
-from intellect.rl import logprobs as logprobs_mod
-from intellect.rl import packing
-from intellect.rl.logprobs import chunked_token_logprobs, hidden_states, packing_isolates, row_logprobs
-from intellect.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
-from intellect.rl.packing import first_fit_decreasing, output_mask, pack, unpack
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample
+from intellect.rl.trainer import logprobs as logprobs_mod
+from intellect.rl.trainer import packing
+from intellect.rl.trainer.logprobs import chunked_token_logprobs, hidden_states, packing_isolates, row_logprobs
+from intellect.rl.trainer.loss import GRPOLossConfig, grpo_loss, token_logprobs
+from intellect.rl.trainer.packing import first_fit_decreasing, output_mask, pack, unpack
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig, Sample
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 TEMPERATURE = 0.7

@@ -12,10 +12,10 @@ from intellect.inference.torch_engine import TorchEngine
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.rl import config as rl_config
-from intellect.rl import filter as F
-from intellect.rl import report, setup
+from intellect.rl.trainer import filter as F
+from intellect.rl.trainer import report, setup
 from intellect.rl.config import FilterConfig, InitConfig, RLRunConfig, TaskPoolConfig
-from intellect.rl.step import DoneMarker, done_marker, read_done_marker
+from intellect.rl.trainer.step import DoneMarker, done_marker, read_done_marker
 from intellect.storage import RunStorage
 from tasks import rl as T
 

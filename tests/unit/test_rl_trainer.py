@@ -9,10 +9,10 @@ from intellect.config import ModelConfig
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
 from intellect.checkpoints import fetch
-from intellect.rl.logprobs import split_causal_lm
-from intellect.rl.loss import GRPOLossConfig
-from intellect.rl.rollouts import Rollout, RolloutLimits, write_submission
-from intellect.rl.trainer import GRPOTrainer, RLTrainerConfig, Sample, StepStats, load_accepted
+from intellect.rl.trainer.logprobs import split_causal_lm
+from intellect.rl.trainer.loss import GRPOLossConfig
+from intellect.rl.wire.rollouts import Rollout, RolloutLimits, write_submission
+from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig, Sample, StepStats, load_accepted
 from intellect.storage import RunStorage
 from intellect.verdict import Verdict
 

@@ -14,9 +14,9 @@ from intellect.data.arithmetic import Problem
 from intellect.inference import TorchEngine
 from intellect.ledger import Ledger
 from intellect.model.checkpoint import build_model
-from intellect.rl.assignment import assign_prompts
-from intellect.rl.rollouts import RolloutLimits, encode_submission, rows_to_table, submission_path, write_submission
-from intellect.rl.submission import (
+from intellect.rl.wire.assignment import assign_prompts
+from intellect.rl.wire.rollouts import RolloutLimits, encode_submission, rows_to_table, submission_path, write_submission
+from intellect.rl.worker.submission import (
     SubmissionConfig,
     advantages_of,
     completion_text,
@@ -27,7 +27,7 @@ from intellect.rl.submission import (
     spread_samples,
     unclaimed_reward,
 )
-from intellect.rl.validator import assigned_seeds, validate_submission
+from intellect.rl.service.validator import assigned_seeds, validate_submission
 from intellect.storage import RunStorage
 from intellect.trust.keys import SigningKey
 

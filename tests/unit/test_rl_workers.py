@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from intellect.rl import run as run_module
-from intellect.rl import workers as workers_module
+from intellect.rl.trainer import run as run_module
+from intellect.rl.trainer import workers as workers_module
 from intellect.rl.config import RLRunConfig
-from intellect.rl.run import RLRun
-from intellect.rl.workers import (MACHINE_LOCAL, WorkerResult, await_done, deployment_parameters,
+from intellect.rl.trainer.run import RLRun
+from intellect.rl.trainer.workers import (MACHINE_LOCAL, WorkerResult, await_done, deployment_parameters,
                                   ensure_key, host_cache, host_key_file, key_id_of, key_record, parse_worker_argv,
                                   worker_argv, worker_key_file)
-from intellect.rl.step import done_marker
+from intellect.rl.trainer.step import done_marker
 from intellect.trust.keys import SigningKey
 
 

@@ -14,9 +14,9 @@ import pytest
 from rollout_files import (DEFAULT, LIMITS, delta_prefixes, dictionary_page, forge_footer, huge_footer,
                            long_lists, make_rows, many_row_groups, understate)
 
-import intellect.rl.parquet_bounds as bounds_mod
-from intellect.rl.parquet_bounds import LayoutError, read_struct
-from intellect.rl.rollouts import (
+import intellect.rl.wire.parquet_bounds as bounds_mod
+from intellect.rl.wire.parquet_bounds import LayoutError, read_struct
+from intellect.rl.wire.rollouts import (
     RolloutRejected,
     encode_submission,
     load_submission,

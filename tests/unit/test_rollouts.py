@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_files import LIMITS, make_rows
 
-from intellect.rl import rollout_schema
-from intellect.rl.rollouts import (
+from intellect.rl.wire import rollout_schema
+from intellect.rl.wire.rollouts import (
     REASONS,
     SCHEMA,
     SCHEMA_VERSION,

@@ -13,15 +13,16 @@ from pydantic import ValidationError
 
 from intellect import http_server
 from intellect.http_server import FairShare
-from intellect.rl import admission, service_client
-from intellect.rl.admission import (
+from intellect.rl.service import admission
+from intellect.rl.worker import client as service_client
+from intellect.rl.service.admission import (
     RateLimiter, Refusal, RegistrationLimiter, address_prefix, precheck, submission_bytes, verify_digest,
 )
-from intellect.rl.rollout_schema import MAX_ID_CHARS, Rollout
-from intellect.rl.rollouts import encode_submission
-from intellect.rl.registry import DoneRecord, Registry, SubmissionRecord
-from intellect.rl.service import ServiceConfig
-from intellect.rl.service_client import pauses
+from intellect.rl.wire.rollout_schema import MAX_ID_CHARS, Rollout
+from intellect.rl.wire.rollouts import encode_submission
+from intellect.rl.service.registry import DoneRecord, Registry, SubmissionRecord
+from intellect.rl.service.server import ServiceConfig
+from intellect.rl.worker.client import pauses
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import AuthError, RequestVerifier, sign_request
 

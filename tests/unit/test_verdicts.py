@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from intellect.rl import verdicts as V
-from intellect.rl.verdicts import VerdictTampered, read_verdicts, verdict_path, write_verdicts
+from intellect.rl.service import verdicts as V
+from intellect.rl.service.verdicts import VerdictTampered, read_verdicts, verdict_path, write_verdicts
 from intellect.storage import RunStorage
 from intellect.verdict import Verdict
 

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from intellect.rl.worker import WorkerRunInfo, main
+from intellect.rl.worker.worker import WorkerRunInfo, main
 from intellect.trust.keys import SigningKey, is_key_id
 
 
