@@ -43,6 +43,7 @@ from intellect.shardcast.assembly import Assembly, HashFailed, OrderedHasher
 from intellect.shardcast.choice import Scheduler, Try
 from intellect.shardcast.config import ClientConfig
 from intellect.shardcast.manifest import Manifest, ManifestDelta, ManifestView, ShardEntry, chain_before
+from intellect.shardcast.patch import MAX_CHAIN, PatchRefused, apply_patch
 from intellect.shardcast.signing import Untrusted, Verifier
 from intellect.shardcast.wire import (DeadlineMissed, ShardConnections, ShardMismatch, WireError, answer_budget,
                                       ask_each, download_shard, fetch_delta, in_thread, list_versions)
@@ -51,12 +52,24 @@ from intellect.storage import STABLE
 log = logging.getLogger("intellect.shardcast.client")
 
 _LONG_POLL = 1.0  # seconds a relay may hold a manifest request until it has news
+_FRAMES = 64  # checkpoints remembered as bases for patches
+# refusals that a base changed on disk since it was fetched would also cause: rebuilt from a fresh base
+_BASE_FAULTS = frozenset({"base_mismatch", "layout_mismatch", "digest_mismatch"})
 
 Progress = Callable[[int, int | None], None]
 
 
 class ShardcastError(RuntimeError):
     """A version could not be fetched (the message says which relays failed how)."""
+
+
+class VersionRefused(ShardcastError):
+    """A weight patch that does not rebuild the checkpoint the trainer signed, or cannot be rebuilt
+    (its base is listed by no relay); ``reason`` as :data:`intellect.shardcast.patch.Reason`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -83,6 +96,8 @@ class ShardcastClient:
         #: the relay choice, kept across fetches
         self.scheduler = Scheduler(self.relays, alpha=cfg.alpha, heal=cfg.heal, seed=cfg.seed)
         self.conns = ShardConnections(cfg.connect_timeout, cfg.read_timeout, cfg.parallel)
+        #: version -> (folder, signed digest) of checkpoints this client fetched: the bases of the next patches
+        self._frames: dict[int, tuple[Path, str | None]] = {}
 
     def close(self) -> None:
         self.conns.close()
@@ -127,7 +142,14 @@ class ShardcastClient:
     def fetch(self, version: int, dest: str | os.PathLike, progress: Progress | None = None) -> FetchStats:
         """Download ``version`` into folder ``dest`` (made atomically, ``STABLE`` last); a no-op if it is there.
 
-        ``progress(shards_done, shards_total or None while the version is incomplete)`` is called after each shard.
+        A version that is a weight patch (:mod:`~intellect.shardcast.patch`) is rebuilt into the
+        checkpoint it stands for: from its base, where this client fetched that before and it is still
+        on disk, else from the last full version and the patches after it, each downloaded in turn. The
+        rebuilt checkpoint must have the digest the trainer signed, or the version is refused
+        (:class:`VersionRefused`) and nothing is kept: ``dest`` holds the checkpoint either way.
+
+        ``progress(shards_done, shards_total or None while the version is incomplete)`` is called after each
+        shard of ``version`` itself.
         """
         dest = Path(dest)
         if (dest / STABLE).exists():
@@ -136,16 +158,59 @@ class ShardcastClient:
         if dest.exists():
             shutil.rmtree(dest)  # a folder without STABLE is a leftover, never a checkpoint
         t0 = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+        work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
         try:
-            stats = _Fetch(self, version, tmp, t0 + self.cfg.deadline, progress).run()
-            os.replace(tmp, dest)
+            folder, stats, digest = self._rebuild(version, work, t0 + self.cfg.deadline, progress, 0)
+            os.replace(folder, dest)
             (dest / STABLE).write_text(f'{{"version": {version}}}\n')
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        self._frames[version] = (dest, digest)
+        while len(self._frames) > _FRAMES:
+            del self._frames[min(self._frames)]
         stats.seconds = time.monotonic() - t0
         return stats
+
+    def _rebuild(self, version: int, work: Path, deadline: float, progress: Progress | None,
+                 depth: int) -> tuple[Path, FetchStats, str | None]:
+        """``version``'s checkpoint in a new folder under ``work``: ``(folder, stats, signed digest)``."""
+        got = work / f"v{version}"
+        got.mkdir()
+        fetch = _Fetch(self, version, got, deadline, progress)
+        stats = fetch.run()
+        assert fetch.ref is not None  # run returns once the complete version is in
+        lineage = fetch.ref.lineage
+        if not lineage.patch or lineage.base is None:
+            return got, stats, lineage.checkpoint_digest
+        out, frame = work / f"r{version}", self._frames.get(lineage.base)
+        if frame is not None and (frame[0] / STABLE).exists():
+            try:
+                apply_patch(frame[0], got, out, frame[1], lineage.checkpoint_digest)
+                shutil.rmtree(got)
+                return out, stats, lineage.checkpoint_digest
+            except PatchRefused as e:
+                if e.reason not in _BASE_FAULTS:
+                    raise VersionRefused(e.reason, f"version {version}: {e.detail}") from e
+                # the base on disk may not be what was fetched (changed since): rebuild it
+                log.warning("version %d does not rebuild from version %d at %s (%s); from the last full version",
+                            version, lineage.base, frame[0], e)
+        if depth + 1 >= MAX_CHAIN:
+            raise VersionRefused("chain_too_long", f"version {version}: more than {MAX_CHAIN} patches in a row")
+        if lineage.base not in self.versions():
+            raise VersionRefused("base_missing", f"version {version} is a patch against version {lineage.base}, "
+                                                 "which no relay lists")
+        base, more, base_digest = self._rebuild(lineage.base, work, deadline, None, depth + 1)
+        try:
+            apply_patch(base, got, out, base_digest, lineage.checkpoint_digest)
+        except PatchRefused as e:
+            raise VersionRefused(e.reason, f"version {version} against version {lineage.base}: {e.detail}") from e
+        shutil.rmtree(base)
+        shutil.rmtree(got)
+        for k, n in more.by_relay.items():
+            stats.by_relay[k] = stats.by_relay.get(k, 0) + n
+        stats.bytes, stats.shards, stats.retries = (stats.bytes + more.bytes, stats.shards + more.shards,
+                                                    stats.retries + more.retries)
+        return out, stats, lineage.checkpoint_digest
 
     def ask_manifest(self, relay: str, version: int, query: str, hold: float, delay: float,
                      deadline: float) -> ManifestDelta:

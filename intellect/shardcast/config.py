@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from intellect.config import StrictModel
+from intellect.shardcast.patch import MAX_CHAIN
 
 LOOPBACK = "127.0.0.1"
 PUBLIC_KEY_HEX = r"^[0-9a-f]{64}$"
@@ -85,7 +86,14 @@ class ShardcastConfig(StrictModel):
     ``host`` itself (the one-machine default)."""
 
     shard_size: int = Field(default=16 << 20, ge=1 << 10, le=1 << 30, description="Bytes per shard.")
-    keep: int = Field(default=5, ge=1, le=1000, description="Newest versions the origin and relays keep.")
+    keep: int = Field(
+        default=5, ge=1, le=1000, description="Newest versions the origin and relays keep (and, for those that are "
+        "weight patches, their bases down to the last full version: at most keep + anchor_every - 1 in all).")
+    anchor_every: int = Field(
+        default=10, ge=1, le=MAX_CHAIN, description="Every anchor_every-th version the trainer publishes is the full "
+        "checkpoint; the others are weight patches against the version before (the bf16 elements whose bits "
+        "changed, intellect.shardcast.patch). A worker that lacks a patch's base rebuilds from the last full "
+        "version, downloading up to anchor_every - 1 patches after it. 1: every version full.")
     host: str = Field(default=LOOPBACK, description="Address the local origin and relays listen on.")
     origin_port: int = Field(default=0, ge=0, le=65535, description="Port of the local origin (0: any free one).")
     local_relays: int = Field(default=2, ge=0, le=64, description="Relays the run starts locally (when relays is unset).")

@@ -4,25 +4,31 @@ signature (:mod:`~intellect.shardcast.signing` signs and verifies them).
 A version's *header* is :class:`SignedHeader`'s fields: the version number, the publication (the id
 of this writing of the version), the shard size, the files begun so far (name, offset, size; the
 size None for the file still being written) and, once the version is sealed, its total size and the
-whole blob's SHA-256, with the trainer's signature over them (:func:`header_message`). Every message
+whole blob's SHA-256, and its :class:`Lineage` (what the blob is: a whole checkpoint, or a weight
+patch against a base version, and the digest of the checkpoint it yields), with the trainer's
+signature over them (:func:`header_message`). Every message
 that carries a header (a manifest, a listing delta, a ``/versions`` entry) is a :class:`SignedHeader`,
 so the fields a server sends and the fields the trainer signed are declared once, here. A shard
 entry is signed on its own (:func:`shard_message`), so a relay passes it on unchanged whatever it
 lists it with.
 
 >>> h = SignedHeader(version=3, publication="ab" * 16, shard_size=4, files=[FileEntry(name="w", offset=0)])
+>>> h.message() == header_message(3, "ab" * 16, 4, h.files, None, None, FULL)
+True
+>>> h.message() == header_message(3, "ab" * 16, 4, h.files, None, None, Lineage(base=2, encoding="bitpatch-v1"))
+False
 >>> h.message() == header_message(3, "ab" * 16, 4, h.files, None, None)
 True
 >>> sorted(h.header_fields())
-['files', 'publication', 'sha256', 'shard_size', 'signature', 'total_size', 'version']
+['files', 'lineage', 'publication', 'sha256', 'shard_size', 'signature', 'total_size', 'version']
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from intellect.trust.canonical import canonical
 from intellect.trust.keys import SIGNATURE_BYTES
@@ -67,6 +73,43 @@ class ShardEntry(Strict):
         "(:func:`shard_message`), passed on unchanged by relays.")
 
 
+#: The encodings of a version's blob: a whole checkpoint, or a weight patch
+#: (:mod:`~intellect.shardcast.patch`) that rebuilds one from its base version.
+Encoding = Literal["full", "bitpatch-v1"]
+PATCH_ENCODING: Encoding = "bitpatch-v1"
+
+
+class Lineage(Strict):
+    """What a version's blob is, signed with its header. A client verifies what it will *load*: the
+    blob's SHA-256 proves the bytes it downloaded, ``checkpoint_digest`` the checkpoint it rebuilds
+    from them (:func:`intellect.checkpoints.local_digest` of the inference files).
+
+    >>> Lineage(base=4, encoding="bitpatch-v1").patch, FULL.patch
+    (True, False)
+    """
+
+    encoding: Encoding = Field(default="full", description="'full': the blob is the checkpoint's files; "
+                               "'bitpatch-v1': a weight patch against version ``base``.")
+    base: int | None = Field(default=None, ge=0, description="The version a patch applies to (None for a full one).")
+    checkpoint_digest: str | None = Field(
+        default=None, pattern=SHA256_HEX, description="Digest of the checkpoint this version yields, rebuilt "
+        "(intellect.checkpoints.local_digest, inference files); None where the origin did not compute it.")
+
+    @model_validator(mode="after")
+    def _base_iff_patch(self) -> "Lineage":
+        if (self.base is None) != (self.encoding == "full"):
+            raise ValueError(f"encoding {self.encoding!r} with base {self.base}: a patch names its base, a full "
+                             "version none")
+        return self
+
+    @property
+    def patch(self) -> bool:
+        return self.encoding != "full"
+
+
+FULL = Lineage()
+
+
 class SignedHeader(Strict):
     """A version's header as the trainer signed it; every message that carries one derives from this."""
 
@@ -76,14 +119,22 @@ class SignedHeader(Strict):
     total_size: int | None = Field(default=None, ge=0, description="Blob bytes, once sealed.")
     sha256: str | None = Field(default=None, pattern=SHA256_HEX, description="SHA-256 of the blob, once sealed.")
     publication: str | None = Field(default=None, pattern=PUBLICATION, description="Id of this writing of the version.")
+    lineage: Lineage = Field(default=FULL, description="Full checkpoint or weight patch, and the rebuilt digest.")
     signature: str | None = Field(
         default=None, pattern=SIGNATURE_FIELD, description="The trainer's signature of the header: version, "
-        "publication, shard size, files, total size and SHA-256 (:func:`header_message`).")
+        "publication, shard size, files, total size, SHA-256 and lineage (:func:`header_message`).")
+
+    @model_validator(mode="after")
+    def _older_base(self) -> "SignedHeader":
+        # a base older than its version: a chain of patches always ends, at a full version
+        if self.lineage.base is not None and self.lineage.base >= self.version:
+            raise ValueError(f"version {self.version} names base {self.lineage.base}, not an older version")
+        return self
 
     def message(self) -> bytes:
         """The bytes :attr:`signature` covers."""
         return header_message(self.version, self.publication, self.shard_size, self.files, self.total_size,
-                              self.sha256)
+                              self.sha256, self.lineage)
 
     def header_fields(self) -> dict[str, Any]:
         """The header's fields and their values, to build another message that carries the same header."""
@@ -91,9 +142,10 @@ class SignedHeader(Strict):
 
 
 def header_message(version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
-                   total_size: int | None, sha256: str | None) -> bytes:
-    """The bytes a header's signature covers."""
-    fields: list = [version, publication, shard_size, total_size, sha256, len(files)]
+                   total_size: int | None, sha256: str | None, lineage: Lineage = FULL) -> bytes:
+    """The bytes a header's signature covers (``lineage``: a whole checkpoint unless said otherwise)."""
+    fields: list = [version, publication, shard_size, total_size, sha256, lineage.encoding, lineage.base,
+                    lineage.checkpoint_digest, len(files)]
     for f in files:
         fields += [f.name, f.offset, f.size]
     return canonical(HEADER_DOMAIN, *fields)

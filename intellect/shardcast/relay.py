@@ -107,7 +107,7 @@ class Relay:
         hold_for = min(_LONG_POLL, self.cfg.read_timeout / 2)  # the longest an upstream may hold a request
         listing, news = self._upstream_versions(hold_for if self._idle else 0.0)
         held_on = busy = False
-        for v in sorted(listing)[-self.cfg.keep:]:
+        for v in self._wanted(listing):
             local, _ = self.store.look(v)
             if local is not None and local.complete:
                 continue
@@ -152,6 +152,21 @@ class Relay:
         return news
 
     # ------------------------------------------------------------------ parts
+
+    def _wanted(self, listing: dict[int, list[str]]) -> list[int]:
+        """The newest ``keep`` versions upstream lists and, down to their full versions, the bases of
+        those that are weight patches (known once their headers are heard): a client that lacks a base
+        rebuilds from here, and the store's retention keeps them as long as a patch on them is served."""
+        want = set(sorted(listing)[-self.cfg.keep:])
+        todo = list(want)
+        while todo:
+            v = todo.pop()
+            head = self.store.look(v)[0] or (view.header if (view := self._views.get(v)) is not None else None)
+            base = head.lineage.base if head is not None else None
+            if base is not None and base in listing and base not in want:
+                want.add(base)
+                todo.append(base)
+        return sorted(want)
 
     def _upstream_versions(self, hold: float = 0.0) -> tuple[dict[int, list[str]], bool]:
         """Which upstreams list which versions, all asked at once. With ``hold``, the first upstream is
@@ -251,9 +266,7 @@ class Relay:
             return
         if head is None or (head.files, head.shard_size, head.signature) != (up.files, up.shard_size, up.signature):
             # the trainer's header as signed (sealed or not), never one of the relay's own making
-            self.store.write_manifest(Manifest(version=version, files=up.files, shard_size=up.shard_size,
-                                               total_size=up.total_size, sha256=up.sha256,
-                                               publication=up.publication, signature=up.signature))
+            self.store.write_manifest(Manifest(**up.header_fields()))
         if added:
             self.store.append_listing(version, added)
 

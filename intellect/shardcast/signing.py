@@ -6,7 +6,8 @@ trainer's Ed25519 key (:mod:`intellect.trust.keys`), canonical byte strings
 
 * every **header** it lists (:func:`header_message`): the version number, the publication, the
   shard size, the files begun so far (name, offset, size; the size None for the file still being
-  written) and, once the version is sealed, its total size and whole-checkpoint SHA-256;
+  written), the version's lineage (full or a patch against which base, and the digest of the
+  checkpoint it yields) and, once the version is sealed, its total size and whole-blob SHA-256;
 * every **shard** (:func:`shard_message`): the version, the publication, the shard's index,
   offset, size, SHA-256 and the blob's SHA-256 chaining value at its end.
 
@@ -51,11 +52,12 @@ import secrets
 from typing import Callable, Literal, Sequence
 
 from intellect.shardcast.header import (
-    PUBLICATION_HEX, SIGNATURE_HEX, FileEntry, ShardEntry, SignedHeader, header_message, shard_message,
+    FULL, PUBLICATION_HEX, SIGNATURE_HEX, FileEntry, Lineage, ShardEntry, SignedHeader, header_message, shard_message,
 )
 from intellect.trust.keys import SigningKey, VerifyKey
 
-__all__ = ["Reason", "Untrusted", "Verifier", "VersionSigner", "header_message", "new_publication", "shard_message"]
+__all__ = ["FULL", "Reason", "Untrusted", "Verifier", "VersionSigner", "header_message", "new_publication",
+           "shard_message"]
 
 _CACHE = 4096  # header messages remembered as verified (a version has one per file begun, and its seal)
 
@@ -77,17 +79,19 @@ def new_publication() -> str:
 
 
 class VersionSigner:
-    """Signs one writing of ``version`` (a fresh :attr:`publication` unless given)."""
+    """Signs one writing of ``version`` (a fresh :attr:`publication` unless given) of ``lineage``."""
 
-    def __init__(self, key: SigningKey, version: int, publication: str | None = None):
-        self.key, self.version = key, version
+    def __init__(self, key: SigningKey, version: int, publication: str | None = None, lineage: Lineage = FULL):
+        if lineage.base is not None and lineage.base >= version:
+            raise ValueError(f"version {version} cannot be a patch against version {lineage.base}")
+        self.key, self.version, self.lineage = key, version, lineage
         self.publication = publication or new_publication()
 
     def header(self, files: Sequence[FileEntry], shard_size: int, total_size: int | None = None,
                sha256: str | None = None) -> str:
         """The hex signature of a header of this writing."""
         return self.key.sign(header_message(self.version, self.publication, shard_size, files, total_size,
-                                            sha256)).hex()
+                                            sha256, self.lineage)).hex()
 
     def shard(self, entry: ShardEntry) -> ShardEntry:
         """``entry`` with its signature."""
@@ -116,10 +120,10 @@ class Verifier:
         self._verified: set[tuple[bytes, bytes]] = set()
 
     def header(self, version: int, publication: str | None, shard_size: int, files: Sequence[FileEntry],
-               total_size: int | None, sha256: str | None, signature: str | None) -> None:
-        """Raise :class:`Untrusted` unless ``signature`` is the trainer's over this header."""
+               total_size: int | None, sha256: str | None, signature: str | None, lineage: Lineage = FULL) -> None:
+        """Raise :class:`Untrusted` unless ``signature`` is the trainer's over this header (of ``lineage``)."""
         self._header(version, publication, signature,
-                     lambda: header_message(version, publication, shard_size, files, total_size, sha256))
+                     lambda: header_message(version, publication, shard_size, files, total_size, sha256, lineage))
 
     def verify(self, h: SignedHeader) -> None:
         """Raise :class:`Untrusted` unless ``h``'s header is the trainer's."""

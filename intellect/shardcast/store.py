@@ -290,9 +290,19 @@ class VersionStore:
         return Path(tmp)
 
     def retain(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` versions (the manifest first, so none is served half-deleted)."""
+        """Delete all but the newest ``keep`` versions and the bases they are patches against, down to
+        their full versions (the manifest first, so none is served half-deleted): a patch still served
+        never loses its base. So at most ``keep`` + the origin's anchor interval - 1 versions stay."""
         versions = self.versions()
-        doomed = versions[:-keep] if keep > 0 else versions
+        kept = set(versions[-keep:] if keep > 0 else [])
+        todo = sorted(kept)
+        while todo:
+            m = self.manifest(todo.pop())
+            base = m.lineage.base if m is not None else None
+            if base is not None and base not in kept:
+                kept.add(base)
+                todo.append(base)
+        doomed = [v for v in versions if v not in kept]
         for v in doomed:
             self.drop(v)
         return doomed

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from intellect.shardcast.chain import whole_hasher
-from intellect.shardcast.header import FILE_NAME
+from intellect.shardcast.header import FILE_NAME, FULL, Lineage
 from intellect.shardcast.manifest import FileEntry, Manifest, ShardEntry
 from intellect.shardcast.signing import VersionSigner
 from intellect.shardcast.store import LINKED, LINKED_STAT, SourceChanged, VersionStore, atomic_write
@@ -95,11 +95,12 @@ class VersionWriter:
     (True, 11, [4, 4, 3], [('a.txt', 0, 6), ('b.txt', 6, 5)])
     """
 
-    def __init__(self, store: VersionStore, version: int, shard_size: int, key: SigningKey, linked: bool = False):
+    def __init__(self, store: VersionStore, version: int, shard_size: int, key: SigningKey, linked: bool = False,
+                 lineage: Lineage = FULL):
         if store.manifest(version) is not None:
             raise FileExistsError(f"version {version} already exists in {store.root}")
         self.store, self.version, self.shard_size, self.linked = store, version, shard_size, linked
-        self._signer = VersionSigner(key, version)
+        self._signer = VersionSigner(key, version, lineage=lineage)
         self._linked_stat: dict[str, list[int]] = {}
         self._files: list[FileEntry] = []
         self._header_files: list[FileEntry] | None = None  # the files the manifest on disk lists
@@ -213,7 +214,7 @@ class VersionWriter:
         if self._files != self._header_files:  # the header first: it must cover the shard's files
             self._header_files = list(self._files)
             self.store.write_manifest(Manifest(version=self.version, files=self._files, shard_size=self.shard_size,
-                                               publication=self._signer.publication,
+                                               publication=self._signer.publication, lineage=self._signer.lineage,
                                                signature=self._signer.header(self._files, self.shard_size)))
         self.store.append_listing(self.version, [entry])
 
@@ -222,6 +223,7 @@ class VersionWriter:
         self.store.write_manifest(Manifest(
             version=self.version, files=self._files, shards=self._shards, shard_size=self.shard_size,
             total_size=self._pos, sha256=sha, complete=True, publication=self._signer.publication,
+            lineage=self._signer.lineage,
             signature=self._signer.header(self._files, self.shard_size, self._pos, sha)))
 
     def finish(self) -> Manifest:
@@ -273,23 +275,24 @@ def _size_mtime(path: str | os.PathLike) -> list[int]:
 
 def publish_folder(store: VersionStore, version: int, folder: str | os.PathLike, shard_size: int,
                    keep: int, *, key: SigningKey, skip: frozenset[str] | set[str] = frozenset({STABLE}),
-                   link: bool = True) -> Manifest:
+                   link: bool = True, lineage: Lineage = FULL) -> Manifest:
     """Publish the regular files of a checkpoint folder (sorted by name, but not those in ``skip``;
     or one file) as ``version``, signed with the trainer's ``key``, then keep the newest ``keep``.
 
     With ``link`` the files are hard-linked into the store, not copied, where the file system allows
     (else they are copied): they must not be modified in place afterwards (a file changed after
-    publishing is refused by the server; a new checkpoint in new files is what trainers write)."""
+    publishing is refused by the server; a new checkpoint in new files is what trainers write).
+    ``lineage`` says what the files are (a whole checkpoint, or a weight patch), signed with the header."""
     src = Path(folder)
     files = [src] if src.is_file() else sorted(
         p for p in src.iterdir() if p.is_file() and FILE_NAME.match(p.name) and p.name not in skip)
     try:
-        with VersionWriter(store, version, shard_size, key, linked=link) as w:
+        with VersionWriter(store, version, shard_size, key, linked=link, lineage=lineage) as w:
             for p in files:
                 w.add_file(p)
     except _CannotLink as e:  # the version was withdrawn: publish it again as a copy
         log.info("%s; copying instead", e)
-        with VersionWriter(store, version, shard_size, key) as w:
+        with VersionWriter(store, version, shard_size, key, lineage=lineage) as w:
             for p in files:
                 w.add_file(p)
     store.retain(keep)

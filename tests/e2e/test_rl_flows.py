@@ -106,11 +106,14 @@ def test_rl_train_with_shardcast_carrying_the_weights(base):
     check_ledger(cfg, 4)
     run = base / "rl"
     origin = VersionStore(run / "shardcast" / "origin")
-    assert origin.versions() == [2, 3, 4]
-    m = origin.manifest(4)
-    assert m is not None and m.complete and len(m.shards) > 4 and "optimizer.pt" not in {f.name for f in m.files}
+    # the newest 3 and the base chain they are weight patches of: anchor 0 (whole), then a patch per step
+    assert origin.versions() == [0, 1, 2, 3, 4]
+    anchor, m = origin.manifest(0), origin.manifest(4)
+    assert anchor is not None and anchor.complete and anchor.lineage.encoding == "full" and len(anchor.shards) > 4
+    assert "optimizer.pt" not in {f.name for f in anchor.files}
+    assert m is not None and m.complete and m.lineage.base == 3 and m.total_size < anchor.total_size
     for relay in ("relay0", "relay1"):
-        assert VersionStore(run / "shardcast" / relay).versions() == [2, 3, 4]
+        assert VersionStore(run / "shardcast" / relay).versions() == [0, 1, 2, 3, 4]
     for worker in ("alice", "bob"):
         cached = sorted(p.name for p in (run / "weights" / worker).iterdir())
         assert cached and all((run / "weights" / worker / c / "STABLE").exists() for c in cached)

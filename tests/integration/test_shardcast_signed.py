@@ -16,13 +16,12 @@ import re
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from http_stub import serve
 
 from intellect.http_server import bind
 from intellect.shardcast.client import ShardcastClient, ShardcastError
@@ -192,19 +191,8 @@ class Hostile(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
 def hostile(net: Net, mode: str):
-    handler = type(f"Hostile_{mode}", (Hostile,), {"mode": mode, "upstream": net.origin.url, "other": net.other.url})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    return serve(type(f"Hostile_{mode}", (Hostile,), {"mode": mode, "upstream": net.origin.url, "other": net.other.url}))
 
 
 # what the client records for each lie

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from intellect.shardcast import signing
-from intellect.shardcast.header import SignedHeader
+from intellect.shardcast.header import Lineage, SignedHeader
 from intellect.shardcast.manifest import FileEntry, ListedVersion, Manifest, ManifestDelta, ManifestView, ShardEntry
 from intellect.shardcast.signing import Untrusted, Verifier, VersionSigner
 from intellect.shardcast.store import VersionStore
@@ -217,7 +217,7 @@ def test_the_trainer_republishes_a_version_its_key_did_not_sign(tmp_path):
     bad by every relay: publishing the step again writes it anew, signed; one it signed is kept."""
     from intellect.checkpoints import CHECKPOINTS  # noqa: PLC0415 - the RL side only in the test of it
     from intellect.rl.config import RLRunConfig  # noqa: PLC0415 - the RL side only in the test of it
-    from intellect.rl.weights import publish_to_origin  # noqa: PLC0415 - the RL side only in the test of it
+    from intellect.rl.trainer.publish import publish_to_origin  # noqa: PLC0415 - the RL side only in the test of it
     from intellect.storage import RunStorage  # noqa: PLC0415 - the RL side only in the test of it
 
     cfg = RLRunConfig(shardcast={"shard_size": 1024})
@@ -243,7 +243,8 @@ def test_every_header_field_is_signed_and_every_message_carries_the_same_header(
     base = SignedHeader(version=1, publication="ab" * 16, shard_size=64, files=[FileEntry(name="w", offset=0, size=9)],
                         total_size=9, sha256="0" * 64)
     changed = {"version": 2, "publication": "cd" * 16, "shard_size": 128, "files": [FileEntry(name="v", offset=0)],
-               "total_size": 10, "sha256": "1" * 64}
+               "total_size": 10, "sha256": "1" * 64,
+               "lineage": Lineage(encoding="bitpatch-v1", base=0, checkpoint_digest="2" * 64)}
     assert set(changed) | {"signature"} == set(SignedHeader.model_fields)
     for name, value in changed.items():
         assert base.model_copy(update={name: value}).message() != base.message(), f"{name} is not signed"
