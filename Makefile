@@ -67,8 +67,11 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/pyright
 
-test: lint
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0 --ignore tests/vllm $(PYTEST_ARGS)
+# The vLLM environment first: an RL run of the main suite starts its vLLM workers from it (named here, so
+# that test runs rather than skips), then the vLLM tests run in it.
+test: lint $(VLLM_BIN)/.installed
+	INTELLECT_VLLM_PYTHON=$(abspath $(VLLM_BIN)/python) \
+	  $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0 --ignore tests/vllm $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
 # No lint here, to keep the lane quick: `make lint` or `make test` runs it.
