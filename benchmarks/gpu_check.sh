@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: one run of at most 9 minutes (the step limits below, each plus GRACE, add to under
-# 540 s without the vllm step, which needs a .venv-vllm the lent machine cannot build: a lent GPU machine
-# runs one command for at most 600 s) on a machine with a CUDA GPU:
+# 540 s: a lent GPU machine runs one command for at most 600 s) on a machine with a CUDA GPU:
 #   wheels     on a machine without .venv (the lent GPU machine: its own python3 and torch, no
 #              network), the packages its image lacks, installed from .whl/ into /tmp/site
 #              (benchmarks/gpu_wheels.txt; fetch them with `bash benchmarks/gpu_wheels.sh`);
@@ -17,7 +16,6 @@
 #   diloco     a 2-worker DiLoCo run of the same model (one GPU each when there are two, else both on GPU 0);
 #   fsdp       one DiLoCo worker of 2 ranks (FSDP2 over NCCL, diloco.ranks_per_worker = 2) of that model,
 #              with its peak memory per GPU: needs 2 GPUs, else skipped;
-#   vllm       the vLLM engine beside the torch engine on CUDA: needs .venv-vllm (make venv-vllm), else skipped;
 # then prints each step's status and the tokens/s and MFU lines of the two runs last. A failed step
 # does not stop the ones after it (one call tells all). Exit status: 0 all passed, 1 a step failed,
 # 2 no CUDA device. Figures on a GPU are quoted only from this script.
@@ -99,14 +97,6 @@ if (( $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/nul
     data.text.seq_len=1024 train.warmup_steps=10
 else
   STATUS+=("$(printf '%-10s %-16s %4d s' fsdp "skipped (1 GPU)" 0)")
-fi
-
-# the vLLM engine against the torch engine on CUDA (benchmarks/engine_speed.py --engine vllm): only where
-# `make venv-vllm` built the CUDA vLLM environment (the lent machine has no network to build it)
-if [[ -x .venv-vllm/bin/python ]]; then
-  run_step vllm 40 .venv-vllm/bin/python benchmarks/engine_speed.py --engine vllm --device cuda --repeats 5
-else
-  STATUS+=("$(printf '%-10s %-16s %4d s' vllm "skipped (no .venv-vllm)" 0)")
 fi
 
 {

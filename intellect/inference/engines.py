@@ -116,10 +116,16 @@ def vllm_installed() -> bool:
     return spec is not None and spec.origin is not None
 
 
-def _vllm_engine_class():
-    if not vllm_installed():
+def check_available(kind: EngineKind) -> None:
+    """``EngineUnavailable`` unless this Python can build engines of ``kind``: what a worker checks before it
+    waits for any work, so a run that asks for vLLM where there is none learns it at once."""
+    if kind == "vllm" and not vllm_installed():
         raise EngineUnavailable(f"engine kind 'vllm' needs vLLM, which this Python ({sys.executable}) lacks; "
                                 f"{VLLM_HINT}")
+
+
+def _vllm_engine_class():
+    check_available("vllm")
     from intellect.inference.vllm_engine import VllmEngine  # noqa: PLC0415  (imports vLLM)
 
     return VllmEngine

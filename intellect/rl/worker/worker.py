@@ -53,7 +53,7 @@ from intellect.config import ComputeConfig, StrictModel
 from intellect.data.loaders import CodeTask, MathTask, TaskKind
 from intellect.device import DeviceError, Precision, resolve_device, resolve_precision
 from intellect.inference.config import EngineConfig
-from intellect.inference.engines import Engine, EngineUnavailable, load_tokenizer, make_engine
+from intellect.inference.engines import Engine, EngineUnavailable, check_available, load_tokenizer, make_engine
 from intellect.progress import Progress
 from intellect.rl.wire.lag import PolicyLag, policy_for
 from intellect.rl.wire.rollouts import RolloutLimits, encode_submission, submission_path
@@ -217,6 +217,7 @@ def run_worker(
     try:
         client.register()
         info = WorkerRunInfo.model_validate(client.run_info())
+        check_available(info.engine.kind)  # before waiting for work: a worker that cannot generate says so now
         compute = ComputeConfig(device=device, precision=info.precision)
         weights = relay_weights(info, trainer_key, Path(cache))
         held: int | None = None
