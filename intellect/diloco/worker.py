@@ -262,11 +262,11 @@ class DilocoWorker(Onboarding):
             return self._follow(self.siblings.share())
         try:
             members = self._agree()
+            position = self.reshard(members)
             onboard = self._onboarding(members)
         except Excluded as e:
             self.siblings.share({"excluded": str(e)})
             raise
-        position = self.reshard(members)
         if onboard is not None:
             self.sync.newcomers([members[j] for j in onboard["joiners"]])
         self.siblings.share({"step": self.step, "members": members, "committed": self.committed,

@@ -125,9 +125,12 @@ def _rank_main(rank, world, port, cases, out_dir):
 
 
 def run_ranks(tmp_path, world, cases, deadline=90.0):
-    port = free_port()
-    run_spawned(_rank_main, [(r, world, port, cases, str(tmp_path)) for r in range(world)], deadline)
-    results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
+    for _ in range(3):  # a port found free may be taken by another test's process before rank 0 binds it
+        port = free_port()
+        run_spawned(_rank_main, [(r, world, port, cases, str(tmp_path)) for r in range(world)], deadline)
+        results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
+        if not any("EADDRINUSE" in r.get("crash", "") for r in results):
+            break
     for r in results:
         assert "crash" not in r, r["crash"]
     return results
