@@ -75,6 +75,9 @@ class Sidecar(StrEnum):
     TRAIN_REPORT = "train_report.json", False
     # a DiLoCo worker's error-feedback residual (``diloco.compression = "topk"``): what it has not sent yet
     FEEDBACK = "feedback.pt", False
+    # an overlapped DiLoCo worker's own pseudo-gradient of the step in flight at its checkpoint
+    # (``diloco.overlap``): a resumed run reduces it again instead of losing the phase
+    IN_FLIGHT = "in_flight.pt", False
 
 
 STEP_REPORT = Sidecar.STEP_REPORT
@@ -86,6 +89,7 @@ DATA_STATE = Sidecar.DATA_STATE
 DATA_MEMBERS = Sidecar.DATA_MEMBERS
 PHASE = Sidecar.PHASE
 FEEDBACK = Sidecar.FEEDBACK
+IN_FLIGHT = Sidecar.IN_FLIGHT
 
 TRAINER_ONLY = frozenset(s.value for s in Sidecar if not s.for_inference)
 

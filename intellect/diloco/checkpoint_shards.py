@@ -267,12 +267,16 @@ def _resharded(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+WORKER_EXTRAS = ("feedback", "in_flight")  # per-parameter tensors a worker state may hold beside theta_sync
+
+
 def _worker_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: OuterState,
-                  momentum: list[torch.Tensor], feedback: list[torch.Tensor] | None = None,
+                  momentum: list[torch.Tensor], extras: Mapping[str, list[torch.Tensor]] | None = None,
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The state dict DCP saves or loads, and the optimizer's full state dict (with ``param_groups``);
-    ``feedback``: the error-feedback residual (``diloco.compression = "topk"``) laid out as ``outer``'s
-    shards, so it reshards as ``theta_sync`` does."""
+    ``extras`` (named in :data:`WORKER_EXTRAS`: the error-feedback residual of ``diloco.compression =
+    "topk"``, the pseudo-gradient in flight of ``diloco.overlap``) laid out as ``outer``'s shards, so they
+    reshard as ``theta_sync`` does."""
     _resharded(model)
     names = [n for n, _ in model.named_parameters()]
     if len(names) != len(outer.params):
@@ -282,25 +286,27 @@ def _worker_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, oute
     state = {"model": get_model_state_dict(model), "optimizer": {"state": optim["state"]},
              "outer": {"theta": dict(zip(names, _outer_tensors(outer, outer.params))),
                        "momentum": dict(zip(names, _outer_tensors(outer, momentum)))}}
-    if feedback is not None:
-        state["feedback"] = dict(zip(names, _outer_tensors(outer, feedback)))
+    for key, tensors in (extras or {}).items():
+        if key not in WORKER_EXTRAS:
+            raise ValueError(f"a worker state holds no {key!r}")
+        state[key] = dict(zip(names, _outer_tensors(outer, tensors)))
     return state, optim
 
 
 def save_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 outer: OuterState, extra_json: Mapping[str, Any], group: dist.ProcessGroup | None = None,
-                feedback: list[torch.Tensor] | None = None) -> str:
+                extras: Mapping[str, list[torch.Tensor]] | None = None) -> str:
     """Save a worker's state at an outer boundary into the step folder ``rel`` (:func:`save_shards`):
     ``model``'s weights, ``optimizer``'s state (moments, step counts), ``theta_sync`` and the outer
     momentum of ``outer`` (an :class:`OuterState`, or a
     :class:`~intellect.diloco.outer_shard.ShardedOuterState` over ``model``'s shards), and
     ``extra_json`` (JSON-able, e.g. the data position; rank 0's is written), read back by
-    :func:`load_worker`; ``feedback`` too when given (:func:`_worker_state`). Collective over ``group``;
+    :func:`load_worker`; ``extras`` too when given (:func:`_worker_state`). Collective over ``group``;
     its URI."""
-    state, _ = _worker_state(model, optimizer, outer, outer.momentum_buffers(), feedback)
+    state, _ = _worker_state(model, optimizer, outer, outer.momentum_buffers(), extras)
     _, ranks = _rank(group)
     doc = {"format": _FORMAT, "ranks": ranks, "outer": {"has_momentum": outer.has_momentum()},
-           "feedback": feedback is not None, "extra": dict(extra_json)}
+           **{key: key in (extras or {}) for key in WORKER_EXTRAS}, "extra": dict(extra_json)}
     raw = json.dumps(doc).encode()
     if len(raw) > MAX_STATE_BYTES:
         raise ValueError(f"save_worker: the JSON is {len(raw)} bytes, over {MAX_STATE_BYTES}")
@@ -308,12 +314,13 @@ def save_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer
 
 
 def load_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                outer: OuterState, group: dist.ProcessGroup | None = None, feedback: list[torch.Tensor] | None = None,
+                outer: OuterState, group: dist.ProcessGroup | None = None,
+                extras: Mapping[str, list[torch.Tensor]] | None = None,
                 *, max_file_bytes: int = MAX_SHARD_FILE_BYTES) -> dict[str, Any]:
     """Load what :func:`save_worker` saved, on any number of ranks (the same model, sharded or not,
-    and the optimizer built over it), into ``model``, ``optimizer`` and ``outer`` (and ``feedback``'s
-    tensors, when given and saved); the saved ``extra_json``, with ``feedback`` (whether it was saved)
-    added when ``feedback`` is given. Collective over ``group``. The optimizer keeps its own hyperparameters; any
+    and the optimizer built over it), into ``model``, ``optimizer`` and ``outer`` (and the tensors of
+    ``extras`` that were saved); the saved ``extra_json``, with each name of ``extras`` mapped to whether
+    it was saved. Collective over ``group``. The optimizer keeps its own hyperparameters; any
     gradients are dropped. A torn folder raises :class:`ShardsRefused` before anything changed."""
     def read_doc() -> dict[str, Any]:
         _listing(storage, rel, max_file_bytes)  # STABLE first: a torn folder's JSON is not read
@@ -328,8 +335,8 @@ def load_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer
     optimizer.zero_grad(set_to_none=True)
     fresh = not optimizer.state
     momentum = [torch.zeros_like(p) for p in outer.params]
-    saved_feedback = doc.get("feedback") is True and feedback is not None
-    state, optim = _worker_state(model, optimizer, outer, momentum, feedback if saved_feedback else None)
+    saved = {key: t for key, t in (extras or {}).items() if doc.get(key) is True}
+    state, optim = _worker_state(model, optimizer, outer, momentum, saved)
     try:
         load_shards(storage, rel, state, group, max_file_bytes=max_file_bytes)
     except BaseException:
@@ -340,7 +347,7 @@ def load_worker(storage: RunStorage, rel: str, model: torch.nn.Module, optimizer
     set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"]["state"],
                                                 "param_groups": optim["param_groups"]})
     outer.set_state(outer.params, momentum if doc["outer"].get("has_momentum") else None)
-    return {**doc["extra"], "feedback": saved_feedback} if feedback is not None else doc["extra"]
+    return {**doc["extra"], **{key: key in saved for key in extras or {}}}
 
 
 # ------------------------------------------------------------------ consolidated export

@@ -31,6 +31,18 @@ class DilocoConfig(StrictModel):
         "reaches, trains nothing in that step while the onboarding source sends it the state in the background "
         "(rank to rank), and contributes from the step after.",
     )
+    overlap: Literal["none", "delayed", "eager"] = Field(
+        default="none",
+        description="Whether the next inner phase waits for the outer step. none: every worker waits for the "
+        "all-reduce, then takes the outer step (INTELLECT-1). delayed: the pseudo-gradient of phase t is reduced "
+        "while phase t+1 trains from the outer parameters with the averages up to t-1, and applied one phase late "
+        "(PCCL's async DiLoCo). eager: as delayed, but phase t+1 starts from those outer parameters after one "
+        "outer step on the worker's own fresh pseudo-gradient at weight 1/n (n: the step's members; DeepMind's "
+        "eager updates), so nothing waits on the network and the own step is not one phase stale. Either way "
+        "the committed outer parameters stay bit-identical on every member (their DIGEST), a step that fails "
+        "to reduce is rolled back everywhere, and the run's last step is drained before it ends. Needs "
+        "non_blocking onboarding: a joiner takes the state of the step in flight once its source committed it.",
+    )
     inner_steps: int = Field(default=50, ge=1, le=100000, description="H: inner AdamW steps between outer steps.")
     outer_steps: int = Field(default=10, ge=1, le=1_000_000, description="Outer steps of the run.")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate.")
@@ -175,6 +187,9 @@ class DilocoConfig(StrictModel):
         if self.outlier_clip and self.algorithm in ("ring", "ring-residual") and self.compression != "topk":
             raise ValueError(f"algorithm {self.algorithm!r} sends partial sums, so no owner sees a contribution "
                              "to clip: set outlier_clip = 0 to run it without robust aggregation")
+        if self.overlap != "none" and self.onboarding != "non_blocking":
+            raise ValueError(f"overlap {self.overlap!r} needs onboarding = \"non_blocking\": with a step in flight "
+                             "a joiner takes the state once its source has committed that step")
         if self.topk_k > self.topk_chunk:
             raise ValueError(f"topk_k ({self.topk_k}) must not exceed topk_chunk ({self.topk_chunk})")
         if self.heartbeat_timeout <= self.heartbeat_interval:

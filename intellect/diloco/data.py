@@ -8,12 +8,16 @@ A text corpus is read in one order by every worker, each keeping the documents o
 at slightly different positions, and a worker that was away (killed, excluded) stands where it
 stopped. So when a worker's membership changes, or it comes back, it does not simply read its new
 shard from where it is: the documents between its position and the others' were in someone's shard
-and may have been read. Each worker publishes its position at the boundary (``DATA_AT``) before it
-arrives, and every member whose position is not the one it reached under the step's members moves
-up to the furthest position the members claim (:func:`alignment`). A claim is a peer's word: a liar
-claiming a far position would make the others skip data, so a worker passes at most as many rows as
-its own or the members' median pace (rows per outer step, the larger) gives the steps it is behind,
-plus two.
+and may have been read. Each worker publishes its position for the next boundary (``DATA_AT``,
+:func:`publish_position`) as soon as its inner phase ends, before the all-reduce, and again at that
+boundary before it arrives; every member whose position is not the one it reached under the step's
+members moves up to the furthest position claimed by the step's members and by the members it read
+beside (:func:`align_to_members`). The early claim is what lets a worker that dies between committing a
+step and the next boundary still count: the survivors, who take over its shard, read on past what it
+read (trained on, or holds in its buffer to train on when it comes back from its saved state) instead
+of over it. A claim is a peer's word: a liar claiming a far position would make the others skip data,
+so a worker passes at most as many rows as its own or the claimants' median pace (rows per outer step,
+the larger) gives the steps it is behind, plus two.
 """
 
 from __future__ import annotations
@@ -126,12 +130,23 @@ def alignment(claims: list[tuple[Position, int]], behind: int, pace: int = 0) ->
     return floor, (behind + SLACK_STEPS) * pace
 
 
+def publish_position(put: Callable[[str, str], None], step: int, me: str, stream: PackedStream,
+                     rows_per_step: int) -> None:
+    """Claim ``stream``'s position for the boundary of ``step`` (``put(key, value)`` writes the rendezvous).
+    A worker does so when its inner phase ends (the position it will stand at when it arrives: nothing
+    reads between) and again at the boundary (a worker that trained nothing since, such as a rejoiner)."""
+    put(DATA_AT(step, me), position_claim(stream.position, rows_per_step))
+
+
 def align_to_members(stream: PackedStream, get: Callable[[str], bytes | None], step: int, members: list[str],
-                     me: str, behind: int, pace: int = 0) -> None:
-    """Move ``stream`` up to the members' positions at the boundary of ``step`` (:func:`alignment`);
-    ``get(key)`` reads the rendezvous (None: absent); ``pace``: this worker's own rows per outer step. A member
-    without a readable claim counts for nothing."""
-    claims = [c for w in members if (c := read_position_claim(get(DATA_AT(step, w)))) is not None]
+                     me: str, behind: int, pace: int = 0, previous: Iterable[str] = ()) -> None:
+    """Move ``stream`` up to the positions claimed for the boundary of ``step`` (:func:`alignment`) by the
+    step's ``members`` and the ``previous`` ones, those this worker's position was current among: one of
+    those that left claimed, as its inner phase ended, where it had read to in the shard the survivors now
+    share. ``get(key)`` reads the rendezvous (None: absent); ``pace``: this worker's own rows per outer
+    step. A worker without a readable claim counts for nothing."""
+    claimants = dict.fromkeys([*members, *previous])
+    claims = [c for w in claimants if (c := read_position_claim(get(DATA_AT(step, w)))) is not None]
     floor, max_rows = alignment(claims, behind, pace)
     before = stream.position
     if floor > before:

@@ -250,6 +250,17 @@ def _committed_members(data: dict, t: int) -> list[list[str]]:
     return out
 
 
+def _in_flight_member(data: dict, t: int, peer: str) -> bool:
+    """Whether ``peer`` is a member of step ``t``'s latest attempt and that attempt is undecided: an
+    overlapped run's members agree on the next step while step ``t`` still reduces."""
+    a = 0
+    while a + 1 < MAX_SCAN and MEMBERS(t, a + 1) in data:
+        a += 1
+    if MEMBERS(t, a) not in data or OUTCOME(t, a) in data:
+        return False
+    return peer in (read_names(data[MEMBERS(t, a)]) or [])
+
+
 def _step(part: str) -> int | None:
     return int(part) if part.isdigit() and len(part) < 12 else None
 
@@ -288,12 +299,16 @@ def _decision(peer: str, parts: list[str], value: bytes, data: dict) -> str | No
         return None
     if ARRIVE(t, peer) not in data or not all(ARRIVE(t, w) in data for w in proposal):
         return "a step's members are proposed by one that arrived, from those that arrived"
-    if PROGRESS() not in data:  # founders: the run's first step under this coordinator
+    if PROGRESS() not in data:  # founders: the run's first step under this coordinator (overlapped: or the next)
         start = read_count(data.get(START()))
-        return None if start is None or t == start else f"the founders' step is {start}, not {t}"
-    if not any(peer in m for m in _committed_members(data, t - 1)):
-        return f"only a member of step {t - 1}'s commit proposes the members of step {t}"
-    return None
+        if start is None or t == start or (t == start + 1 and _in_flight_member(data, start, peer)):
+            return None
+        return f"the founders' step is {start}, not {t}"
+    if any(peer in m for m in _committed_members(data, t - 1)):
+        return None
+    if _in_flight_member(data, t - 1, peer) and any(peer in m for m in _committed_members(data, t - 2)):
+        return None  # overlapped: a member of step t-1, in flight, that committed the step before
+    return f"only a member of step {t - 1}'s commit (or, overlapped, of step {t - 1} in flight) proposes the members of step {t}"
 
 
 def _own(family: str, parts: list[str], peer: str, op: str, req: dict) -> str | None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -115,8 +116,13 @@ class Onboarding:
     catching_up: Transfer | None
     catching_up_from: dict | None = None  # the onboarding decision a background transfer is checked against
 
+    send_after_commit: dict | None = None  # overlap: the onboarding a source serves once its step in flight commits
+
     @property
     def membership(self) -> Membership:
+        raise NotImplementedError
+
+    def claimed(self) -> int:
         raise NotImplementedError
 
     def _onboarding(self, members: list[str]) -> dict | None:
@@ -126,14 +132,16 @@ class Onboarding:
         m, t = self.membership, self.step
         records = {w: m.get(COMMITTED(t, w)) for w in members}  # one read of each: the store is remote
         progress = {w: read_count(records[w], 0, t) or 0 for w in members}
-        self._same_as_the_members([w for w in members if progress[w] == self.committed])
+        self._same_as_the_members([w for w in members if progress[w] == self.claimed()])
         source = onboarding_source(members, records.get, t)
         if source is None:
             return None
         count = progress[source]
         joiners = [j for j, w in enumerate(members) if progress[w] < count]
         # what the state sent must hash to: the digest the members as far ahead agree on for that step
-        held = [m.get(DIGEST(count - 1, w)) for w in members if progress[w] == count]
+        # (overlapped, not recorded yet: the members commit that step after this boundary; read at the take)
+        held = [m.get(DIGEST(count - 1, w)) if m.has(DIGEST(count - 1, w)) else None
+                for w in members if progress[w] == count]
         return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners,
                 "count": count, "digest": agreed_digest(held), "records": sum(r is not None for r in held)}
 
@@ -144,8 +152,10 @@ class Onboarding:
         n, m = self.committed, self.membership
         if n == 0 or len(peers) < 3:  # two that differ: no majority to side with
             return
-        agreed = agreed_digest([m.get(DIGEST(n - 1, w)) for w in peers])
-        mine = read_digest(m.get(DIGEST(n - 1, self.worker)))
+        # (a joiner that took the state of step n-1 has no record of it)
+        records = {w: m.get(DIGEST(n - 1, w)) if m.has(DIGEST(n - 1, w)) else None for w in peers}
+        agreed = agreed_digest(list(records.values()))
+        mine = read_digest(records.get(self.worker))
         if agreed is not None and mine is not None and mine != agreed:
             self.committed = 0  # behind everyone: the next boundary onboards it
             raise Excluded(f"{self.worker}: theta_sync after step {n - 1} hashes to {mine[:12]}, "
@@ -206,21 +216,50 @@ class Onboarding:
         """Non-blocking onboarding (:mod:`~intellect.diloco.catchup`): the source sends a snapshot of its
         state to each member behind, which receives it during the step; True for those."""
         me, t = self.members.index(self.worker), self.step
-        timeout = self.cfg.boundary_timeout
         if me == int(onboard["src"]):
-            snapshot = self.outer.flat(self.committed)  # its own outer step never waits for the transfers
-            self.sync.faults.onboarding_state(t, self.worker, snapshot)
-            for j in onboard["joiners"]:
-                Transfer(self.store, self._catchup_prefix(j), 0, snapshot, timeout, f"catchup-send-{t}-{j}")
+            if self.sync.in_flight is not None:
+                self.send_after_commit = onboard  # overlap: the state with the step in flight committed
+            else:
+                self.send_snapshots(onboard)
             return False
         if me not in onboard["joiners"]:
             return False
         self.catching_up = Transfer(self.store, self._catchup_prefix(me), 1, self.outer.flat(self.committed),
-                                    timeout, f"catchup-receive-{t}")
+                                    self._catchup_timeout(), f"catchup-receive-{t}")
         self.sync.before_step, self.catching_up_from = self._caught_up, onboard
         log.info("%s: catching up at step %d from %s in the background", self.worker, t,
                  self.members[int(onboard["src"])])
         return True
+
+    def send_snapshots(self, onboard: dict) -> None:
+        """The source's part: a snapshot of its state to each joiner, in the background (its own outer step
+        never waits for the transfers)."""
+        t = self.step
+        snapshot = self.outer.flat(self.committed)
+        self.sync.faults.onboarding_state(t, self.worker, snapshot)
+        for j in onboard["joiners"]:
+            Transfer(self.store, self._catchup_prefix(j), 0, snapshot, self._catchup_timeout(), f"catchup-send-{t}-{j}")
+
+    def _catchup_timeout(self) -> float:
+        """How long a transfer may wait for its peer: a boundary's wait; overlapped, the source sends only after
+        its inner phase and the commit of its step in flight, so as long as a joiner waits for a decision."""
+        return self.cfg.boundary_timeout * (1 if self.cfg.overlap == "none" else 10)
+
+    def _digest_now(self, onboard: dict) -> dict:
+        """``onboard`` with the digest a strict majority of the members as far ahead recorded for the step the
+        state holds, read now (overlap: recorded after the boundary), waiting a bounded time for a majority."""
+        count, names = int(onboard["count"]), [w for j, w in enumerate(self.members) if j not in onboard["joiners"]]
+        held: list[str | None] = []
+        if self.siblings.leader:
+            m = self.membership
+            deadline = time.monotonic() + self.cfg.collective_timeout + self.cfg.heartbeat_timeout
+            while True:
+                held = [m.get(DIGEST(count - 1, w)) if m.has(DIGEST(count - 1, w)) else None for w in names]
+                if agreed_digest(held) is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        held = self.siblings.share(held if self.siblings.leader else None)
+        return {**onboard, "digest": agreed_digest(held), "records": sum(h is not None for h in held)}
 
     def _catchup_prefix(self, joiner: int) -> str:
         prefix = PG(self.step, catchup_group(joiner))
@@ -232,8 +271,10 @@ class Onboarding:
         transfer, self.catching_up, self.sync.before_step = self.catching_up, None, None
         onboard, self.catching_up_from = self.catching_up_from, None
         assert transfer is not None and onboard is not None
-        ok = self.siblings.all(transfer.wait(self.cfg.boundary_timeout))
+        ok = self.siblings.all(transfer.wait(self._catchup_timeout()))
         if not ok:
             raise Excluded(f"{self.worker}: catching up at step {self.step} failed: {transfer.error or 'on another rank'}")
+        if self.cfg.overlap != "none":
+            onboard = self._digest_now(onboard)
         self.committed = self._take(transfer.flat, onboard)
         self.trainer.step = (self.committed + 1) * self.cfg.inner_steps  # past the step it did not train

@@ -63,6 +63,8 @@ class OuterState:
         self.device = device or (params[0].device if params else torch.device("cpu"))
         self.params = [pin(p.detach().to("cpu", torch.float32, copy=True), self.device) for p in params]
         self._staging: list[torch.Tensor] = []  # pinned fp32 buffers the CUDA copy lands in
+        # where the inner phase under way started, when not theta_sync (an eager overlap's own step: preview)
+        self.base: list[torch.Tensor] | None = None
         # momentum 0 is plain (scaled) model averaging, where Nesterov means nothing; torch rejects the pair
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
@@ -85,8 +87,37 @@ class OuterState:
         return self._staging
 
     def pseudo_gradient(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """``theta_sync - theta_local`` per parameter, fp32 on the CPU (whatever the model's dtype and device)."""
-        return [s - p for s, p in zip(self.params, self._host_copy(model))]
+        """``theta_sync - theta_local`` per parameter, fp32 on the CPU (whatever the model's dtype and device);
+        from :attr:`base` instead when the inner phase started there (:meth:`preview`)."""
+        start = self.base if self.base is not None else self.params
+        return [s - p for s, p in zip(start, self._host_copy(model))]
+
+    @torch.no_grad()
+    def preview(self, pseudo: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:
+        """Where an eager overlap's next inner phase starts (:attr:`base`, returned): ``theta_sync`` after one
+        outer step on ``weight`` times this worker's own fresh pseudo-gradient, taken on copies (the
+        momentum too), so ``theta_sync`` waits for the members' average. With weight 1 it is bit for bit the
+        outer step the average of one worker would take.
+
+        >>> model = torch.nn.Linear(1, 1, bias=False)
+        >>> _ = model.weight.data.fill_(1.0)
+        >>> outer = OuterState(model, lr=0.5, momentum=0.0)
+        >>> [round(b.item(), 3) for b in outer.preview([torch.tensor([[0.4]])], 0.5)], outer.params[0].item()
+        ([0.9], 1.0)
+        """
+        params = [p.detach().clone() for p in self.params]
+        group = self.optimizer.param_groups[0]
+        opt = torch.optim.SGD(params, lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"])
+        for q, p, g in zip(params, self.params, pseudo):
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                opt.state[q]["momentum_buffer"] = buf.clone()
+            q.grad = g.to(torch.float32) if weight == 1 else g.to(torch.float32) * weight
+        opt.step()
+        for q in params:
+            q.grad = None
+        self.base = params
+        return params
 
     def step(self, average: Sequence[torch.Tensor]) -> None:
         """Apply one outer step with the all-reduced pseudo-gradient ``average``."""
@@ -101,10 +132,11 @@ class OuterState:
             p.grad = None
 
     @torch.no_grad()
-    def load_into(self, model: torch.nn.Module) -> None:
-        """Copy ``theta_sync`` into the model, cast to its dtype and device, for the next inner phase."""
+    def load_into(self, model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy ``theta_sync`` (or ``weights``, fp32 CPU tensors of its shapes) into the model, cast to its
+        dtype and device, for the next inner phase."""
         params = self._model_params(model)
-        for s, p in zip(self.params, params):
+        for s, p in zip(self.params if weights is None else weights, params):
             # to the device in fp32 first (asynchronous from pinned memory), cast there: the host never
             # materialises a low-precision copy, and the cast rounds exactly as a CPU cast would
             p.copy_(s.to(p.device, non_blocking=True) if p.is_cuda else s)
@@ -162,11 +194,12 @@ class OuterState:
 # ---------------------------------------------------------------------- checkpoints
 
 
-def host_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` itself when its weights are fp32 on the CPU, else a fresh fp32 CPU model of the same
-    class and config (the shell a checkpoint is published from: ``OuterState.load_into`` fills it)."""
+def host_model(model: torch.nn.Module, own: bool = False) -> torch.nn.Module:
+    """``model`` itself when its weights are fp32 on the CPU (and not ``own``), else a fresh fp32 CPU model
+    of the same class and config (the shell a checkpoint is published from: ``OuterState.load_into`` fills
+    it)."""
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    if not sharded and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()):
+    if not sharded and not own and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()):
         return model
     config = copy.deepcopy(getattr(model, "config"))
     # FSDP2 makes a model's class a subclass of FSDPModule and of the model's own: the shell is the latter's

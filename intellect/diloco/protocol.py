@@ -73,7 +73,8 @@ DEAD = Family("dead", ("worker",), W, "deathrattle, written on clean exit and on
 COMMITTED = Family("committed", ("step", "worker"), W, "outer steps <worker> had committed at boundary <step>")
 ARRIVE = Family("arrive", ("step", "worker"), W, "<worker> is at the boundary of outer step <step>")
 DATA_AT = Family("data_at", ("step", "worker"), W, "<worker>'s reading position at boundary <step> and its rows "
-                 "per outer step (diloco.data.position_claim), written before it arrives")
+                 "per outer step (diloco.data.position_claim), written as its inner phase of <step> - 1 ends "
+                 "(before the all-reduce) and again before it arrives")
 LEFT = Family("left", ("step", "worker"), W, "<worker> was left out of <step> and rejoins later: do not wait for it")
 DIGEST = Family("digest", ("step", "worker"), W, "SHA-256 of theta_sync after committing <step>")
 METRICS = Family("metrics", ("step", "worker"), W, "<worker>'s report of <step> (report.StepReport, JSON)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from intellect import progress
 from intellect.metrics import MetricsLog
@@ -15,6 +15,9 @@ from intellect.progress import Progress
 if TYPE_CHECKING:
     from intellect.diloco.config import DilocoRunConfig
     from intellect.storage import RunStorage
+
+
+Phase = Callable[[str, Callable[[], Any]], Any]  # runs one named phase of an outer step: phase(name, fn)
 
 
 @dataclass

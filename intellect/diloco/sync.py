@@ -34,18 +34,18 @@ Threads. While a reduction is in flight its thread owns the worker's rendezvous 
 clients are not shared across threads): the caller may compute (an inner phase touches only the
 heartbeat thread's liveness flag) but must not talk to the store until :meth:`finish` returns.
 
-A delayed outer step (the next inner phase overlapping the reduction, as Streaming DiLoCo does)
-reuses this interface as it is: the worker's phases stay
-``boundary -> inner -> start -> finish -> commit`` and only the place of ``finish`` moves::
+Overlap (``diloco.overlap``: delayed, eager). The worker moves only the place of ``finish``: after
+inner phase ``t`` it computes the pseudo-gradient, finishes step ``t-1`` (in flight all through phase
+``t``), then starts step ``t`` with it and trains phase ``t+1`` while it reduces::
 
-    handle = sync.start(t, members, report_t)   # after inner phase t
-    worker.inner(report_t1)                     # inner phase t+1 while the reduction of t runs
-    members = sync.finish()                     # the outer step of t, one inner phase late
+    pseudo = outer.pseudo_gradient(model)          # after inner phase t, from where phase t started
+    members = sync.finish()                        # step t-1: vote, commit into theta_sync (not the model)
+    sync.start(t, members_t, report_t, pseudo=pseudo)
+    outer.load_into(model, ...)                    # theta_sync (delayed) or outer.preview(pseudo, 1/n) (eager)
 
-What changes then is only :meth:`Synchronizer.apply`, the one place ``theta_sync`` enters the model
-(today: overwrite it; delayed: fold the committed outer update into the weights trained meanwhile),
-and where the boundary of ``t+1`` goes: it talks to the store, so it runs before ``start(t)`` or once
-the reduction has a rendezvous connection of its own (as the heartbeat thread has).
+A commit then leaves the model alone (the worker is training it); the committed ``theta_sync`` and its
+``DIGEST`` are the same on every member as in a blocking run. The reduction thread's rendezvous client
+keeps a connection of its own, so the next boundary runs beside it.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ class Synchronizer:
         self._pseudo: list[torch.Tensor] = []
         self._contribute = True
         self._handle: Reduction | None = None
+        self._in_flight = False  # started and not finished (overlap: through the next inner phase)
         self._tries = 0
         self.before_step: Callable[[], None] | None = None  # run at a commit, before the outer step
         # compression "topk": this rank's error-feedback residual (its shard); the worker checkpoints it
@@ -318,33 +319,61 @@ class Synchronizer:
 
     # ------------------------------------------------------------------ the interface
 
-    def start(self, step: int, members: list[str], report: StepReport | None = None, contribute: bool = True) -> Reduction:
+    def start(self, step: int, members: list[str], report: StepReport | None = None, contribute: bool = True,
+              pseudo: list[torch.Tensor] | None = None) -> Reduction:
         """Begin outer step ``step``'s reduction among ``members`` (its first attempt) and return at once.
         ``report``: the step's report, whose attempts, all-reduce time, bytes and verdicts it fills;
-        ``contribute`` False: relay and receive only (a worker catching up). Collective over the
-        worker's ranks (they contribute together or not at all)."""
-        if self._handle is not None and not self._handle.done():
+        ``contribute`` False: relay and receive only (a worker catching up); ``pseudo``: the
+        pseudo-gradient when the caller took it already (overlap), else the model's now. Collective over
+        the worker's ranks (they contribute together or not at all)."""
+        if self._in_flight:
             raise RuntimeError("start: the previous reduction is still in flight; finish it first")
         self._step, self._tries = step, 0
         self._report = report if report is not None else StepReport(step=step, worker=self.worker)
-        pseudo = self.outer.pseudo_gradient(self.model)
+        pseudo = pseudo if pseudo is not None else self.outer.pseudo_gradient(self.model)
         self.faults.pseudo_gradient(step, self.worker, pseudo)
         self._contribute = self.siblings.all(contribute and all(bool(torch.isfinite(g).all()) for g in pseudo))
         if contribute and not self._contribute:
             log.warning("%s: non-finite pseudo-gradient at step %d; contributing nothing", self.worker, step)
         self._pseudo = pseudo
+        self._in_flight = True
         return self._begin(0, members)
 
-    def feedback_after(self, contribute: bool = True) -> torch.Tensor | None:
+    @property
+    def in_flight(self) -> int | None:
+        """The step whose reduction was started and not yet finished, if any."""
+        return self._step if self._in_flight else None
+
+    def abandon(self) -> None:
+        """Forget the step in flight (this worker was excluded from a later step while it reduced, or is
+        leaving): nothing of it is applied, and this worker casts no vote on it (the others retry without
+        it). Its thread is waited for, which its own timeouts bound, so no two reductions share the
+        worker's connections."""
+        if self._in_flight and self._handle is not None:
+            try:
+                self._handle.wait()
+            except Exception as e:  # noqa: BLE001 - an abandoned attempt's failure is nobody's concern now
+                log.info("%s: the abandoned reduction of step %d ended with %s", self.worker, self._step, e)
+        self._in_flight = False
+        if self.feedback is not None:
+            self.feedback.discard()
+
+    def feedback_after(self, contribute: bool = True, pseudo: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The error-feedback residual (``compression = "topk"``; None for the others) as the step about to
-        start leaves it once it commits: what the worker's state for the next checkpoint holds, written
-        before the reduction begins (``contribute`` False: a worker catching up keeps its residual)."""
+        start (or, overlapped, the one in flight: its ``pseudo``) leaves it once it commits: what the
+        worker's state for the next checkpoint holds (``contribute`` False: a worker catching up keeps its
+        residual)."""
         if self.feedback is None:
             return None
         if not contribute:
             return self.feedback.state_dict()["residual"]
-        flat = torch.cat([g.reshape(-1) for g in self.outer.pseudo_gradient(self.model)])
+        pseudo = pseudo if pseudo is not None else self.outer.pseudo_gradient(self.model)
+        flat = torch.cat([g.reshape(-1) for g in pseudo])
         return self.feedback.state_dict_after(flat)["residual"]
+
+    def feedback_in_flight(self) -> torch.Tensor | None:
+        """:meth:`feedback_after` the step in flight (overlap): the residual once it commits."""
+        return self.feedback_after(self._contribute, self._pseudo)
 
     def should_commit(self, ok: bool) -> bool:
         """Whether everyone commits the attempt in flight (the leader asks): ``ok``, the worker's result
@@ -388,6 +417,8 @@ class Synchronizer:
         while True:
             r = self._handle.wait()
             do = sib.share(self._direct(q, r, report) if q is not None else None)
+            if do["do"] != "retry":
+                self._in_flight = False
             if do["do"] == "commit":
                 if r.stats is None or r.average is None:  # the worker voted ok: every ring succeeded
                     raise RuntimeError(f"{self.worker}: committing step {r.step} without this rank's average")
@@ -415,7 +446,8 @@ class Synchronizer:
             self.feedback.commit()  # what this attempt sent leaves the residual only now that it counts
         if r.stats.contributors:
             self.outer.step(r.average)
-        self.apply()
+        if self.cfg.overlap == "none":
+            self.apply()  # overlapped, the worker is training the model: it loads the next start itself
         digest = self.digest()
         if self.siblings.leader:
             report.members, report.contributors = r.members, len(r.stats.contributors)

@@ -17,6 +17,9 @@ One outer step ``t`` (:meth:`DilocoWorker.outer_step`) is four phases:
 4. :meth:`DilocoWorker.checkpoint` publishes the synced model and the outer state (the first member by
    admission order, every N steps).
 
+Overlap (``diloco.overlap`` delayed or eager): the reduction of step ``t`` runs through inner phase ``t+1``
+and the next boundary (:mod:`~intellect.diloco.overlap`).
+
 Trust. A worker holds its own rendezvous key and the all-reduce root, never the run secret
 (``coordinator.worker_credentials``), and writes only what ``membership.scope`` allows. Every
 all-reduce message is sealed with ``derive_key(root, "allreduce", run, step, attempt)``, so a
@@ -44,7 +47,7 @@ import os
 import time
 from dataclasses import asdict
 from functools import partial
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -54,19 +57,20 @@ from intellect.data.text import PackedStream
 from intellect.device import local_rank, prepare_model, resolve_device
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco import worker_state
-from intellect.diloco.data import (align_to_members, data_sketch, position_claim, rows_of, sketched_batches,
+from intellect.diloco.data import (align_to_members, data_sketch, publish_position, rows_of, sketched_batches,
                                    worker_stream)
 from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import Membership, StoreLost, connect_store
 from intellect.diloco.mesh import WorkerMesh
 from intellect.diloco.outer_shard import ShardedOuterState, consolidated
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
-from intellect.diloco.report import StepReport, WorkerLog
-from intellect.diloco.protocol import ARRIVE, COMMITTED, DATA_AT, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
+from intellect.diloco.report import Phase, StepReport, WorkerLog
+from intellect.diloco.protocol import ARRIVE, COMMITTED, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.siblings import ALONE, Siblings
 from intellect.diloco.sync import Excluded, Synchronizer
 from intellect.diloco.onboarding import Onboarding, Transfer
+from intellect.diloco.overlap import Overlap
 from intellect.diloco.worker_ranks import WorkerRanks
 from intellect.metrics import Peak, flops_per_token
 from intellect.parallel import parallelize
@@ -77,7 +81,6 @@ log = logging.getLogger("intellect.diloco")
 
 
 T = TypeVar("T")
-Phase = Callable[[str, Callable[[], Any]], Any]  # runs one named phase of an outer step: phase(name, fn)
 PHASES = ("boundary", "inner", "reduce", "commit", "checkpoint")  # an outer step's phases, in order
 
 
@@ -94,7 +97,7 @@ def inner_train_config(run: DilocoRunConfig) -> TrainConfig:
     return run.train.model_copy(update={"steps": run.diloco.outer_steps * run.diloco.inner_steps})
 
 
-class DilocoWorker(Onboarding):
+class DilocoWorker(Onboarding, Overlap):
     def __init__(self, run: DilocoRunConfig, worker: str, index: int, store_host: str, store_port: int,
                  secret: bytes | None = None, *, key: bytes | None = None, allreduce_key: bytes | None = None,
                  faults: Faults = NO_FAULTS, ranks: WorkerRanks | None = None):
@@ -159,9 +162,13 @@ class DilocoWorker(Onboarding):
         group = self.mesh.intra if self.mesh is not None else None
         saved, why = worker_state.restore_any(self.storage, worker, n, self.trainer, self.outer, group,
                                               self.sync.feedback) if n else (None, "")
+        # overlap: its own pseudo-gradient of the step in flight at checkpoint n, reduced again at once
+        self.resumed_in_flight = self._in_flight_of(saved, n)
         if saved is not None:
-            self.trainer.step = n * self.cfg.inner_steps  # the run's schedule, if the state is older
-            log.info("%s: resuming with its inner state and data position of checkpoint %d", worker, saved.step)
+            # the run's schedule, if the state is older (past the phase in flight when it resumes that)
+            self.trainer.step = (n + (self.resumed_in_flight is not None)) * self.cfg.inner_steps
+            log.info("%s: resuming with its inner state and data position of checkpoint %d%s", worker, saved.step,
+                     " and its pseudo-gradient of step %d in flight" % n if self.resumed_in_flight else "")
         elif n:
             log.warning("%s: %s for checkpoint %d: a fresh inner AdamW, its shard read from the start",
                         worker, why, n)
@@ -181,8 +188,24 @@ class DilocoWorker(Onboarding):
         self.members: list[str] = []
         self.prev_members: list[str] = []
         self.catching_up: Transfer | None = None  # non-blocking onboarding: the state on its way here
+        self.in_flight_report: StepReport | None = None  # overlap: the report of the step being reduced
+        self.step_joiners: list[str] = []  # members of this step who catch up (they contribute nothing)
+        self.caught_up_in_flight = False  # overlap: caught up into the step now in flight
         if self.m is not None:
             self.m.start_heartbeat()
+
+    def _in_flight_of(self, saved: worker_state.WorkerState | None, n: int) -> list[torch.Tensor] | None:
+        """The pseudo-gradient in flight ``saved`` with checkpoint ``n``, shaped as ``theta_sync``, when this
+        run overlaps and it fits (else None: the phase it came from is lost, and the log says so)."""
+        flat = saved.in_flight if saved is not None else None
+        if flat is None or saved is None:
+            return None
+        sizes = [p.numel() for p in self.outer.params]
+        if self.cfg.overlap == "none" or saved.step != n or flat.numel() != sum(sizes):
+            log.warning("%s: not resuming the step in flight saved with checkpoint %d (overlap %s, resuming at %d)",
+                        self.worker, saved.step, self.cfg.overlap, n)
+            return None
+        return [c.view_as(p).clone() for c, p in zip(flat.to(torch.float32).split(sizes), self.outer.params)]
 
     def _siblings(self, name: str) -> Siblings:
         """A control group of the worker's ranks (:mod:`~intellect.diloco.siblings`), bounded by the
@@ -220,10 +243,16 @@ class DilocoWorker(Onboarding):
         return int(getattr(self.model.config, "max_position_embeddings", self.run.model.max_position_embeddings))
 
     def host(self) -> torch.nn.Module:
-        """The fp32 CPU model checkpoints are published from (:func:`host_model`, made once)."""
+        """The fp32 CPU model checkpoints are published from (:func:`host_model`, made once; overlapped, never
+        the training model itself, which holds the next phase's start and not ``theta_sync``)."""
         if self._host is None:
-            self._host = host_model(self.model)
+            self._host = host_model(self.model, own=self.cfg.overlap != "none")
         return self._host
+
+    def claimed(self) -> int:
+        """The outer steps this worker stands for at a boundary (its ``COMMITTED`` record): those committed,
+        and the one in flight (overlap), which it commits with the members before it trains again."""
+        return self.committed + (self.sync.in_flight is not None)
 
     def reshard(self, members: list[str]) -> dict | None:
         """Read shard ``i`` of ``n``, this worker's place among the step's members (text corpus), from the
@@ -241,7 +270,7 @@ class DilocoWorker(Onboarding):
         if self.data_at != (self.step, members):
             m = self.membership
             align_to_members(self.stream, lambda k: m.get(k).encode() if m.has(k) else None, self.step, members,
-                             self.worker, max(0, self.step - self.data_at[0]), self.rows_per_step)
+                             self.worker, max(0, self.step - self.data_at[0]), self.rows_per_step, self.data_at[1])
         return self.stream.state_dict() if moved else None
 
     def _deadline(self, seconds: float) -> float:
@@ -267,8 +296,9 @@ class DilocoWorker(Onboarding):
         except Excluded as e:
             self.siblings.share({"excluded": str(e)})
             raise
+        self.step_joiners = [members[j] for j in onboard["joiners"]] if onboard is not None else []
         if onboard is not None:
-            self.sync.newcomers([members[j] for j in onboard["joiners"]])
+            self.sync.newcomers(self.step_joiners)
         self.siblings.share({"step": self.step, "members": members, "committed": self.committed,
                              "position": position, "shard": list(self.shard), "onboard": onboard})
         self.members = members
@@ -281,6 +311,8 @@ class DilocoWorker(Onboarding):
         if "excluded" in d:
             raise Excluded(d["excluded"])
         self.step, self.members, self.committed = int(d["step"]), list(d["members"]), int(d["committed"])
+        onboard = d["onboard"]
+        self.step_joiners = [self.members[j] for j in onboard["joiners"]] if onboard is not None else []
         if d["position"] is not None and isinstance(self.stream, PackedStream):
             shard = (int(d["shard"][0]), int(d["shard"][1]))
             if shard != self.shard:
@@ -294,15 +326,18 @@ class DilocoWorker(Onboarding):
         me, m = self.worker, self.membership
         if m.banned(me, self.admitted()):
             raise Banned(f"{me} was banned from the run for outlying contributions")
-        founder = m.progress() is None
-        veteran = me in self.prev_members
+        founder = m.progress() is None and self.sync.in_flight is None  # (overlapped: none committed yet)
+        # overlapped, a worker that caught up into the step in flight did not commit the one before: the
+        # rendezvous lets only those who did propose, so it waits for the decision once
+        veteran = me in self.prev_members and not self.caught_up_in_flight
+        self.caught_up_in_flight = False
         if not (founder or veteran) and (p := m.progress()) is not None:
             self.step = p if Quorum(m, me, p).members(0) is None else p + 1
         t = self.step
         q = Quorum(m, me, t)
-        m.set(COMMITTED(t, me), str(self.committed))
+        m.set(COMMITTED(t, me), str(self.claimed()))
         if isinstance(self.stream, PackedStream):  # before arriving: a member's claim is there when it is
-            m.set(DATA_AT(t, me), position_claim(self.stream.position, self.rows_per_step))
+            publish_position(m.set, t, me, self.stream, self.rows_per_step)
         m.set(ARRIVE(t, me), "1")
         members = q.members(0)
         if members is None and (founder or veteran):
@@ -338,8 +373,12 @@ class DilocoWorker(Onboarding):
 
     def inner(self, report: StepReport) -> None:
         """H inner steps: the report's inner_loss, inner_seconds, tokens, shard and data_sketch. A worker
-        catching up (non-blocking onboarding) has no weights to train yet: it skips the phase."""
-        if self.catching_up is not None:
+        catching up (non-blocking onboarding) has no weights to train yet, and one that resumed a step in
+        flight (overlap) trained its phase before the run stopped: they skip it."""
+        if self.catching_up is not None or self.resumed_in_flight is not None:
+            if self.resumed_in_flight is not None:  # trained before the run stopped: its reduction resumes
+                self.data_at = (self.step + 1, list(self.members))
+                self._claim_position()
             report.shard = list(self.shard)
             return
         t0 = time.perf_counter()
@@ -350,6 +389,7 @@ class DilocoWorker(Onboarding):
         report.inner_seconds = time.perf_counter() - t0
         self.rows_per_step = getattr(self.stream, "passed", 0) - rows
         self.data_at = (self.step + 1, list(self.members))
+        self._claim_position()
         # the worker's figures: every rank's tokens, the ranks' mean loss (equal token counts per rank)
         loss, tokens = self.siblings.sum([sum(rec["loss"] for rec in logs) / len(logs),
                                           sum(rec["tokens"] for rec in logs)])
@@ -358,6 +398,13 @@ class DilocoWorker(Onboarding):
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
         report.device_memory_mb = max(self.siblings.gather(peak) or [peak])
         report.shard, report.data_sketch = list(self.shard), data_sketch(seen)
+
+    def _claim_position(self) -> None:
+        """Claim the data position for the next boundary as the inner phase ends, before the all-reduce:
+        should this worker die before that boundary, the survivors taking over its shard still read on
+        past what it read (:mod:`~intellect.diloco.data`)."""
+        if self.m is not None and isinstance(self.stream, PackedStream):
+            publish_position(self.m.set, self.step + 1, self.worker, self.stream, self.rows_per_step)
 
     def timing(self, report: StepReport) -> None:
         """The committed step's wall time and the utilization, throughput and MFU over it (MFU of the
@@ -369,10 +416,13 @@ class DilocoWorker(Onboarding):
 
     def commit(self, members: list[str], report: StepReport) -> None:
         """Record the step the synchronizer committed among ``members``: the next boundary's veterans,
-        the step's timing, and (its first member) the run's progress."""
-        self.committed = self.step + 1
-        self.prev_members, self.members = members, members
-        self.timing(report)
+        the step's timing, and (its first member) the run's progress. Overlapped, the veterans are the
+        members of the step just started (:meth:`overlapped_reduce`), and the committed step's timing was
+        taken as its phase ended."""
+        self.committed = report.step + 1
+        if self.cfg.overlap == "none":
+            self.prev_members, self.members = members, members
+            self.timing(report)
         if self.leader and self.worker == members[0]:
             self.membership.set(PROGRESS(), json.dumps(self.committed))
 
@@ -380,19 +430,27 @@ class DilocoWorker(Onboarding):
         """Whether committing outer step ``n - 1`` publishes checkpoint ``n``."""
         return n % self.cfg.checkpoint_every == 0 or n == self.cfg.outer_steps
 
-    def save_state(self) -> None:
-        """Save this worker's inner state and data position for the checkpoint this step commits into
-        (before the all-reduce: see :mod:`~intellect.diloco.worker_state`)."""
-        n = self.step + 1
+    def save_state(self, n: int | None = None, in_flight: list[torch.Tensor] | None = None) -> None:
+        """Save this worker's inner state and data position for the checkpoint the step about to be reduced
+        commits into (before the all-reduce: see :mod:`~intellect.diloco.worker_state`). Overlapped
+        (:mod:`~intellect.diloco.overlap`): for checkpoint ``n``, which the step in flight commits into,
+        with the inner state after phase ``n`` and its pseudo-gradient ``in_flight``, the step to start
+        next, which a resumed run reduces again."""
+        if n is None:
+            n, fb = self.step + 1, self.sync.feedback_after(self.catching_up is None)
+        else:
+            fb = self.sync.feedback_in_flight()
         if not self.checkpoint_step(n):
             return
-        keep, fb = self.run.storage.keep_last, self.sync.feedback_after(self.catching_up is None)
+        flat = torch.cat([g.reshape(-1) for g in in_flight]) if in_flight is not None else None
+        keep = self.run.storage.keep_last
         if self.mesh is None:
             state = worker_state.WorkerState(n, self.trainer.state_bytes(), self.stream.state_dict(),
-                                             self.data_at[1], self.rows_per_step, fb)
+                                             self.data_at[1], self.rows_per_step, fb, flat)
             worker_state.save(self.storage, self.worker, state, keep)
         else:  # every rank writes its shards of the AdamW state
-            state = worker_state.WorkerState(n, b"", self.stream.state_dict(), self.data_at[1], self.rows_per_step, fb)
+            state = worker_state.WorkerState(n, b"", self.stream.state_dict(), self.data_at[1], self.rows_per_step, fb,
+                                             flat)
             worker_state.save_sharded(self.storage, self.worker, state, self.trainer, self.outer, keep,
                                       self.mesh.intra, lambda: self.siblings.all(True))
 
@@ -436,13 +494,17 @@ class DilocoWorker(Onboarding):
         if self.m is not None:
             self.m.leave(self.step)
         self.catching_up, self.catching_up_from, self.sync.before_step = None, None, None
+        self.send_after_commit, self.in_flight_report, self.outer.base = None, None, None
+        self.sync.abandon()  # overlap: the step in flight too (nothing of it was applied)
         self.outer.load_into(self.model)
         self.prev_members = []
         time.sleep(self.cfg.heartbeat_interval)  # the others are mid-step: no point in spinning
 
-    def end(self, report: StepReport) -> None:
-        """Close a committed step: the next step's number, the report to the rendezvous and the series."""
-        self.step = self.committed
+    def end(self, report: StepReport, advance: bool = True) -> None:
+        """Close a committed step: the next step's number (``advance``), the report to the rendezvous and the
+        series."""
+        if advance:
+            self.step = self.committed
         if self.m is not None and self.metrics_log is not None:
             self.m.set(METRICS(report.step, self.worker), json.dumps(asdict(report)))
             self.metrics_log.log(report.step, asdict(report))
@@ -453,6 +515,8 @@ class DilocoWorker(Onboarding):
         instead of the rest and reports an uncommitted step, with the reason (``report.excluded``)."""
         run: Phase = phase or _directly
         report = report or self.begin()
+        if self.cfg.overlap != "none":
+            return self._overlapped_step(run, report)
         try:
             run("boundary", lambda: self.enter(report))
             run("inner", lambda: self.inner(report))

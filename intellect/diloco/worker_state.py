@@ -24,7 +24,7 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from intellect.diloco.checkpoint_shards import ShardsRefused, load_worker, save_worker
-from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, FEEDBACK, OPTIMIZER, SHARDS_STATE
+from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, FEEDBACK, IN_FLIGHT, OPTIMIZER, SHARDS_STATE
 from intellect.diloco.outer_shard import local_part
 from intellect.diloco.protocol import read_count, read_json, read_names
 from intellect.diloco.topk_reduce import ErrorFeedback
@@ -62,6 +62,7 @@ class WorkerState:
     members: list[str] = field(default_factory=list)  # the members of the step that reached the position
     rows_per_step: int = 0  # rows the reader passed in that step (0: not known)
     feedback: torch.Tensor | None = None  # the error-feedback residual, flat (diloco.compression = "topk")
+    in_flight: torch.Tensor | None = None  # overlap: its own pseudo-gradient of the step in flight, flat
 
 
 def _drop_stale(storage: RunStorage, kind: str, step: int) -> str:
@@ -87,6 +88,10 @@ def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> Non
         buf = io.BytesIO()
         torch.save({"residual": state.feedback.contiguous()}, buf)
         files[FEEDBACK.value] = buf.getvalue()
+    if state.in_flight is not None:
+        buf = io.BytesIO()
+        torch.save({"pseudo_gradient": state.in_flight.contiguous()}, buf)
+        files[IN_FLIGHT.value] = buf.getvalue()
     storage.write_step(state.step, kind, files)
     storage.retain(kind, keep)
 
@@ -119,8 +124,15 @@ def load(storage: RunStorage, worker: str, step: int, max_trainer_bytes: int | N
         feedback = doc.get("residual") if isinstance(doc, dict) else None
         if not isinstance(feedback, torch.Tensor):
             raise ValueError(f"{storage.uri(rel)}: the saved error-feedback residual is no tensor")
+    in_flight = None
+    if storage.exists(f"{rel}/{IN_FLIGHT.value}"):
+        doc = _torch_file(storage.read_bytes(f"{rel}/{IN_FLIGHT.value}", max_trainer_bytes))
+        in_flight = doc.get("pseudo_gradient") if isinstance(doc, dict) else None
+        if not (isinstance(in_flight, torch.Tensor) and in_flight.dim() == 1 and in_flight.is_floating_point()
+                and bool(torch.isfinite(in_flight).all())):
+            raise ValueError(f"{storage.uri(rel)}: the saved pseudo-gradient in flight is no finite flat tensor")
     return WorkerState(step=step, trainer=storage.read_bytes(f"{rel}/{OPTIMIZER.value}", max_trainer_bytes),
-                       data=data, members=members, rows_per_step=rows, feedback=feedback)
+                       data=data, members=members, rows_per_step=rows, feedback=feedback, in_flight=in_flight)
 
 
 def _torch_file(data: bytes):
@@ -163,9 +175,10 @@ def save_sharded(storage: RunStorage, worker: str, state: WorkerState, trainer: 
     rank = dist.get_rank(group) if group is not None else 0
     rel = _drop_stale(storage, kind, state.step) if rank == 0 else storage.step_path(state.step, kind)
     barrier()
+    extras = {key: _as_shards(flat, outer.params) for key, flat in
+              (("feedback", state.feedback), ("in_flight", state.in_flight)) if flat is not None}
     save_worker(storage, rel, trainer.model, trainer.optimizer, outer,
-                {"data": state.data, "members": state.members, "rows_per_step": state.rows_per_step}, group,
-                None if state.feedback is None else _as_shards(state.feedback, outer.params))
+                {"data": state.data, "members": state.members, "rows_per_step": state.rows_per_step}, group, extras)
     if rank == 0:
         storage.retain(kind, keep)
 
@@ -185,11 +198,15 @@ def restore_sharded(storage: RunStorage, worker: str, step: int, trainer: Traine
         return None, "its saved state is of a worker of one rank (not sharded)"
     theta = [p.clone() for p in outer.params]
     momentum = [m.clone() for m in outer.momentum_buffers()] if outer.has_momentum() else None
-    parts = [torch.zeros_like(p) for p in outer.params] if feedback is not None else None
+    parts = {key: [torch.zeros_like(p) for p in outer.params] for key in ("feedback", "in_flight")
+             if key != "feedback" or feedback is not None}
+    in_flight = None
     try:
         extra = load_worker(storage, rel, trainer.model, trainer.optimizer, outer, group, parts)
-        if parts is not None and feedback is not None and extra["feedback"]:
-            feedback.load_state_dict({"residual": torch.cat([t.reshape(-1) for t in parts])})
+        if feedback is not None and extra["feedback"]:
+            feedback.load_state_dict({"residual": torch.cat([t.reshape(-1) for t in parts["feedback"]])})
+        if extra["in_flight"]:
+            in_flight = torch.cat([t.reshape(-1) for t in parts["in_flight"]])
     except (OSError, ValueError, ShardsRefused) as e:
         return None, f"its saved state is unreadable ({str(e)[:300]})"
     finally:
@@ -200,7 +217,8 @@ def restore_sharded(storage: RunStorage, worker: str, step: int, trainer: Traine
     data = extra.get("data")
     if not isinstance(data, dict):
         return None, "its saved data position is not a JSON object"
-    return WorkerState(step=steps[-1], trainer=b"", data=data, members=members or [], rows_per_step=rows or 0), ""
+    return WorkerState(step=steps[-1], trainer=b"", data=data, members=members or [], rows_per_step=rows or 0,
+                       in_flight=in_flight), ""
 
 
 def restore_any(storage: RunStorage, worker: str, step: int, trainer: Trainer, outer,
@@ -238,11 +256,7 @@ def restore_resharded(storage: RunStorage, worker: str, step: int, trainer: Trai
         moments, groups = _full_moments(state, model, opt)
         residual = None
         if feedback is not None and saved.feedback is not None:  # the whole model's, cut as theta_sync is
-            if saved.feedback.numel() != sum(math.prod(s) for s in full):
-                raise ValueError("its error-feedback residual is not the model's size")
-            mine = local_part(outer, [c.view(s) for c, s in zip(saved.feedback.split([math.prod(s) for s in full]),
-                                                                  full)])
-            residual = torch.cat([t.reshape(-1) for t in mine])
+            residual = _cut(saved.feedback, outer, full, "error-feedback residual")
             ErrorFeedback(feedback.numel, feedback.cfg).load_state_dict({"residual": residual})  # checked first
         set_optimizer_state_dict(model, opt, {"state": moments, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
@@ -251,9 +265,20 @@ def restore_resharded(storage: RunStorage, worker: str, step: int, trainer: Trai
             torch.set_rng_state(state["rng"])
         if feedback is not None and residual is not None:
             feedback.load_state_dict({"residual": residual})
+        if saved.in_flight is not None:
+            saved = replace(saved, in_flight=_cut(saved.in_flight, outer, full, "pseudo-gradient in flight"))
         return saved, ""
     except (OSError, ValueError) as e:
         return None, f"its saved state is unreadable ({str(e)[:300]})"
+
+
+def _cut(flat: torch.Tensor, outer, full: list[tuple[int, ...]], what: str) -> torch.Tensor:
+    """This rank's part of a whole model's flat tensor (laid out as the full parameters ``full``), flat."""
+    sizes = [math.prod(s) for s in full]
+    if flat.numel() != sum(sizes):
+        raise ValueError(f"its {what} is not the model's size")
+    mine = local_part(outer, [c.view(s) for c, s in zip(flat.split(sizes), full)])
+    return torch.cat([t.reshape(-1) for t in mine])
 
 
 def _as_shards(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

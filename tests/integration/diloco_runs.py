@@ -3,6 +3,9 @@ test_diloco_attacks.py, test_rendezvous_scopes.py), and what they read back from
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from intellect.config import load_config
 from intellect.diloco.config import DilocoRunConfig
 from intellect.diloco.coordinator import Coordinator
@@ -32,3 +35,20 @@ def digests(coord: Coordinator, step: int) -> dict[str, str]:
 
 def logs(tmp_path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+
+
+def wait_progress(coord: Coordinator, at_least: int, timeout: float = 120) -> None:
+    """Until the run committed ``at_least`` outer steps (while some worker still runs)."""
+    deadline = time.monotonic() + timeout
+    while (coord.progress() or 0) < at_least:
+        assert time.monotonic() < deadline, f"no progress to {at_least} (now {coord.progress()})"
+        assert any(h.poll() is None for h in coord.handles.values()), "every worker exited"
+        time.sleep(0.1)
+
+
+def wait_for(marker: Path, tmp_path, timeout: float = 120) -> None:
+    """Until ``marker`` exists (a scripted fault's: ``diloco_faults.stall_marker``)."""
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert time.monotonic() < deadline, logs(tmp_path)
+        time.sleep(0.05)

@@ -103,7 +103,7 @@ def _rank_main(phase: str, local: int, ranks: int, port: int, root: str, out_dir
                 _train_step(model, opt, _batch(i)[rows])
             outer.step(outer.pseudo_gradient(model))
             save_worker(storage, REL, model, opt, outer, EXTRA, mesh.intra,
-                        local_part(outer, _feedback(outer.full_shapes)))
+                        {"feedback": local_part(outer, _feedback(outer.full_shapes))})
             export_hf(model, build_tokenizer(), f"{out_dir}/hf", mesh.intra)
             publish_consolidated(model, build_tokenizer(), storage, 1, mesh.intra, outer=outer)
         else:
@@ -113,7 +113,7 @@ def _rank_main(phase: str, local: int, ranks: int, port: int, root: str, out_dir
                 res["torn"] = str(e)
             res["torn_fresh"] = not opt.state and not outer.has_momentum()
             parts = [torch.zeros_like(p) for p in outer.params]
-            res["extra"] = load_worker(storage, REL, model, opt, outer, mesh.intra, parts)
+            res["extra"] = load_worker(storage, REL, model, opt, outer, mesh.intra, {"feedback": parts})
             res["feedback"] = outer.gather(parts)
         res["local_numel"] = [p.numel() for p in outer.params]
         res.update(_snapshot(model, opt, outer))
@@ -161,7 +161,7 @@ def _load_one(storage: RunStorage) -> dict:
     """The 1-process load: an unsharded model and OuterState, no process group."""
     model, outer, opt = _fresh()
     parts = [torch.zeros_like(p) for p in outer.params]
-    res = {"extra": load_worker(storage, REL, model, opt, outer, feedback=parts), "feedback": parts}
+    res = {"extra": load_worker(storage, REL, model, opt, outer, extras={"feedback": parts}), "feedback": parts}
     res.update(_snapshot(model, opt, outer))
     _train_step(model, opt, _batch(5))
     res["next"] = [p.detach().clone() for p in model.parameters()]

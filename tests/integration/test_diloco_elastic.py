@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from diloco_faults import FaultPlan, faulty_launcher, stall_marker
-from diloco_runs import digests, logs, run_cfg
+from diloco_runs import digests, logs, run_cfg, wait_for, wait_progress
 
 from intellect.checkpoints import fetch
 from intellect.diloco import worker_state
@@ -34,14 +34,6 @@ def assert_identical_replicas(coord: Coordinator, steps: range) -> None:
         d = digests(coord, t)
         assert d, f"no digest for step {t}"
         assert len(set(d.values())) == 1, f"replicas differ at step {t}: {d}"
-
-
-def wait_progress(coord: Coordinator, at_least: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while (coord.progress() or 0) < at_least:
-        assert time.monotonic() < deadline, f"no progress to {at_least} (now {coord.progress()})"
-        assert any(h.poll() is None for h in coord.handles.values()), "every worker exited"
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -181,10 +173,7 @@ def test_kill_during_allreduce_retries_with_survivors(tmp_path, coordinator):
     c = coordinator(run_cfg(tmp_path, **{"diloco.workers": 3, "diloco.outer_steps": 3}),
                     faults=FaultPlan(stall_step=1, stall_worker="w2", stall_marker=str(tmp_path)))
     c.start()
-    deadline = time.monotonic() + 120
-    while not stall_marker(tmp_path, 1, "w2").exists():
-        assert time.monotonic() < deadline, logs(tmp_path)
-        time.sleep(0.05)
+    wait_for(stall_marker(tmp_path, 1, "w2"), tmp_path)
     os.kill(c.handles["w2"].pid, signal.SIGKILL)
     codes = c.watch(timeout=180)
     assert codes["w0"] == EXIT_DONE and codes["w1"] == EXIT_DONE, logs(tmp_path)

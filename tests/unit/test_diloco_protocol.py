@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import doctest
+import json
 
 import pytest
 
@@ -60,3 +61,25 @@ def test_readers_ignore_what_they_cannot_parse():
 def test_doctests():
     # among them: agreed_digest, what a joiner checks the state it receives against
     assert doctest.testmod(P).failed == 0
+
+
+def _propose(peer: str, t: int, names: list[str], data: dict) -> str | None:
+    body = {"key": f"members/{t}/0", "expected": "", "desired": base64.b64encode(json.dumps(names).encode()).decode()}
+    return scope(peer, "compare_set", body, data)
+
+
+def test_the_next_steps_members_are_proposed_by_a_committer_or_overlapped_a_member_of_the_step_in_flight():
+    arrived = {f"arrive/{t}/{w}": b"1" for t in range(4) for w in "abc"}
+    base = {**arrived, "start": b"0", "members/0/0": b'["a", "b"]', "vote/0/0/a": b"ok"}
+    # founders of step 0; overlapped, the next step's members come while step 0 is undecided
+    assert _propose("a", 1, ["a", "b"], base) is None
+    assert _propose("c", 1, ["a", "b", "c"], base) is not None  # not a member of step 0
+    decided = {**base, "outcome/0/0": b"commit", "progress": b"1", "members/1/0": b'["a", "b", "c"]'}
+    assert _propose("c", 2, ["a", "b", "c"], decided) is not None  # c joined step 1: it committed no step 0
+    assert _propose("a", 2, ["a", "b", "c"], decided) is None  # a: step 0's commit, in step 1 in flight
+    assert _propose("a", 2, ["a", "b"], {**decided, "outcome/1/0": b"abort"}) is not None  # 1 is no longer in flight
+    retry = {**decided, "outcome/1/0": b"abort", "members/1/1": b'["a", "b"]'}
+    assert _propose("b", 2, ["a", "b"], retry) is None  # a member of the retry in flight
+    assert _propose("c", 2, ["a", "b"], {**retry, "outcome/0/0": b"commit"}) is not None
+    # blocking runs never propose before the step commits: a committer of step 1 proposes step 2
+    assert _propose("c", 2, ["a", "c"], {**decided, "outcome/1/0": b"commit"}) is None

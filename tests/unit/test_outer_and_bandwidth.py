@@ -1,6 +1,8 @@
 import doctest
 import itertools
 
+import pytest
+
 import torch
 
 import intellect.diloco.bandwidth as bandwidth
@@ -86,3 +88,28 @@ def test_solved_ring_avoids_the_slow_link():
     order = solve_ring(cols)
     bw = [[cols[j][i] for j in range(n)] for i in range(n)]
     assert bottleneck(order, bw) == 100.0
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.7, True), (0.9, False)])
+def test_the_eager_preview_is_the_outer_step_on_a_copy(momentum, nesterov):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    outer = OuterState(model, lr=0.7, momentum=momentum, nesterov=nesterov)
+    outer.step([torch.randn_like(p) for p in outer.params])  # a momentum to copy
+    before = [p.clone() for p in outer.params]
+    buffers = [b.clone() for b in outer.momentum_buffers()]
+    g = [torch.randn_like(p) for p in outer.params]
+    preview = outer.preview(g, 1.0)
+    # theta_sync and its momentum untouched; the next phase's start and the pseudo-gradient's base are the preview
+    assert all(torch.equal(a, b) for a, b in zip(before, outer.params))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, outer.momentum_buffers()))
+    assert outer.base is preview
+    outer.step(g)  # weight 1 (one worker): the preview is the outer step bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(preview, outer.params))
+    if momentum == 0:  # plain SGD: DeepMind's eager update, theta - lr * g / n
+        half = outer.preview(g, 0.5)
+        assert all(torch.allclose(h, p - 0.7 * 0.5 * x) for h, p, x in zip(half, outer.params, g))
+    # the pseudo-gradient of the phase that starts there is measured from it
+    assert outer.base is not None
+    outer.load_into(model, outer.base)
+    assert all(float(d.abs().max()) == 0 for d in outer.pseudo_gradient(model))
