@@ -134,13 +134,15 @@ def read_names(raw, cap: int = 4096) -> list[str] | None:
 
 
 def onboarding_source(members: list[str], committed: Callable[[str], object], step: int) -> str | None:
-    """The member that hands its state to those behind at step ``step``'s boundary: the first by name
-    of those furthest ahead (``committed(w)``: the ``COMMITTED`` record of ``w``, taken as a count up
-    to the step; unreadable counts as 0); None when nobody is behind. The workers and the rendezvous
-    (who may write the catch-up groups' keys) compute it alike.
+    """The member that hands its state to those behind at step ``step``'s boundary: one of those
+    furthest ahead (``committed(w)``: the ``COMMITTED`` record of ``w``, taken as a count up to the
+    step; unreadable counts as 0), in turn by step among them in name order, so a source whose state a
+    joiner refuses (it lied) is not the one it asks at the next boundary; None when nobody is behind.
+    The workers and the rendezvous (who may write the catch-up groups' keys) compute it alike.
 
-    >>> onboarding_source(["w0", "w1", "w2"], {"w0": "3", "w1": "3", "w2": "1"}.get, 3)
-    'w0'
+    >>> records = {"w0": "3", "w1": "3", "w2": "1"}
+    >>> onboarding_source(["w0", "w1", "w2"], records.get, 4), onboarding_source(["w0", "w1", "w2"], records.get, 5)
+    ('w0', 'w1')
     >>> onboarding_source(["w0", "w1"], {"w0": "3", "w1": "3"}.get, 3) is None
     True
     """
@@ -148,7 +150,8 @@ def onboarding_source(members: list[str], committed: Callable[[str], object], st
     newest = max(progress.values(), default=0)
     if not progress or min(progress.values()) == newest:
         return None
-    return min(w for w in members if progress[w] == newest)
+    ahead = sorted(w for w in members if progress[w] == newest)
+    return ahead[step % len(ahead)]
 
 
 def agreed_digest(records: Sequence[object]) -> str | None:

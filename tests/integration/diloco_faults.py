@@ -46,7 +46,7 @@ class FaultPlan(BaseModel):
     stall_worker: str | None = None  # this worker stalls inside the all-reduce (once every member is ready) ...
     stall_step: int = -1  # ... of this outer step, until killed
     stall_marker: str | None = None  # a folder: ``stalled-<step>-<worker>`` appears there when it stalls
-    onboard_lie_worker: str | None = None  # as the onboarding source, this worker sends other weights ...
+    onboard_lie_worker: str | None = None  # as the onboarding source, this worker ("*": any) sends other weights ...
     onboard_lies: int = 0  # ... the first this many times it is: one element moved by 1 ...
     onboard_lie: Literal["theta", "momentum"] = "theta"  # ... of theta_sync or of the momentum
 
@@ -107,7 +107,7 @@ class ScriptedFaults:
             raise RuntimeError(f"injected: {worker}'s ring {rank} fails at step {step} attempt {attempt}")
 
     def onboarding_state(self, step: int, worker: str, flat: torch.Tensor) -> None:
-        if self.plan.onboard_lie_worker == worker and self.lies_told < self.plan.onboard_lies:
+        if self.plan.onboard_lie_worker in (worker, "*") and self.lies_told < self.plan.onboard_lies:
             self.lies_told += 1
             flat[0 if self.plan.onboard_lie == "theta" else (len(flat) - 2) // 2] += 1.0  # OuterState.flat's layout
 
