@@ -8,7 +8,8 @@
 #              intellect/, flows/, tasks/ imports, each failure named (benchmarks/gpu_preflight.py);
 #   tests      the tests marked `gpu` in tests/gpu/: the DiLoCo outer state in pinned host memory and a
 #              2-worker bf16-mixed DiLoCo run on CUDA over gloo (test_diloco_cuda.py); the RL trainer,
-#              engine, TOPLOC proofs and RL steps on CUDA (test_rl_cuda.py); the int8 all-reduce over an
+#              engine, TOPLOC proofs and RL steps on CUDA (test_rl_cuda.py); a bf16-mixed step of the
+#              sharded GRPO trainer against the one-process one (test_rl_trainer_ranks_cuda.py); the int8 all-reduce over an
 #              NCCL group (test_nccl_allreduce.py: 2 GPUs; on one GPU it is skipped, NCCL refuses two
 #              ranks on one device);
 #   tokenizer  the byte-level BPE tokenizer of the text runs, trained on the standard library's source;

@@ -51,9 +51,11 @@ from intellect.device import Precision, autocast, pin, prepare_model, resolve_de
 from intellect.rl.trainer.logprobs import DEFAULT_CHUNK_TOKENS, packing_isolates, row_logprobs, split_causal_lm
 from intellect.rl.trainer.loss import GRPOLossConfig, grpo_loss
 from intellect.rl.trainer.packing import PackedRow, output_mask, pack, unpack
+from intellect.rl.trainer.sharding import LOGPROBS_METHOD, full_value, rank_rows, reduce_stats, shard_model
 from intellect.train import lr_at
 
 if TYPE_CHECKING:
+    from intellect.diloco.mesh import WorkerMesh
     from intellect.rl.wire.rollout_schema import Rollout, RolloutLimits
     from intellect.storage import RunStorage
 
@@ -96,6 +98,11 @@ class RLTrainerConfig(StrictModel):
         "None: the longest completion of each mini-batch.",
     )
     loss: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
+    ranks: int = Field(
+        default=1, ge=1, le=1024,
+        description="Processes the trainer runs as, one per device (gloo on the CPU): the model, its gradients "
+        "and AdamW state sharded over them with FSDP2, micro-batches split among them; 1: one process.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,17 +255,32 @@ class GRPOTrainer:
     ``ref_model`` (never updated) is required by ``loss.kl_coef > 0``; whenever given, the KL to
     it is logged. ``compute`` places both models on its device in its precision (module docstring);
     None leaves them where and as they are, in the precision they have, without autocast.
+
+    ``mesh``: this rank's place among the trainer's ranks (``trainer.ranks``); the fp32 model is then
+    sharded over them (:mod:`intellect.rl.trainer.sharding`) on ``mesh.device``, and every rank must call
+    each method that computes with the same arguments (the step's samples), as FSDP's collectives do.
     """
 
     def __init__(
         self, model: torch.nn.Module, tokenizer, cfg: RLTrainerConfig, ref_model: torch.nn.Module | None = None,
-        compute: ComputeConfig | None = None,
+        compute: ComputeConfig | None = None, mesh: WorkerMesh | None = None,
     ):
         if cfg.loss.kl_coef > 0 and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a ref_model")
+        if mesh is not None and ref_model is not None:
+            raise ValueError("a sharded trainer takes no reference model (loss.kl_coef = 0)")
         self.model, self.tokenizer, self.cfg, self.ref_model = model, tokenizer, cfg, ref_model
+        self.mesh = mesh
         self.precision: Precision = "fp32"
-        if compute is None:
+        if mesh is not None:
+            compute = compute or ComputeConfig(device=mesh.device.type)
+            self.device = mesh.device
+            self.precision = resolve_precision(compute.precision, self.device)
+            model.to(self.device)
+            # before sharding: the check calls the head and the base model outside any FSDP hook
+            self.packs = packing_isolates(model, context=self._autocast)
+            shard_model(model, mesh.fsdp_mesh, compute)
+        elif compute is None:
             self.device = next(model.parameters()).device
         else:
             self.device = resolve_device(compute.device)
@@ -267,11 +289,12 @@ class GRPOTrainer:
             prepare_model(model, compute.model_copy(update={"compile": False}), self.device, train=True)
             if ref_model is not None:
                 prepare_model(ref_model, compute, self.device, train=False).eval()
-        self.packs = all(packing_isolates(m, context=self._autocast) for m in (model, ref_model) if m is not None)
+        if mesh is None:
+            self.packs = all(packing_isolates(m, context=self._autocast) for m in (model, ref_model) if m is not None)
         if not self.packs:
             warnings.warn(f"{type(model).__name__} does not keep packed samples apart with this transformers: "
                           "one sample per forward pass", stacklevel=2)
-        if compute is not None and compute.compile:
+        if compute is not None and compute.compile and mesh is None:  # parallelize compiles each block
             split_causal_lm(model)[0].compile()
         # after placement: AdamW's state takes each parameter's device and dtype (fp32 master weights
         # under bf16-mixed)
@@ -306,11 +329,21 @@ class GRPOTrainer:
         rows = pack(samples, self.cfg.micro_batch_tokens, one_per_row=not self.packs)
         return [self._micro(samples, row) for row in rows]
 
+    def _passes(self, mini: list[_Micro]) -> list[tuple[_Micro, bool]]:
+        """The micro-batches this rank runs, each with whether it counts: all of them in one process;
+        its share under a mesh, padded with uncounted one-token rows (``sharding`` module docstring)."""
+        if self.mesh is None:
+            return [(mb, True) for mb in mini]
+        dummy = Sample([0], [0], 0.0, behaviour_logprobs=[0.0])  # behaviour: old_logprobs = "behaviour" reads it
+        return [(mb, True) if mb is not None else (self._micro([dummy], pack([dummy], 2)[0]), False)
+                for mb in rank_rows(mini, self.mesh.local_rank, self.mesh.local_size)]
+
     def _logprobs(self, model: torch.nn.Module, mb: _Micro, entropy_grad: bool = False):
         """Log-prob and entropy of every output token of the row, ``[N]`` in row order."""
-        return row_logprobs(model, mb.row, self.cfg.temperature, entropy_grad=entropy_grad,
-                            chunk_tokens=self.cfg.logit_chunk_tokens,
-                            context=self._autocast)
+        kw = {"entropy_grad": entropy_grad, "chunk_tokens": self.cfg.logit_chunk_tokens, "context": self._autocast}
+        if self.mesh is not None:  # through the root FSDP module's hooks
+            return getattr(model, LOGPROBS_METHOD)(mb.row, self.cfg.temperature, **kw)
+        return row_logprobs(model, mb.row, self.cfg.temperature, **kw)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
@@ -321,7 +354,7 @@ class GRPOTrainer:
         The first mini-batch's are left unset: :meth:`_accumulate` takes its own, detached."""
         behaviour = self.cfg.loss.old_logprobs == "behaviour"
         for i, mini in enumerate(minis):
-            for mb in mini:
+            for mb, _ in self._passes(mini):
                 if behaviour:
                     if mb.behaviour is None:
                         raise ValueError("loss.old_logprobs='behaviour' needs behaviour_logprobs on every sample")
@@ -335,7 +368,7 @@ class GRPOTrainer:
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Each sample's output-token log-probs under the current weights (1-d, float)."""
         out: dict[int, torch.Tensor] = {}
-        for mb in self._micro_batches(samples):
+        for mb in self._micro_batches(samples):  # every row on every rank: each returns them all
             out.update(zip(mb.row.members, self._logprobs(self.model, mb)[0].split(mb.row.output_lengths)))
         return [out[i] for i in range(len(samples))]
 
@@ -350,7 +383,7 @@ class GRPOTrainer:
         max_len = max(max_len, 1)
         acc: dict[str, Any] = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "kl": 0.0, "entropy": 0.0}
         lo, hi = math.inf, -math.inf
-        for mb in mini:
+        for mb, counts in self._passes(mini):
             logp, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
             dt = logp.dtype
             old = logp.detach() if mb.old is None else mb.old.to(dt)
@@ -360,7 +393,9 @@ class GRPOTrainer:
                 entropy=unpack(entropy, mb.row), max_len=max_len, token_count=tokens,
             )
             scale = 1.0 if cfg.normalization == "token" else mb.samples / samples
-            (loss * scale).backward()
+            (loss * (scale if counts else 0.0)).backward()
+            if not counts:
+                continue
             n = mb.tokens
             acc["loss"] += loss.item() * scale
             for key in ("clip_fraction", "ratio_mean", "kl", "entropy"):
@@ -368,6 +403,8 @@ class GRPOTrainer:
                     acc[key] += st[key].item() * n
             if n:
                 lo, hi = min(lo, st["ratio_min"].item()), max(hi, st["ratio_max"].item())
+        if self.mesh is not None:
+            lo, hi = reduce_stats(acc, lo, hi, self.mesh.intra)
         for key in ("clip_fraction", "ratio_mean", "kl", "entropy"):
             acc[key] = acc[key] / tokens if tokens else (0.0 if key == "clip_fraction" else math.nan)
         acc.update(ratio_min=lo if tokens else math.nan, ratio_max=hi if tokens else math.nan,
@@ -392,7 +429,7 @@ class GRPOTrainer:
                 group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             acc = self._accumulate(mini)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -412,7 +449,12 @@ class GRPOTrainer:
     def publish(self, storage: RunStorage, step: int,
                 sidecars: Mapping[checkpoints.Sidecar, Any] | None = None) -> str:
         """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``; float32 weights
-        on the CPU whatever the training precision); returns its URI."""
+        on the CPU whatever the training precision); returns its URI. Sharded: the consolidated model,
+        written by rank 0 (:func:`~intellect.diloco.checkpoint_shards.publish_consolidated`), collective."""
         self.model.eval()
+        if self.mesh is not None:
+            from intellect.diloco.checkpoint_shards import publish_consolidated  # noqa: PLC0415 - DCP's imports
+
+            return publish_consolidated(self.model, self.tokenizer, storage, step, self.mesh.intra, sidecars=sidecars)
         with cpu_weights(self.model) as model:
             return checkpoints.publish(model, self.tokenizer, storage, step, sidecars)

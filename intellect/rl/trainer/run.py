@@ -49,6 +49,7 @@ from intellect.rl.trainer.step import DoneMarker, EngineFactory, read_done_marke
 from intellect.rl.worker.submission import RewardFn, prompt_tokens
 from intellect.rl.service.verdicts import read_verdicts, write_verdicts
 from intellect.rl.trainer.publish import publish_to_origin
+from intellect.rl.trainer.ranks import ShardedTrainer
 from intellect.rl.worker.worker import WorkerRunInfo
 from intellect.rl.trainer.workers import WorkerResult, await_done, start_workers, stop_workers
 from intellect.shardcast.local import LocalCDN, start_local
@@ -155,7 +156,7 @@ class RLRun:
         self.engines = step_phases.CheckpointEngines(self.storage, self.ledger, keep=cfg.async_level + 2,
                                                      compute=cfg.compute)
         self.stopping = threading.Event()  # set: waits for workers give up
-        self.trainer: GRPOTrainer | None = None  # holding checkpoint `trainer_step`
+        self.trainer: GRPOTrainer | ShardedTrainer | None = None  # holding checkpoint `trainer_step`
         self.trainer_step = -1
         self.cdn: LocalCDN | None = None  # SHARDCAST origin and relays this process started
         self.relays: list[str] = []  # what the workers download from
@@ -195,10 +196,17 @@ class RLRun:
             if self.workers:
                 self.stop_workers()
         finally:
+            self.close_trainer()
             self.stop_service()
             self.stop_shardcast()
             if self._owns_ledger:
                 self.ledger.close()
+
+    def close_trainer(self) -> None:
+        """Stop the trainer's other ranks (``trainer.ranks > 1``); the trainer is built again when needed."""
+        trainer, self.trainer, self.trainer_step = self.trainer, None, -1
+        if isinstance(trainer, ShardedTrainer):
+            trainer.close()
 
     def release_ledger(self) -> None:
         """Close the ledger connection (reopened on next use), so a flow run in another process can
@@ -433,6 +441,7 @@ class RLRun:
         trained = not adopt(self.storage, self.ledger, step + 1)
         if trained:
             if self.trainer is None or self.trainer_step != step:
+                self.close_trainer()
                 if self.cfg.trainer_threads:
                     torch.set_num_threads(self.cfg.trainer_threads)
                 self.trainer = step_phases.load_trainer(self.cfg, self.storage, self.ledger, step)

@@ -56,6 +56,8 @@ from intellect.rl.wire.rollouts import (
 )
 from intellect.rl.worker.submission import RewardFn, generate_submission, math_task_reward, signal_samples
 from intellect.rl.trainer.grpo import GRPOTrainer, Sample, load_accepted
+from intellect.rl.trainer.ranks import ShardedTrainer, TrainerSpec
+from intellect.rl.trainer.state import drop_state, has_state, load_state
 from intellect.rl.service.validator import RowCheck, validate_submission
 from intellect.storage import step_name
 from intellect.toploc.check import toploc_check
@@ -219,20 +221,31 @@ def validate_files(
     return out
 
 
-def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int) -> GRPOTrainer:
+def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int) -> GRPOTrainer | ShardedTrainer:
     """A trainer holding checkpoint ``step`` and, when saved with it, the optimizer state, both read
-    from one copy verified against the ledger's digest, on ``cfg.compute``'s device and precision."""
+    from one copy verified against the ledger's digest, on ``cfg.compute``'s device and precision.
+    The optimizer state is the checkpoint's sidecar (a trainer of one process) or the trainer's
+    sharded state of the step (:mod:`~intellect.rl.trainer.state`, saved by any number of ranks).
+    ``trainer.ranks > 1``: the trainer's processes, this one its rank 0 (:class:`ShardedTrainer`),
+    which reads either too."""
+    if cfg.trainer.ranks > 1:
+        return ShardedTrainer.start(TrainerSpec(
+            run_name=cfg.run_name, storage=cfg.storage, trainer=cfg.trainer, compute=cfg.compute, checkpoint=step,
+            sha256=recorded_digest(ledger, step), threads=cfg.trainer_threads))
     with recorded_copy(storage, ledger, step) as folder:
         model, tok = load_checkpoint_copy(folder)
         trainer = GRPOTrainer(model, tok, cfg.trainer, compute=cfg.compute)
         if (folder / OPTIMIZER).exists():
             # saved on the CPU; AdamW moves each state tensor to its parameter's device and dtype
             trainer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu"))
+        elif has_state(storage, step):
+            load_state(storage, step, trainer)
     return trainer
 
 
 def train_and_publish(
-    storage: RunStorage, ledger: Ledger, step: int, policy: int, trainer: GRPOTrainer, limits: RolloutLimits,
+    storage: RunStorage, ledger: Ledger, step: int, policy: int, trainer: GRPOTrainer | ShardedTrainer,
+    limits: RolloutLimits,
 ) -> SavedStepReport:
     """Train ``trainer`` (holding checkpoint ``step``) on the step's accepted samples with signal and
     publish checkpoint ``step + 1`` with its report and optimizer state; the report is returned.
@@ -244,9 +257,15 @@ def train_and_publish(
     saved = SavedStepReport(policy_step=policy, trained_samples=len(samples)) if stats is None else SavedStepReport(
         policy_step=policy, trained_samples=len(samples), loss=stats.loss, clip_fraction=stats.clip_fraction,
         ratio_max=stats.ratio_max, grad_norm=stats.grad_norm, tokens=stats.tokens, train_seconds=stats.seconds)
-    buf = io.BytesIO()
-    torch.save(trainer.state_dict(), buf)
-    extra = {STEP_REPORT: saved, OPTIMIZER: buf.getvalue()}
+    if isinstance(trainer, ShardedTrainer):
+        # every rank its shards, before the checkpoint is recorded; one of an unrecorded attempt is replaced
+        drop_state(storage, step + 1)
+        trainer.save_state(step + 1)
+        extra: dict = {STEP_REPORT: saved}
+    else:
+        buf = io.BytesIO()
+        torch.save(trainer.state_dict(), buf)
+        extra = {STEP_REPORT: saved, OPTIMIZER: buf.getvalue()}
     for attempt in range(3):
         try:
             trainer.publish(storage, step + 1, extra)
