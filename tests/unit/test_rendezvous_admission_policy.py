@@ -96,12 +96,13 @@ def test_a_workers_rings_and_catch_up_groups_have_their_own_writers():
     assert "only rank 0" in scope("a", "set", _set("pg/3/1/shard1//0/0"), data)
     for key in ("pg/3/1/shard0//0/1", "pg/3/1/shard64//0/1", "pg/3/1/shardx//0/1", "pg/3/1/shard1/x/0/1"):
         assert scope("a", "set", _set(key), data) is not None, key
-    # c (member 2) is behind: a (the source: first of the newest by name) is rank 0, c rank 1, nobody else
-    assert scope("a", "set", _set("pg/3/catchup2//0/0"), data) is None
+    # c (member 2) is behind: b (the source: of the newest, a and b by name, the one step 3 turns to) is
+    # rank 0, c rank 1, nobody else
+    assert scope("b", "set", _set("pg/3/catchup2//0/0"), data) is None
     assert scope("c", "set", _set("pg/3/catchup2//0/1"), data) is None
-    assert scope("a", "set", _set("pg/3/catchup2/shard1//0/0"), data) is None
-    assert "only a" in scope("b", "set", _set("pg/3/catchup2//0/0"), data)
-    assert "only c" in scope("a", "set", _set("pg/3/catchup2//0/1"), data)
+    assert scope("b", "set", _set("pg/3/catchup2/shard1//0/0"), data) is None
+    assert "only b" in scope("a", "set", _set("pg/3/catchup2//0/0"), data)
+    assert "only c" in scope("b", "set", _set("pg/3/catchup2//0/1"), data)
     assert "not behind" in scope("a", "set", _set("pg/3/catchup1//0/1"), data)
     assert "no member 7" in scope("a", "set", _set("pg/3/catchup7//0/1"), data)
     assert "two ranks" in scope("a", "set", _set("pg/3/catchup2//0/2"), data)
