@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ PREFIX = "iwan-"
 IFNAME = "wan0"
 SUBNET = "10.77.0"
 PROBE = Path(__file__).with_name("probe.py")
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NAME` bind-mounts NETNS_ETC/NAME/<file> over /etc/<file>
 _STALE = re.compile(rf"^{PREFIX}(\d+)-")
 _seq = itertools.count()
 
@@ -73,6 +75,7 @@ def _del_netns(ns: str) -> None:
         except (ProcessLookupError, ValueError):
             pass
     _cmd(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)  # own_hostname's hosts file, if any
 
 
 def cleanup_stale() -> list[str]:
@@ -190,6 +193,9 @@ class Testbed:
     downlink (defaults to the uplink), ``delay_ms`` each access link's one-way delay, in
     both directions (one-way i->j = delay[i] + delay[j]).
     ``None`` rate / 0 delay leaves that part unshaped (veth speed, ~tens of Gbit/s).
+    ``own_hostname``: inside host i (for what :meth:`run` starts), the machine's host name resolves to
+    ``addr(i)``, for tools that find their own address from it (gloo's default device); without it the
+    name resolves as ``/etc/hosts`` says, often to a loopback address that no other host can reach.
     """
 
     def __init__(
@@ -200,6 +206,7 @@ class Testbed:
         rate_mbit: Any = None,
         delay_ms: Any = 0.0,
         downlink_mbit: Any = _UNSET,
+        own_hostname: bool = False,
     ):
         if topology not in ("mesh", "star"):
             raise ValueError(f"topology must be 'mesh' or 'star', not {topology!r}")
@@ -223,6 +230,8 @@ class Testbed:
                 up = _vector(rate_mbit, n_hosts)
                 down = up if downlink_mbit is _UNSET else _vector(downlink_mbit, n_hosts)
                 self._build_star(up, down, _vector(delay_ms, n_hosts))
+            if own_hostname:
+                self._write_hosts()
         except BaseException:
             self.close()
             raise
@@ -267,6 +276,19 @@ class Testbed:
                               f"link set {IFNAME} up"])
             self._shape(ns, IFNAME, up[i], delay[i])
             self._shape(switch, f"p{i}", down[i], delay[i])
+
+    def _write_hosts(self) -> None:
+        # ip netns exec bind-mounts it over /etc/hosts; the first line for a name wins
+        name = socket.gethostname()
+        try:
+            base = Path("/etc/hosts").read_text().splitlines()
+        except OSError:
+            base = ["127.0.0.1 localhost"]
+        rest = [line for line in base if name not in line.split("#")[0].split()[1:]]
+        for i, ns in enumerate(self.hosts):
+            d = NETNS_ETC / ns
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "hosts").write_text("\n".join([f"{self.addr(i)} {name}", *rest]) + "\n")
 
     def _shape(self, ns: str, dev: str, rate_mbit: float | None, delay_ms: float) -> None:
         if delay_ms and (why := probe().netem):
