@@ -390,6 +390,9 @@ def worker_main(config_path: str, worker: str, index: int, store: str,
         # one rank down takes the worker out: whatever broke (a collective with the dead rank, the
         # watch's interrupt), the leader says which and stops
         if ranks is None or not ranks.leader or not (lost := ranks.casualty()):
+            # logged here, not only on stderr at exit: a reduction thread still inside gloo can abort the
+            # interpreter's teardown before the traceback is printed
+            log.exception("stopping on an unexpected error")
             raise
         log.error("stopping: %s", lost)
         return EXIT_FAILED
