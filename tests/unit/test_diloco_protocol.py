@@ -63,7 +63,7 @@ def test_doctests():
     assert doctest.testmod(P).failed == 0
 
 
-def _propose(peer: str, t: int, names: list[str], data: dict) -> str | None:
+def _propose(peer: str, t: int, names: list[str], data: dict) -> str | tuple[str, str] | None:
     body = {"key": f"members/{t}/0", "expected": "", "desired": base64.b64encode(json.dumps(names).encode()).decode()}
     return scope(peer, "compare_set", body, data)
 
