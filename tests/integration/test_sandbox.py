@@ -215,10 +215,15 @@ FORKED_ALLOCATION_LOOP = ("import os\nfor _ in range(6):\n    try:\n        if o
 
 def sandbox_anon_bytes(uid: int, each: bool = False) -> int:
     """Anonymous memory of every live process of ``uid`` together (pages shared after a fork count in
-    each), or (``each``) of the largest one."""
+    each), or (``each``) of the largest one. A child of this test process between ``Popen``'s setuid and its
+    exec runs as ``uid`` while still a copy of this process (its cmdline this one's): it holds none of the
+    candidate's memory and is left out."""
+    own = Path("/proc/self/cmdline").read_bytes()
     sizes = []
     for pid in sandbox_pids(uid):
         try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == own:
+                continue
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
