@@ -439,6 +439,16 @@ class RunStorage:
         complete = self.complete_steps(kind)
         return complete[-1] if complete else None
 
+    def drop_step(self, step: int, kind: str) -> str:
+        """Delete step ``step`` of ``kind``, published or not: ``STABLE`` first (no reader takes it for
+        complete while the rest goes), then the folder; its path."""
+        rel = self.step_path(step, kind)
+        if self.is_stable(step, kind):
+            self.fs.rm(self._path(f"{rel}/{STABLE}"))
+        if self.fs.exists(self._path(rel)):
+            self.fs.rm(self._path(rel), recursive=True)
+        return rel
+
     def retain(self, kind: str, keep: int) -> list[int]:
         """Keep the newest ``keep`` complete steps; delete the rest and return them, sorted.
 
@@ -456,11 +466,7 @@ class RunStorage:
         oldest_kept = min(kept)
         doomed = [s for s in all_steps if s not in kept and (s in complete or s < oldest_kept)]
         for s in doomed:
-            rel = self.step_path(s, kind)
-            if s in complete:
-                self.fs.rm(self._path(f"{rel}/{STABLE}"))  # unpublish before deleting the rest
-            if self.fs.exists(self._path(rel)):
-                self.fs.rm(self._path(rel), recursive=True)
+            self.drop_step(s, kind)
         return doomed
 
     def write_step(self, step: int, kind: str, files: Mapping[str, bytes | os.PathLike]) -> dict:

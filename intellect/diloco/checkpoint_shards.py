@@ -68,7 +68,7 @@ from intellect.model.checkpoint import save_checkpoint
 from intellect.storage import STABLE, RunStorage, normalize_rel, parse_step
 
 __all__ = ["MAX_INDEX_BYTES", "MAX_SHARD_FILE_BYTES", "MAX_STATE_BYTES", "ShardsRefused", "consolidate",
-           "export_hf", "load_shards", "load_worker", "publish_consolidated", "save_shards", "save_worker"]
+           "export_hf", "load_shards", "load_worker", "publish_consolidated", "resharded", "save_shards", "save_worker"]
 
 # A rank's data file holds its shards of everything saved (weights, two moments, theta_sync and the
 # momentum: 20 bytes per parameter over M ranks); a file over this is no state of a model this code
@@ -257,7 +257,7 @@ def _outer_tensors(outer: OuterState, shards: list[torch.Tensor]) -> list[torch.
     return outer.as_dtensors(shards) if isinstance(outer, ShardedOuterState) else shards
 
 
-def _resharded(model: torch.nn.Module) -> torch.nn.Module:
+def resharded(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with every FSDP2 module's parameters sharded: a forward without a backward (an
     evaluation) leaves the modules that do not reshard after forward (the last block) gathered, and
     their parameters are then plain tensors that neither the optimizer's state nor DCP knows."""
@@ -277,7 +277,7 @@ def _worker_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, oute
     ``extras`` (named in :data:`WORKER_EXTRAS`: the error-feedback residual of ``diloco.compression =
     "topk"``, the pseudo-gradient in flight of ``diloco.overlap``) laid out as ``outer``'s shards, so they
     reshard as ``theta_sync`` does."""
-    _resharded(model)
+    resharded(model)
     names = [n for n, _ in model.named_parameters()]
     if len(names) != len(outer.params):
         raise ValueError(f"the outer state holds {len(outer.params)} tensors, the model {len(names)} parameters")
@@ -383,7 +383,7 @@ def consolidate(model: torch.nn.Module, group: dist.ProcessGroup | None = None, 
     weights, or ``theta_sync`` of ``outer`` when given. Collective; the full tensors are gathered one
     parameter at a time, so no rank holds more than the consolidated model and one parameter."""
     rank, _ = _rank(group)
-    _resharded(model)
+    resharded(model)
     shell = _shell(model) if rank == 0 else None
     names = [n for n, _ in model.named_parameters()]
     if shell is not None and (got := [n for n, _ in shell.named_parameters()]) != names:

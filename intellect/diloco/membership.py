@@ -137,6 +137,11 @@ class Membership:
     def get(self, key: str) -> str:
         return self._call(self.store.get, key).decode()
 
+    def get_present(self, keys: list[str]) -> list[str | None]:
+        """The values of ``keys``, None for those not written (one round trip to learn which are)."""
+        there = self._call(self.store.check_many, keys) if keys else []
+        return [self.get(k) if t else None for k, t in zip(keys, there)]
+
     def set(self, key: str, value: str) -> None:
         self._call(self.store.set, key, value)
 

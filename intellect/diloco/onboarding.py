@@ -140,8 +140,7 @@ class Onboarding:
         joiners = [j for j, w in enumerate(members) if progress[w] < count]
         # what the state sent must hash to: the digest the members as far ahead agree on for that step
         # (overlapped, not recorded yet: the members commit that step after this boundary; read at the take)
-        held = [m.get(DIGEST(count - 1, w)) if m.has(DIGEST(count - 1, w)) else None
-                for w in members if progress[w] == count]
+        held = m.get_present([DIGEST(count - 1, w) for w in members if progress[w] == count])
         return {"src": members.index(source), "joiners": joiners, "behind": members.index(self.worker) in joiners,
                 "count": count, "digest": agreed_digest(held), "records": sum(r is not None for r in held)}
 
@@ -153,7 +152,7 @@ class Onboarding:
         if n == 0 or len(peers) < 3:  # two that differ: no majority to side with
             return
         # (a joiner that took the state of step n-1 has no record of it)
-        records = {w: m.get(DIGEST(n - 1, w)) if m.has(DIGEST(n - 1, w)) else None for w in peers}
+        records = dict(zip(peers, m.get_present([DIGEST(n - 1, w) for w in peers])))
         agreed = agreed_digest(list(records.values()))
         mine = read_digest(records.get(self.worker))
         if agreed is not None and mine is not None and mine != agreed:
@@ -254,7 +253,7 @@ class Onboarding:
             m = self.membership
             deadline = time.monotonic() + self.cfg.collective_timeout + self.cfg.heartbeat_timeout
             while True:
-                held = [m.get(DIGEST(count - 1, w)) if m.has(DIGEST(count - 1, w)) else None for w in names]
+                held = m.get_present([DIGEST(count - 1, w) for w in names])
                 if agreed_digest(held) is not None or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)

@@ -36,7 +36,7 @@ from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, FEEDBACK, IN_FLIGHT,
 from intellect.diloco.outer_shard import local_part
 from intellect.diloco.protocol import read_count, read_json, read_names
 from intellect.diloco.topk_reduce import ErrorFeedback
-from intellect.storage import STABLE, RunStorage
+from intellect.storage import RunStorage
 from intellect.train import Trainer
 
 _WORKER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -65,22 +65,11 @@ class WorkerState:
     in_flight: torch.Tensor | None = None  # overlap: its own pseudo-gradient of the step in flight, flat
 
 
-def _drop_stale(storage: RunStorage, kind: str, step: int) -> str:
-    """The folder of ``step``'s state, emptied of a stale one (from an attempt that never reached its
-    checkpoint)."""
-    rel = storage.step_path(step, kind)
-    if storage.exists(rel):
-        if storage.is_stable(step, kind):
-            storage.delete(f"{rel}/{STABLE}")
-        storage.delete(rel, recursive=True)
-    return rel
-
-
 def save(storage: RunStorage, worker: str, state: WorkerState, keep: int) -> None:
     """Write ``state`` (a stale one at that step, from an attempt that never reached its checkpoint, is
     replaced) and keep the newest ``keep`` states."""
     kind = state_kind(worker)
-    _drop_stale(storage, kind, state.step)
+    storage.drop_step(state.step, kind)  # a stale one, from an attempt that never reached its checkpoint
     reached = {"members": state.members, "rows_per_step": state.rows_per_step}
     files = {OPTIMIZER.value: state.trainer, DATA_STATE.value: json.dumps(state.data).encode(),
              DATA_MEMBERS.value: json.dumps(reached).encode()}
@@ -173,7 +162,7 @@ def save_sharded(storage: RunStorage, worker: str, state: WorkerState, trainer: 
     dropped a stale folder."""
     kind = state_kind(worker)
     rank = dist.get_rank(group) if group is not None else 0
-    rel = _drop_stale(storage, kind, state.step) if rank == 0 else storage.step_path(state.step, kind)
+    rel = storage.drop_step(state.step, kind) if rank == 0 else storage.step_path(state.step, kind)
     barrier()
     extras = {key: _as_shards(flat, outer.params) for key, flat in
               (("feedback", state.feedback), ("in_flight", state.in_flight)) if flat is not None}

@@ -28,11 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 
 from intellect.checkpoints import SHARDS_STATE
-from intellect.diloco.checkpoint_shards import MAX_STATE_BYTES, ShardsRefused, load_shards, save_shards
-from intellect.storage import STABLE, RunStorage
+from intellect.diloco.checkpoint_shards import MAX_STATE_BYTES, ShardsRefused, load_shards, resharded, save_shards
+from intellect.storage import RunStorage
 
 if TYPE_CHECKING:
     from intellect.rl.trainer.grpo import GRPOTrainer
@@ -46,10 +45,7 @@ _FORMAT = 1
 def _state(trainer: GRPOTrainer) -> tuple[dict[str, Any], dict[str, Any]]:
     """What DCP saves or loads (the model's weights, the optimizer's moments and step counts), and the
     optimizer's full state dict (its ``param_groups`` stay the run's config)."""
-    for m in trainer.model.modules():
-        # a forward without a backward leaves the unresharded last block gathered, as plain tensors
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    resharded(trainer.model)
     optim = get_optimizer_state_dict(trainer.model, trainer.optimizer)
     return {"model": get_model_state_dict(trainer.model), "optimizer": {"state": optim["state"]}}, optim
 
@@ -62,11 +58,7 @@ def has_state(storage: RunStorage, step: int) -> bool:
 def drop_state(storage: RunStorage, step: int) -> None:
     """Delete ``trainer_state/step_<step>``, stable or not: the state of an attempt whose checkpoint
     ``step`` was never recorded (the step is trained again)."""
-    rel = storage.step_path(step, TRAINER_STATE)
-    if storage.exists(rel):
-        if storage.is_stable(step, TRAINER_STATE):
-            storage.delete(f"{rel}/{STABLE}")
-        storage.delete(rel, recursive=True)
+    storage.drop_step(step, TRAINER_STATE)
 
 
 def save_state(storage: RunStorage, step: int, trainer: GRPOTrainer, group: dist.ProcessGroup | None = None) -> str:
