@@ -65,7 +65,7 @@ from intellect.diloco.mesh import WorkerMesh
 from intellect.diloco.outer_shard import ShardedOuterState, consolidated
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.report import Phase, StepReport, WorkerLog
-from intellect.diloco.protocol import ARRIVE, COMMITTED, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
+from intellect.diloco.protocol import AHEAD, ARRIVE, COMMITTED, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.siblings import ALONE, Siblings
 from intellect.diloco.sync import Excluded, Synchronizer
@@ -332,7 +332,8 @@ class DilocoWorker(Onboarding, Overlap):
         veteran = me in self.prev_members and not self.caught_up_in_flight
         self.caught_up_in_flight = False
         if not (founder or veteran) and (p := m.progress()) is not None:
-            self.step = p if Quorum(m, me, p).members(0) is None else p + 1
+            # the first step whose members are undecided (overlapped, the members are a step past progress)
+            self.step = next((t for t in range(p, p + AHEAD) if Quorum(m, me, t).members(0) is None), p + AHEAD)
         t = self.step
         q = Quorum(m, me, t)
         m.set(COMMITTED(t, me), str(self.claimed()))

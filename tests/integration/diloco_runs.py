@@ -3,12 +3,16 @@ test_diloco_attacks.py, test_rendezvous_scopes.py), and what they read back from
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import Callable
+
+from diloco_faults import FaultPlan, stall_marker
 
 from intellect.config import load_config
 from intellect.diloco.config import DilocoRunConfig
-from intellect.diloco.coordinator import Coordinator
+from intellect.diloco.coordinator import EXIT_DONE, Coordinator
 
 
 def run_cfg(tmp_path, **over) -> DilocoRunConfig:
@@ -52,3 +56,17 @@ def wait_for(marker: Path, tmp_path, timeout: float = 120) -> None:
     while not marker.exists():
         assert time.monotonic() < deadline, logs(tmp_path)
         time.sleep(0.05)
+
+
+def killed_in_reduction(coordinator: Callable[..., Coordinator], cfg: DilocoRunConfig, tmp_path, step: int = 1,
+                        worker: str = "w2") -> tuple[Coordinator, dict]:
+    """Run ``cfg`` (through the test's ``coordinator(cfg, faults=...)``) with ``worker`` stalled inside step
+    ``step``'s all-reduce, every member ready, SIGKILL it there, and wait until the others finish: the
+    coordinator, and w0's report of that step."""
+    c = coordinator(cfg, faults=FaultPlan(stall_step=step, stall_worker=worker, stall_marker=str(tmp_path)))
+    c.start()
+    wait_for(stall_marker(tmp_path, step, worker), tmp_path)
+    c.handles[worker].kill()  # SIGKILL
+    codes = c.watch(timeout=180)
+    assert all(code == EXIT_DONE for w, code in codes.items() if w != worker), logs(tmp_path)
+    return c, json.loads(c.store.get(f"metrics/{step}/w0"))

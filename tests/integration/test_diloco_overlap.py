@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-from diloco_faults import FaultPlan, faulty_launcher, stall_marker
-from diloco_runs import digests, logs, run_cfg, wait_for, wait_progress
+from diloco_faults import FaultPlan, faulty_launcher
+from diloco_runs import digests, killed_in_reduction, logs, run_cfg, wait_progress
 
 from intellect.checkpoints import fetch
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator
@@ -85,13 +85,7 @@ def test_a_worker_killed_with_a_step_in_flight_is_left_out_and_nobody_applies_ha
     # there: the survivors roll the attempt back, retry without it and commit; step 2, which w2 had
     # joined at the boundary it reached meanwhile, goes on without it
     cfg = overlapped(tmp_path, "eager", **{"diloco.workers": 3, "diloco.outer_steps": 4})
-    c = coordinator(cfg, FaultPlan(stall_step=1, stall_worker="w2", stall_marker=str(tmp_path)))
-    c.start()
-    wait_for(stall_marker(tmp_path, 1, "w2"), tmp_path)
-    os.kill(c.handles["w2"].pid, signal.SIGKILL)
-    codes = c.watch(timeout=180)
-    assert codes["w0"] == EXIT_DONE and codes["w1"] == EXIT_DONE, logs(tmp_path)
-    m = json.loads(c.store.get("metrics/1/w0"))
+    c, m = killed_in_reduction(coordinator, cfg, tmp_path)
     assert m["attempts"] >= 2 and m["members"] == ["w0", "w1"] and m["contributors"] == 2
     assert "w2" not in digests(c, 1)
     for t in range(4):
