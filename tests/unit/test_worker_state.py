@@ -3,13 +3,14 @@ AdamW and the shard's start, with the reason logged, never the worker and never 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 
 import pytest
 import torch
 
-from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, OPTIMIZER
+from intellect.checkpoints import DATA_MEMBERS, DATA_STATE, IN_FLIGHT, OPTIMIZER
 from intellect.config import DataConfig, TrainConfig
 from intellect.data.stream import DocumentStream, resume_stream
 from intellect.diloco import worker_state
@@ -143,3 +144,22 @@ def test_what_a_position_was_reached_under_round_trips_and_a_garbled_record_coun
     saved, why = worker_state.restore(storage, "w0", 2, _trainer())
     # the AdamW state and position still load; the worker realigns its position with the members'
     assert saved is not None and why == "" and (saved.members, saved.rows_per_step) == ([], 0)
+
+
+def test_the_pseudo_gradient_in_flight_round_trips_and_a_garbled_one_gives_a_fresh_state(storage):
+    # overlap: the worker's own pseudo-gradient of the step in flight at its checkpoint
+    flat = torch.arange(6, dtype=torch.float32)
+    state = worker_state.WorkerState(2, _stepped().state_bytes(), {"version": 1}, in_flight=flat)
+    worker_state.save(storage, "w0", state, keep=2)
+    saved, why = worker_state.restore(storage, "w0", 2, _trainer())
+    assert saved is not None and why == "" and saved.in_flight is not None and torch.equal(saved.in_flight, flat)
+    rel = storage.step_path(2, worker_state.state_kind("w0"))
+    for bad in (b"not a zip", torch.tensor([[1.0, 2.0]]), torch.tensor([1.0, float("nan")]), torch.tensor([1, 2])):
+        if isinstance(bad, torch.Tensor):
+            buf = io.BytesIO()
+            torch.save({"pseudo_gradient": bad}, buf)
+            bad = buf.getvalue()
+        storage.write_bytes(f"{rel}/{IN_FLIGHT.value}", bad)
+        target = _trainer()
+        saved, why = worker_state.restore(storage, "w0", 2, target)
+        assert saved is None and "unreadable" in why and not target.optimizer.state
