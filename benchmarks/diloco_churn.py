@@ -21,8 +21,15 @@ of each committed step recorded the same ``theta_sync``.
 The machine's cores are shared by every worker (printed with the load average): a joiner's startup
 and the members' work compete for them, which the no-fault run does not pay.
 
+``--straggler F``: the slow-member case instead. One member (the last) is made F times slower from outside
+(``launch.Throttle``: its process stopped and continued on a duty cycle, as a slower host would be) from the
+first commit on, in three runs: no slow member; the slow member with ``diloco.quorum = 1`` (every step waits
+for it); and with ``--quorum Q`` (the others close its phase: ``diloco.stragglers``). Reported: the other
+members' median step time (``outer_seconds`` of their committed steps after the first) over the run with no slow
+member, and the slow member's tokens that reached the model per second against its own with no slowdown.
+
     .venv/bin/python benchmarks/diloco_churn.py [--workers 3] [--outer-steps 26] [--every 5] [--arms none eager]
-        [section.field=value ...]
+        [--straggler 2 --quorum 0.6] [section.field=value ...]
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +50,7 @@ from intellect.config import load_config  # noqa: E402
 from intellect.diloco.config import DilocoRunConfig  # noqa: E402
 from intellect.diloco.coordinator import EXIT_DONE, Coordinator, worker_launcher  # noqa: E402
 from intellect.diloco.report import metrics_series  # noqa: E402
+from intellect.launch import LocalProcess, Throttle  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
 
 
@@ -93,10 +102,80 @@ def run(cfg: DilocoRunConfig, log_dir: Path, every: int, churn: bool, seed: int,
     finally:
         c.close()
     wall = time.monotonic() - t0
+    return {"codes": codes, "rows": series(cfg, codes), "wall": wall, "events": events}
+
+
+def series(cfg: DilocoRunConfig, workers) -> dict[str, list[dict]]:
+    """Each worker's metrics series (one row per committed step) of the run."""
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
-    rows = {w: [json.loads(line) for line in storage.read_text(metrics_series(w)).splitlines()]
-            if storage.exists(metrics_series(w)) else [] for w in codes}
-    return {"codes": codes, "rows": rows, "wall": wall, "events": events}
+    return {w: [json.loads(line) for line in storage.read_text(metrics_series(w)).splitlines()]
+            if storage.exists(metrics_series(w)) else [] for w in workers}
+
+
+def run_slow(cfg: DilocoRunConfig, log_dir: Path, factor: float, timeout: float) -> dict:
+    """One run whose last worker runs ``1/factor`` of the time (``factor`` 1: not slowed) from the first commit."""
+    c = Coordinator(cfg, worker_launcher(log_dir))
+    t0 = time.monotonic()
+    throttle = None
+    try:
+        c.start()
+        slow = list(c.handles)[-1]
+        while time.monotonic() < t0 + timeout and any(h.poll() is None for h in c.handles.values()):
+            if throttle is None and factor > 1 and (c.progress() or 0) >= 1:
+                period = 0.1  # short against an inner step's worth of heartbeats, long against the signals' cost
+                handle = c.handles[slow]
+                assert isinstance(handle, LocalProcess), "a local worker process is what the throttle slows"
+                throttle = Throttle(handle.pid, run=period / factor, pause=period * (1 - 1 / factor))
+            time.sleep(0.05)
+        codes = {w: h.poll() for w, h in c.handles.items()}
+    finally:
+        if throttle is not None:
+            throttle.stop()
+        c.close()
+    wall = time.monotonic() - t0
+    return {"codes": codes, "rows": series(cfg, codes), "wall": wall, "slow": slow}
+
+
+def summarize_slow(res: dict) -> dict:
+    """The others' median step time and waiting, the slow member's committed tokens per second of the run."""
+    others = [r for w, rows in res["rows"].items() if w != res["slow"] for r in rows if r["committed"] and r["step"] > 0]
+    mine = [r for r in res["rows"][res["slow"]] if r["committed"]]
+    return {
+        "step_s": statistics.median(r["outer_seconds"] for r in others) if others else float("nan"),
+        "wait_s": statistics.median(r["outer_seconds"] - r["inner_seconds"] for r in others) if others else float("nan"),
+        "slow_tok_s": sum(r["tokens"] for r in mine) / res["wall"],
+        "slow_steps": [r.get("inner_steps", 0) for r in mine],
+        "slow_in": len(mine), "steps": 1 + max((r["step"] for r in others), default=-1),
+        "attempts": max((r["attempts"] for r in others), default=0), "codes": res["codes"], "wall": res["wall"],
+    }
+
+
+def stragglers(a: argparse.Namespace) -> list[dict]:
+    """The slow-member case: per arm, no slow member, a slow one with quorum 1, a slow one with ``--quorum``."""
+    cases = [("even", 1.0, 1.0), ("slow-wait", a.straggler, 1.0), ("slow-quorum", a.straggler, a.quorum)]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="diloco-straggler-") as tmp:
+        root = Path(a.workdir or tmp)
+        for overlap in a.arms:
+            row = {"overlap": overlap}
+            for case, factor, quorum in cases:
+                name = f"straggler-{overlap}-{case}"
+                a_case = argparse.Namespace(**{**vars(a), "overrides": [*a.overrides, f"diloco.quorum={quorum}"]})
+                res = summarize_slow(run_slow(run_cfg(root, name, a_case, overlap), root / f"logs-{name}", factor,
+                                              a.timeout))
+                print(f"{name}: {res['wall']:.0f} s, {res['steps']} steps, others' median step {res['step_s']:.2f} s "
+                      f"(waiting {res['wait_s']:.2f} s), slow member in {res['slow_in']} steps, inner steps "
+                      f"{res['slow_steps']}, exit codes {res['codes']}", flush=True)
+                row[case] = res
+            out.append(row)
+    print(f"\n{'overlap':<8}{'even step s':>12}{'slow, wait':>11}{'x':>7}{'slow, quorum':>13}{'x':>7}"
+          f"{'slow tok/s (wait, quorum) / even':>34}")
+    for r in out:
+        ev, sw, sq = r["even"], r["slow-wait"], r["slow-quorum"]
+        print(f"{r['overlap']:<8}{ev['step_s']:>12.2f}{sw['step_s']:>11.2f}{sw['step_s'] / ev['step_s']:>7.2f}"
+              f"{sq['step_s']:>13.2f}{sq['step_s'] / ev['step_s']:>7.2f}"
+              f"{sw['slow_tok_s'] / ev['slow_tok_s']:>17.3f}{sq['slow_tok_s'] / ev['slow_tok_s']:>9.3f}")
+    return out
 
 
 def summarize(res: dict, outer_steps: int) -> dict:
@@ -132,9 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--workdir", help="keep the runs and the workers' logs here (default: a temporary folder)")
     p.add_argument("--json", help="write the per-run results here")
+    p.add_argument("--straggler", type=float, default=0.0, metavar="F",
+                   help="the slow-member case instead of churn: one member F times slower")
+    p.add_argument("--quorum", type=float, default=0.6, help="--straggler: diloco.quorum of the quorum runs")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides (every run)")
     a = p.parse_args(argv)
     load = os.getloadavg()
+    if a.straggler:
+        print(f"{a.workers} workers ({os.cpu_count()} cores, load average {load[0]:.1f}), hidden {a.hidden} x "
+              f"{a.layers} layers, batch {a.batch_size}, H={a.inner_steps}, {a.outer_steps} outer steps; one member "
+              f"{a.straggler}x slower; quorum {a.quorum}")
+        res = stragglers(a)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"args": vars(a), "results": res}, indent=1))
+        return 0
     print(f"{a.workers} workers (local processes sharing this machine's {os.cpu_count()} cores, load average "
           f"{load[0]:.1f}), hidden {a.hidden} x {a.layers} layers, batch {a.batch_size}, H={a.inner_steps}, "
           f"{a.outer_steps} outer steps; churn: a kill or a join, alternately, every {a.every} committed steps")

@@ -13,8 +13,10 @@ exited, ``-N`` when signal ``N`` ended it.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -112,3 +114,35 @@ def stop(handles: Iterable[Handle], grace: float = 10.0, kill_wait: float = 5.0,
         while any(h.poll() is None for h in handles) and time.monotonic() < deadline:
             time.sleep(poll)
     return {h.name: h.poll() for h in handles}
+
+
+class Throttle:
+    """Slow process ``pid`` from outside, as a slower machine or a busy host would be: it runs ``run`` s out of
+    every ``run + pause`` s (SIGSTOP, SIGCONT) until :meth:`stop`, which leaves it running. Every thread of
+    the process stops alike, its heartbeat too. How the DiLoCo straggler tests and ``diloco_churn`` make one
+    member ``(run + pause) / run`` times slower; no hook in the process itself."""
+
+    def __init__(self, pid: int, run: float, pause: float):
+        self.pid, self.run, self.pause = pid, run, pause
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"throttle-{pid}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.pause)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(self.run)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+

@@ -199,10 +199,14 @@ class Trainer:
                 "seconds": time.perf_counter() - t0}
 
     def train_steps(
-        self, n: int, batches: Iterator[Batch], on_step: Callable[[int, dict], None] | None = None
+        self, n: int, batches: Iterator[Batch], on_step: Callable[[int, dict], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> list[dict[str, float]]:
+        """``n`` steps, or fewer once ``stop()`` says so (asked before every step but the first)."""
         logs = []
         for _ in range(n):
+            if stop is not None and logs and stop():
+                break
             log = self.train_step(next(batches))
             logs.append(log)
             if on_step:

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from intellect.config import (ComputeConfig, DataConfig, DispatchConfig, LoggingConfig, ModelConfig, StorageConfig,
                               StrictModel, TrainConfig)
+from intellect.diloco.stragglers import StragglerPolicy
 from intellect.trust.keys import VerifyKey
 
 
@@ -175,6 +176,29 @@ class DilocoConfig(StrictModel):
     max_attempts: int = Field(
         default=5, ge=1, le=100, description="All-reduce attempts per outer step before giving up.",
     )
+    quorum: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Slow members (docs/diloco.md, Stragglers). 1: a step waits for every member's pseudo-gradient "
+        "(up to boundary_timeout). Below 1: once this share of the step's members is ready, a grace window opens "
+        "(grace_ratio x their median phase time); when it passes, the members still training end their inner "
+        "phase after the inner step they are in and contribute what they trained, and every contribution is "
+        "weighted by the tokens it holds (at most a full phase's). One that is still not ready after that is "
+        "left out of the step, as a dead one is.",
+    )
+    grace_ratio: float = Field(
+        default=0.05, ge=0, le=10,
+        description="quorum < 1: the grace window after the quorum is ready, as a share of the median inner phase "
+        "time of the members ready.",
+    )
+    grace_min: float = Field(
+        default=1.0, ge=0, le=3600, description="quorum < 1: the shortest grace window, in seconds.",
+    )
+
+    def stragglers(self) -> StragglerPolicy | None:
+        """The policy for slow members when ``quorum`` is below 1 (:mod:`~intellect.diloco.stragglers`)."""
+        if self.quorum >= 1:
+            return None
+        return StragglerPolicy(self.quorum, self.grace_ratio, self.grace_min, self.inner_steps)
 
     @model_validator(mode="after")
     def _timeouts_ordered(self) -> "DilocoConfig":

@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -183,7 +184,7 @@ class Coordinator:
         admission = Admission(self._secret, self.run.run_name, cfg.contributors, self.run.model_dump_json(),
                               cfg.rendezvous_window) if cfg.contributors else None
         self.server = RendezvousServer(self._secret, self.run.run_name, cfg.store_host, cfg.store_port,
-                                       window=cfg.rendezvous_window, policy=scope, prune=retire, admission=admission)
+                                       window=cfg.rendezvous_window, policy=partial(scope, quorum=cfg.quorum), prune=retire, admission=admission)
         self.port = self.server.port
         if admission is not None:
             log.info("coordinator: %d contributors may join %s at %s with --coordinator-key %s",

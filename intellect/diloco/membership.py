@@ -20,11 +20,12 @@ import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
-from intellect.diloco.protocol import (AHEAD, ARRIVE, BAN, BANNED, BEHIND, BOUNDARY_GROUPS, BW, CATCHUP_GROUP, COMMITTED,
-                                       DEAD, FAMILIES, HB, KEEP_STEPS, LEFT, MAX_SCAN, MEMBERS, OUTCOME, PG, PROGRESS,
+from intellect.diloco.protocol import (AHEAD, ARRIVE, BAN, BANNED, BEHIND, BOUNDARY_GROUPS, BW, CATCHUP_GROUP, CLOSE,
+                                       COMMITTED, DEAD, FAMILIES, HB, KEEP_STEPS, LEFT, MAX_SCAN, MEMBERS, OUTCOME, PG, PROGRESS,
                                        READY, START, VOTE, Writer, ban_votes, onboarding_source, read_ban, read_count,
                                        read_json, read_names)
 from intellect.diloco.rendezvous import COORDINATOR, unb64, peer_key
+from intellect.diloco.stragglers import needed
 from intellect.diloco.rendezvous_client import RendezvousStore, StoreError
 
 
@@ -89,6 +90,10 @@ class Membership:
         self._stop = threading.Event()
         self._lost: Exception | None = None
         self._beat = None
+        self._watch_lock = threading.Lock()
+        self._watched_key: str | None = None  # a key the heartbeat thread looks for (watch) ...
+        self.watch_interval = heartbeat_interval  # ... this often
+        self._seen_watched = threading.Event()
 
     # ------------------------------------------------------------------ own liveness
 
@@ -102,10 +107,32 @@ class Membership:
         # its own connection: TCPStore clients are not shared across threads
         try:
             store = connect_store(self.host, self.port, self.store_timeout, None, self.run, self.worker, key=self._key)
-            while not self._stop.wait(self.interval):
-                store.add(HB(self.worker), 1)
+            beat = time.monotonic()
+            while not self._stop.wait(self.watch_interval if self._watched_key is not None else self.interval):
+                if time.monotonic() - beat >= self.interval - 1e-3:
+                    store.add(HB(self.worker), 1)
+                    beat = time.monotonic()
+                with self._watch_lock:
+                    key = self._watched_key
+                if key is not None and store.check([key]):
+                    with self._watch_lock:
+                        if self._watched_key == key:
+                            self._seen_watched.set()
         except Exception as e:  # noqa: BLE001
             self._lost = e
+
+    def watch(self, key: str | None, interval: float | None = None) -> None:
+        """Have the heartbeat thread look for ``key`` every ``interval`` s (at most the heartbeat's; None: stop
+        looking); :meth:`watched` says whether it saw it. The heartbeat thread's request, not one per inner
+        step: the look costs the inner loop nothing."""
+        with self._watch_lock:
+            self._watched_key = key
+            self.watch_interval = min(self.interval, interval) if interval is not None else self.interval
+            self._seen_watched.clear()
+
+    def watched(self) -> bool:
+        """Whether the heartbeat thread saw the key :meth:`watch` named."""
+        return self._seen_watched.is_set()
 
     def check_store(self) -> None:
         """Raise :class:`StoreLost` if the heartbeat thread lost the store."""
@@ -187,17 +214,26 @@ class Membership:
         """Tell the members of ``step`` not to wait for us (we rejoin at a later boundary)."""
         self.set(LEFT(step, self.worker), "1")
 
-    def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float,
-                      step: int | None = None, until: Callable[[], bool] | None = None) -> tuple[list[str], list[str]]:
+    def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float, step: int | None = None,
+                      until: Callable[[], bool] | None = None,
+                      cutoff: Callable[[list[str]], bool] | None = None) -> tuple[list[str], list[str]]:
         """Wait until every worker has ``prefix/<w>``, is dead, or left ``step`` (or ``until()`` holds:
-        whatever was waited for is decided already); returns (present, absent)."""
+        whatever was waited for is decided already; or ``cutoff(present)``: those there are enough);
+        returns (present, absent)."""
         workers = list(workers)
 
         def gone(w: str) -> bool:
             return not self.alive(w) or (step is not None and self.has(LEFT(step, w)))
 
         def settled() -> bool:
-            return (until is not None and until()) or all(self.has(f"{prefix}/{w}") or gone(w) for w in workers)
+            if not workers:
+                return True
+            if until is not None and until():
+                return True
+            there = [w for w, t in zip(workers, self._call(self.store.check_many, [f"{prefix}/{w}" for w in workers])) if t]
+            if len(there) < len(workers) and cutoff is not None and cutoff(there):
+                return True
+            return all(w in there or gone(w) for w in workers)
 
         try:
             self.wait_until(settled, deadline, f"{prefix} from {workers}")
@@ -266,11 +302,21 @@ def _in_flight_member(data: dict, t: int, peer: str) -> bool:
     return peer in (read_names(data[MEMBERS(t, a)]) or [])
 
 
+def _voted_on(data: dict, t: int, peer: str) -> bool:
+    """Whether ``peer`` voted on step ``t``'s latest attempt: overlapped, a member does as its next phase ends."""
+    if t < 0:
+        return False
+    a = 0
+    while a + 1 < MAX_SCAN and MEMBERS(t, a + 1) in data:
+        a += 1
+    return VOTE(t, a, peer) in data
+
+
 def _step(part: str) -> int | None:
     return int(part) if part.isdigit() and len(part) < 12 else None
 
 
-def _decision(peer: str, parts: list[str], value: bytes, data: dict) -> str | None:
+def _decision(peer: str, parts: list[str], value: bytes, data: dict, quorum: float = 1.0) -> str | None:
     family = parts[0]
     if any(_step(p) is None for p in parts[1:]):
         return f"{family}: the step and attempt are numbers"
@@ -280,6 +326,16 @@ def _decision(peer: str, parts: list[str], value: bytes, data: dict) -> str | No
             return "an outcome is commit or abort"
         if not (_member(data, parts[1], parts[2], peer) and VOTE(parts[1], parts[2], peer) in data):
             return "only a member that has voted decides an attempt's outcome"
+        return None
+    if family == CLOSE.name:
+        if value != b"1":
+            return "a close is 1"
+        members = read_names(data.get(MEMBERS(t, 0))) or []
+        done = [w for w in members if READY(t, 0, w) in data or _voted_on(data, t - 1, w)]
+        if peer not in done:
+            return "only a member done with the step's phase closes it"
+        if len(done) < needed(quorum, len(members)):
+            return f"a step's phase is closed once {needed(quorum, len(members))} of its members are done with it"
         return None
     if family == "probe":
         if value not in (b"yes", b"no"):
@@ -443,10 +499,11 @@ def _progress(op: str, req: dict, peer: str, data: dict) -> str | None:
     return None
 
 
-def scope(peer: str, op: str, req: dict, data: dict) -> str | tuple[str, str] | None:
-    """The rendezvous write policy (``RendezvousServer(policy=scope)``): None when ``peer`` may make
-    the write ``op`` (body ``req``) on the table ``data``, else why not. Each key family's
-    :class:`~intellect.diloco.protocol.Writer` decides; decisions' values are checked too.
+def scope(peer: str, op: str, req: dict, data: dict, quorum: float = 1.0) -> str | tuple[str, str] | None:
+    """The rendezvous write policy (``RendezvousServer(policy=partial(scope, quorum=...))``): None when ``peer``
+    may make the write ``op`` (body ``req``) on the table ``data``, else why not. Each key family's
+    :class:`~intellect.diloco.protocol.Writer` decides; decisions' values are checked too. ``quorum``: the run's
+    ``diloco.quorum``, the members done with a phase before one of them may close it.
 
     >>> data = {"members/0/0": b'["a", "b"]', "arrive/0/a": b"1", "vote/0/0/a": b"ok"}
     >>> scope("a", "set", {"key": "hb/a"}, data), scope("a", "set", {"key": "hb/b"}, data)
@@ -494,7 +551,7 @@ def scope(peer: str, op: str, req: dict, data: dict) -> str | tuple[str, str] | 
             return f"{family}/ is decided once, with compare_set on an empty key"
         if key in data:
             return None  # decided already: the answer is the decision, nothing is written
-        return _decision(peer, parts, unb64(req.get("desired", "")), data)
+        return _decision(peer, parts, unb64(req.get("desired", "")), data, quorum)
     if writer is Writer.BAN:
         if len(parts) != 3 or parts[2] != peer or op != "set":
             return "a worker writes only its own ban/<w>/<me> record, with set"

@@ -78,7 +78,8 @@ DATA_AT = Family("data_at", ("step", "worker"), W, "<worker>'s reading position 
 LEFT = Family("left", ("step", "worker"), W, "<worker> was left out of <step> and rejoins later: do not wait for it")
 DIGEST = Family("digest", ("step", "worker"), W, "SHA-256 of theta_sync after committing <step>")
 METRICS = Family("metrics", ("step", "worker"), W, "<worker>'s report of <step> (report.StepReport, JSON)")
-READY = Family("ready", ("step", "attempt", "worker"), A, "<worker> holds its pseudo-gradient for the attempt")
+READY = Family("ready", ("step", "attempt", "worker"), A, "<worker> holds its pseudo-gradient for the attempt: the tokens "
+               "it holds and the seconds its phase took (stragglers.ready_record)")
 VOTE = Family("vote", ("step", "attempt", "worker"), A, "``ok`` or ``fail`` after the all-reduce")
 FLAGS = Family("flags", ("step", "attempt", "worker"), A, "the members <worker> found outliers (JSON list)")
 BLAME = Family("blame", ("step", "attempt", "worker"), A, "the owners whose results <worker> refused (JSON list)")
@@ -88,6 +89,8 @@ PLAN = Family("plan", ("step", "attempt"), D, "the attempt's all-reduce as first
               "it; every other member runs its own computation and refuses one that differs (plan.settle_plan)")
 OUTCOME = Family("outcome", ("step", "attempt"), D, "``commit`` or ``abort``")
 PROBE = Family("probe", ("step",), D, "``yes`` or ``no``: whether the step's members measure bandwidth")
+CLOSE = Family("close", ("step",), D, "``1``: the step's quorum was ready and its grace window passed: members still "
+               "in their inner phase end it after the inner step they are in (diloco.stragglers)")
 BAN = Family("ban", ("worker", "by"), Writer.BAN, "<by> counted <worker> an outlier in too many steps")
 PROGRESS = Family("progress", (), Writer.LEADER, "the number of committed outer steps (JSON)")
 PG = Family("pg", ("step", "group"), Writer.GLOO, "prefix of a process group's gloo rendezvous")
@@ -237,8 +240,9 @@ class Board(Protocol):
     def get(self, key: str) -> str: ...
     def has(self, key: str) -> bool: ...
     def decide(self, key: str, proposal: str) -> str: ...
-    def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float,
-                      step: int | None = None) -> tuple[list[str], list[str]]: ...
+    def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float, step: int | None = None,
+                      until: Callable[[], bool] | None = None,
+                      cutoff: Callable[[list[str]], bool] | None = None) -> tuple[list[str], list[str]]: ...
 
 
 class Quorum:
@@ -258,10 +262,22 @@ class Quorum:
         it, so a name chosen to sort first gains nothing); the decided members."""
         return json.loads(self.board.decide(MEMBERS(self.step, attempt), json.dumps(list(dict.fromkeys(workers)))))
 
-    def ready(self, attempt: int, members: list[str], deadline: float) -> tuple[list[str], list[str]]:
-        """Mark ``me`` ready and wait for the other members; ``(present, absent)``."""
-        self.board.set(READY(self.step, attempt, self.me), "1")
-        return self.board.wait_for_keys(READY.under(self.step, attempt), members, deadline, step=self.step)
+    def ready(self, attempt: int, members: list[str], deadline: float, record: str = "1",
+              cutoff: Callable[[list[str]], bool] | None = None) -> tuple[list[str], list[str]]:
+        """Mark ``me`` ready (``record``: :func:`~intellect.diloco.stragglers.ready_record`) and wait for the
+        other members, or until ``cutoff(present)`` says to stop (:class:`~intellect.diloco.stragglers.Window`);
+        ``(present, absent)``."""
+        self.board.set(READY(self.step, attempt, self.me), record)
+        retried = MEMBERS(self.step, attempt + 1)
+        present, absent = self.board.wait_for_keys(READY.under(self.step, attempt), members, deadline, step=self.step,
+                                                   until=lambda: self.board.has(retried), cutoff=cutoff)
+        if self.board.has(retried):  # the others went on without waiting for us: this attempt is over
+            return [w for w in present if w != self.me], [self.me]
+        return present, absent
+
+    def close(self) -> None:
+        """Decide ``CLOSE(step)``: the members still training end their phase."""
+        self.board.decide(CLOSE(self.step), "1")
 
     def plan(self, attempt: int, proposal: dict) -> object:
         """The attempt's decided all-reduce plan, parsed JSON, unchecked: ``proposal`` or the one a peer
@@ -281,10 +297,13 @@ class Quorum:
         keys = {w: family(self.step, attempt, w) for w in members}
         return {w: read_names(self.board.get(k)) or [] for w, k in keys.items() if self.board.has(k)}
 
-    def vote(self, attempt: int, ok: bool, members: list[str], deadline: float) -> bool:
-        """Vote and wait for the others' votes; whether every member voted ok."""
+    def vote(self, attempt: int, ok: bool, members: list[str], deadline: float,
+             watch: Callable[[list[str]], bool] | None = None) -> bool:
+        """Vote and wait for the others' votes (``watch(voted)`` sees who voted at every look); whether every
+        member voted ok."""
         self.board.set(VOTE(self.step, attempt, self.me), "ok" if ok else "fail")
-        _, missing = self.board.wait_for_keys(VOTE.under(self.step, attempt), members, deadline, step=self.step)
+        _, missing = self.board.wait_for_keys(VOTE.under(self.step, attempt), members, deadline, step=self.step,
+                                              cutoff=watch)
         return not missing and all(self.board.get(VOTE(self.step, attempt, w)) == "ok" for w in members)
 
     def voted(self, attempt: int, members: list[str]) -> list[str]:
@@ -295,6 +314,7 @@ class Quorum:
         """The attempt's outcome, decided once: True for commit."""
         return self.board.decide(OUTCOME(self.step, attempt), "commit" if all_ok else "abort") == "commit"
 
-    def should_commit(self, attempt: int, ok: bool, members: list[str], deadline: float) -> bool:
+    def should_commit(self, attempt: int, ok: bool, members: list[str], deadline: float,
+                      watch: Callable[[list[str]], bool] | None = None) -> bool:
         """:meth:`vote` then :meth:`decide`: whether everyone commits the attempt."""
-        return self.decide(attempt, self.vote(attempt, ok, members, deadline))
+        return self.decide(attempt, self.vote(attempt, ok, members, deadline, watch))

@@ -41,6 +41,9 @@ class StepReport:
     outer_seconds: float = 0.0  # wall time of the step, boundary start to commit
     compute_utilization: float = 0.0  # inner_seconds / outer_seconds
     tokens: int = 0  # target tokens trained on in the inner phase
+    inner_steps: int = 0  # inner steps trained in the phase (fewer than H: the others closed it, diloco.quorum)
+    weight: float = 1.0  # the weight of this worker's contribution in the mean, a full phase's 1 (diloco.quorum)
+    late_step: int = -1  # the step of the late pseudo-gradient this worker contributed instead (-1: its own)
     tokens_per_s: float = 0.0  # tokens / outer_seconds
     mfu: float = 0.0  # model FLOPs of those tokens over outer_seconds, as a fraction of the devices' peak
     device_memory_mb: float = 0.0  # CUDA: the peak memory allocated on the worker's busiest device, MiB

@@ -67,11 +67,12 @@ from intellect.diloco.faults import NO_FAULTS, Faults
 from intellect.diloco.membership import Membership, MembershipTimeout, StoreLost
 from intellect.diloco.outer import OuterState
 from intellect.diloco.plan import SCREENED, fallback_plan, own_plan, settle_plan
-from intellect.diloco.protocol import BAN, BLAME, BW, DIGEST, FLAGS, PG, PROBE, Quorum, ban_record
+from intellect.diloco.protocol import BAN, BLAME, BW, DIGEST, FLAGS, PG, PROBE, READY, Quorum, ban_record
 from intellect.diloco.report import StepReport
 from intellect.diloco.robust import Screen, Strikes, majority_flagged, reported
 from intellect.diloco.siblings import ALONE, Siblings
 from intellect.diloco.sparse import TopK
+from intellect.diloco.stragglers import Ready, StragglerPolicy, Window, read_ready, ready_record, scale_of, token_weights
 from intellect.diloco.topk_reduce import ErrorFeedback, topk_all_reduce_mean
 from intellect.diloco.transport import CommError, new_group, shard_prefix
 from intellect.trust.mac import derive_key
@@ -84,6 +85,20 @@ JOIN_GRACE = 2  # contributions of a newly onboarded member that are not struck 
 
 class Excluded(RuntimeError):
     """This worker was left out of a step's membership; it rejoins at a later boundary."""
+
+
+MAX_LATE_STEPS = 2  # a late pseudo-gradient is merged into a step at most this many past its own, else dropped
+
+
+@dataclass
+class Late:
+    """A pseudo-gradient the others did not wait for (``diloco.quorum`` < 1): held for the step this worker
+    next takes part in while catching up, where it is merged with the weight of its ``tokens``."""
+
+    step: int
+    pseudo: list[torch.Tensor]
+    tokens: int
+    seconds: float
 
 
 @dataclass
@@ -162,6 +177,7 @@ class Synchronizer:
         self._in_flight = False  # started and not finished (overlap: through the next inner phase)
         self._tries = 0
         self.before_step: Callable[[], None] | None = None  # run at a commit, before the outer step
+        self.late: Late | None = None  # our pseudo-gradient of a step we were too late for (diloco.quorum < 1)
         # compression "topk": this rank's error-feedback residual (its shard); the worker checkpoints it
         self.feedback = ErrorFeedback(sum(p.numel() for p in outer.params),
                                       TopK(cfg.topk_chunk, cfg.topk_k, cfg.topk_decay)) \
@@ -248,12 +264,21 @@ class Synchronizer:
         q = Quorum(self.membership, me, step) if sib.leader else None
         setup: dict = {}
         if q is not None:
-            present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout))
-            setup = {"present": present, "absent": absent, "plan": None}
+            policy = self.cfg.stragglers()
+            tokens = self._report.tokens if self._contribute else 0
+            # a pseudo-gradient whose phase was trained before a resume holds tokens nobody counted: a full phase's
+            record = ready_record(tokens, self._report.inner_seconds) if tokens or not self._contribute else "1"
+            window = self._window(q, policy, members) if policy is not None and a == 0 else None
+            present, absent = q.ready(a, members, self._deadline(self.cfg.boundary_timeout), record, window)
+            setup = {"present": present, "absent": absent, "plan": None, "scale": 1.0}
             if not absent:
                 self.faults.before_allreduce(step, a, me)
                 try:
                     setup["plan"] = self._settle(q, a, members)
+                    if policy is not None:
+                        weights = token_weights(self._records(q, a, members))
+                        setup["scale"] = scale_of(weights, members.index(me))
+                        self._report.weight = weights[members.index(me)]
                 except StoreLost:
                     sib.share({"lost": True})
                     raise
@@ -265,6 +290,10 @@ class Synchronizer:
         t0 = time.perf_counter()
         out = Attempt(step, a, members, present=setup["present"], plan=setup["plan"])
         average = [g.clone() for g in self._pseudo]  # reduced in place; keep ours for a retry
+        scale = float(setup["scale"])
+        if scale != 1.0:  # token-weighted: the reduction's plain mean is then the weighted one
+            for g in average:
+                g.mul_(scale)
         flagged: list[str] | None = None
         blamed: list[str] | None = None
         try:
@@ -278,11 +307,11 @@ class Synchronizer:
             robust = self.cfg.outlier_clip if plan["algorithm"] in SCREENED else 0.0
             if self.feedback is not None:  # a gather: every contribution is seen as sent, so the clip applies
                 stats = topk_all_reduce_mean(average, group, self.feedback, order=plan["order"],
-                                             contribute=self._contribute, mac_key=self.mac_key(step, a),
+                                             contribute=self._contribute and scale > 0, mac_key=self.mac_key(step, a),
                                              outlier_clip=self.cfg.outlier_clip,
                                              screen=Screen(self.cfg.outlier_clip_crowd, 0.0))
             else:
-                stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute,
+                stats = all_reduce_mean(average, group, order=plan["order"], contribute=self._contribute and scale > 0,
                                         algorithm=plan["algorithm"], clip_sigmas=tuple(self.cfg.clip_sigmas),
                                         codec=self.cfg.wire_codec, compression=self.cfg.compression,
                                         outlier_clip=robust,
@@ -309,6 +338,15 @@ class Synchronizer:
                 q.report(a, flagged=sorted({w for r in rings for w in r["flagged"] or []}))
         out.seconds = time.perf_counter() - t0
         return out
+
+    def _records(self, q: Quorum, a: int, members: list[str]) -> list[Ready | None]:
+        """The ``READY`` records of ``members`` for attempt ``a``, read (None where unreadable)."""
+        return [read_ready(raw) for raw in self.membership.get_present([READY(q.step, a, w) for w in members])]
+
+    def _window(self, q: Quorum, policy: StragglerPolicy, members: list[str]) -> Window:
+        """The first attempt's wait under the straggler policy (:class:`~intellect.diloco.stragglers.Window`)."""
+        return Window(policy, len(members), lambda present: self._records(q, 0, present), q.close,
+                      self.cfg.heartbeat_interval)
 
     def _begin(self, a: int, members: list[str]) -> Reduction:
         self._report.attempts += 1
@@ -358,6 +396,20 @@ class Synchronizer:
         if self.feedback is not None:
             self.feedback.discard()
 
+    def take_late(self, step: int, relaying: bool) -> Late | None:
+        """The late pseudo-gradient to merge into ``step``, given once: when this worker only relays the step
+        (it catches up) and the pseudo-gradient is at most :data:`MAX_LATE_STEPS` old. Not overlapped (the
+        step in flight went with it), nor with ``compression = "topk"``, whose residual already carries what
+        a step did not send."""
+        late, self.late = self.late, None
+        if late is None:
+            return None
+        if (not relaying or step - late.step > MAX_LATE_STEPS or self.feedback is not None
+                or self.cfg.overlap != "none"):
+            log.info("%s: dropping its late pseudo-gradient of step %d at step %d", self.worker, late.step, step)
+            return None
+        return late
+
     def feedback_after(self, contribute: bool = True, pseudo: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The error-feedback residual (``compression = "topk"``; None for the others) as the step about to
         start (or, overlapped, the one in flight: its ``pseudo``) leaves it once it commits: what the
@@ -383,7 +435,14 @@ class Synchronizer:
         r = self._handle.wait()
         q = Quorum(self.membership, self.worker, r.step)
         deadline = self._deadline(self.cfg.collective_timeout + self.cfg.heartbeat_timeout)
-        return q.should_commit(r.attempt, ok, r.members, deadline)
+        policy, watch = self.cfg.stragglers(), None
+        if policy is not None and self.cfg.overlap != "none":
+            # overlapped, a member votes on step t as its phase t+1 ends: the vote's wait is where the others
+            # wait for a slow one, so it closes phase t+1 (and, needing every vote, cuts nobody off)
+            watch = Window(policy, len(r.members), lambda voted: self._records(q, r.attempt, voted),
+                           Quorum(self.membership, self.worker, r.step + 1).close, self.cfg.heartbeat_interval,
+                           cut=False)
+        return q.should_commit(r.attempt, ok, r.members, deadline, watch)
 
     def _direct(self, q: Quorum, r: Attempt, report: StepReport) -> dict:
         """The leader's decision on attempt ``r``, as its siblings act on it: commit, retry (members,
@@ -400,7 +459,8 @@ class Synchronizer:
                 survivors = [w for w in q.voted(r.attempt, r.members) if self.membership.alive(w) and w not in blamed]
                 members, a = self._next_attempt(q, r.attempt, survivors)
         except Excluded as e:
-            return {"do": "excluded", "why": str(e)}
+            # too late for the step (the others went on without us): our pseudo-gradient may count later
+            return {"do": "excluded", "why": str(e), "late": self.worker in r.absent}
         if self._tries >= self.cfg.max_attempts:
             return {"do": "timeout", "why": f"outer step {q.step} did not commit in {self.cfg.max_attempts} attempts"}
         return {"do": "retry", "members": members, "attempt": a}
@@ -427,6 +487,8 @@ class Synchronizer:
                     self._judge(q, r.attempt, r.members, report, [r.members[i] for i in r.stats.contributors])
                 return r.members
             if do["do"] == "excluded":
+                if do.get("late") and self._contribute and self.cfg.stragglers() is not None:
+                    self.late = Late(self._step, self._pseudo, self._report.tokens, self._report.inner_seconds)
                 raise Excluded(do["why"])
             if do["do"] == "timeout":
                 raise MembershipTimeout(do["why"])
@@ -496,4 +558,4 @@ class Synchronizer:
         return members, a + 1
 
 
-__all__ = ["JOIN_GRACE", "Attempt", "Excluded", "Reduction", "Synchronizer"]
+__all__ = ["JOIN_GRACE", "MAX_LATE_STEPS", "Attempt", "Excluded", "Late", "Reduction", "Synchronizer"]

@@ -50,6 +50,7 @@ from functools import partial
 from typing import Callable, Iterator, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from intellect.checkpoints import CHECKPOINTS, fetch
 from intellect.config import TrainConfig
@@ -65,7 +66,7 @@ from intellect.diloco.mesh import WorkerMesh
 from intellect.diloco.outer_shard import ShardedOuterState, consolidated
 from intellect.diloco.outer import OuterState, host_model, load_outer_state, publish_outer_checkpoint
 from intellect.diloco.report import Phase, StepReport, WorkerLog
-from intellect.diloco.protocol import AHEAD, ARRIVE, COMMITTED, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
+from intellect.diloco.protocol import AHEAD, ARRIVE, CLOSE, COMMITTED, LAUNCHED, LEFT, METRICS, PROGRESS, Quorum
 from intellect.diloco.rendezvous import allreduce_root, peer_key
 from intellect.diloco.siblings import ALONE, Siblings
 from intellect.diloco.sync import Excluded, Synchronizer
@@ -346,8 +347,10 @@ class DilocoWorker(Onboarding, Overlap):
             # a newcomer that never comes up is dropped after its startup grace
             launched = self.launched()
             # non-blocking onboarding: veterans never wait for a newcomer, who is in once it has arrived
+            # nor (diloco.quorum < 1) for a member the last step left out as too late: it rejoins when it can
+            late = set(Quorum(m, me, t - 1).members(0) or []) if self.cfg.quorum < 1 and t > 0 else set()
             newcomers = [] if self.cfg.onboarding == "non_blocking" else [
-                w for w in launched if w not in self.prev_members and not m.has(LEFT(t, w))]
+                w for w in launched if w not in self.prev_members and w not in late and not m.has(LEFT(t, w))]
             expected = launched if founder else [w for w in self.prev_members if w in launched] + newcomers
             # until a peer decided the members: one that never saw a newcomer this one waits for
             # proposes without it, and the decision is final
@@ -386,8 +389,18 @@ class DilocoWorker(Onboarding, Overlap):
         seen: list[str] = []
         rows = getattr(self.stream, "passed", 0)
         on_step = self.metrics_log.on_inner_step(self.membership.check_store) if self.metrics_log is not None else None
-        logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), on_step)
+        stop = self._closed() if self.cfg.stragglers() is not None else None
+        try:
+            logs = self.trainer.train_steps(self.cfg.inner_steps, self.batches(seen), on_step, stop)
+        finally:
+            if self.m is not None and stop is not None:
+                self.m.watch(None)
         report.inner_seconds = time.perf_counter() - t0
+        report.inner_steps = len(logs)
+        if len(logs) < self.cfg.inner_steps:  # the others closed the phase: the run's schedule goes on
+            log.info("%s: the members closed phase %d after %d of %d inner steps", self.worker, self.step, len(logs),
+                     self.cfg.inner_steps)
+            self.trainer.step = (self.step + 1) * self.cfg.inner_steps
         self.rows_per_step = getattr(self.stream, "passed", 0) - rows
         self.data_at = (self.step + 1, list(self.members))
         self._claim_position()
@@ -399,6 +412,24 @@ class DilocoWorker(Onboarding, Overlap):
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
         report.device_memory_mb = max(self.siblings.gather(peak) or [peak])
         report.shard, report.data_sketch = list(self.shard), data_sketch(seen)
+
+    def _closed(self) -> Callable[[], bool]:
+        """Whether the members closed the inner phase of this step (``CLOSE``, :mod:`~intellect.diloco.stragglers`):
+        the leader's heartbeat looks for it; a worker of several ranks agrees on it at every inner step, so
+        they all stop after the same one."""
+        policy = self.cfg.stragglers()
+        if self.m is not None and policy is not None:
+            self.m.watch(CLOSE(self.step), policy.poll(self.cfg.heartbeat_interval))
+        if self.mesh is None:
+            return lambda: self.m is not None and self.m.watched()
+        intra = self.mesh.intra
+
+        def agreed() -> bool:
+            flag = torch.tensor([1.0 if self.m is not None and self.m.watched() else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=intra)
+            return bool(flag.item())
+
+        return agreed
 
     def _claim_position(self) -> None:
         """Claim the data position for the next boundary as the inner phase ends, before the all-reduce:
@@ -486,7 +517,13 @@ class DilocoWorker(Onboarding, Overlap):
         """The reduce phase: save this worker's state for the checkpoint, then the synchronizer's
         start and finish; the committed attempt's members."""
         self.save_state()
-        self.sync.start(self.step, self.members, report, contribute=self.catching_up is None)
+        late = self.sync.take_late(self.step, relaying=self.catching_up is not None)
+        if late is not None:  # relaying while it catches up: its pseudo-gradient the others did not wait for
+            log.info("%s: merging its pseudo-gradient of step %d (%d tokens) into step %d", self.worker, late.step,
+                     late.tokens, self.step)
+            report.tokens, report.inner_seconds, report.late_step = late.tokens, late.seconds, late.step
+        self.sync.start(self.step, self.members, report, contribute=self.catching_up is None or late is not None,
+                        pseudo=late.pseudo if late is not None else None)
         return self.sync.finish()
 
     def abandon(self, e: Excluded) -> None:
