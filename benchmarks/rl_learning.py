@@ -9,6 +9,12 @@ published checkpoints every few steps. The pretraining is not part of the budget
 
     .venv/bin/python benchmarks/rl_learning.py --from runs/smoke-slips/checkpoints/step_3000 --minutes 12
 
+``--min-signal-samples N`` turns on the online filter (``online_filter``: a step trains once it holds N
+validated samples with signal, asking the workers for more in up to ``--max-rounds`` rounds), so the same
+seed runs with and without it. Each step and evaluation records the FLOPs spent so far, estimated from
+the ledger's token counts with N parameters: 2N per generated token (prompt and completion, every sample
+generated) plus 8N per token trained on (a forward and backward, 6N, and the old log-probs' forward, 2N).
+
 Writes ``benchmarks/results/rl_learning.{json,png}`` (``--tag`` changes the name).
 """
 
@@ -34,8 +40,9 @@ from intellect.model.checkpoint import load_checkpoint  # noqa: E402
 from intellect.checkpoints import fetch, publish, record  # noqa: E402
 from intellect.pretrain import init_checkpoint, pretrain  # noqa: E402
 from intellect.rl.trainer.loss import GRPOLossConfig  # noqa: E402
-from intellect.rl.config import RLRunConfig  # noqa: E402
+from intellect.rl.config import OnlineFilterConfig, RLRunConfig, WorkersConfig  # noqa: E402
 from intellect.rl.trainer.local_step import run_rl_step  # noqa: E402
+from intellect.rl.trainer.step import signal_rows  # noqa: E402
 from intellect.rl.worker.submission import SubmissionConfig  # noqa: E402
 from intellect.rl.trainer.grpo import GRPOTrainer, RLTrainerConfig  # noqa: E402
 from intellect.storage import RunStorage  # noqa: E402
@@ -92,6 +99,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--normalization", default=None, choices=["constant", "token", "sequence"])
+    ap.add_argument("--min-signal-samples", type=int, default=0,
+                    help="Online filter: validated samples with signal a step waits for (0: off).")
+    ap.add_argument("--max-rounds", type=int, default=4, help="Online filter: most rounds of assignment per step.")
     ap.add_argument("--tag", default="rl_learning")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
@@ -119,6 +129,8 @@ def main() -> None:
         trainer=RLTrainerConfig(lr=args.lr, warmup_steps=args.warmup, steps_per_rollout=args.steps_per_rollout,
                                 micro_batch_tokens=args.micro_batch_tokens, temperature=max(args.temperature, 1e-3),
                                 loss=GRPOLossConfig(**loss_kw)),
+        online_filter=OnlineFilterConfig(min_signal_samples=args.min_signal_samples, max_rounds=args.max_rounds),
+        workers=WorkersConfig(names=list(WORKERS), max_submissions=args.max_rounds + 1),
     )
     tasks = task_pool(args.pool, seed=1234)
     heldout = heldout_problems(DataConfig(max_digits=2), args.eval_n)
@@ -135,7 +147,9 @@ def main() -> None:
     print(f"config: {cfg.submission.model_dump()} trainer lr={args.lr} spr={args.steps_per_rollout} "
           f"warmup={args.warmup} loss={cfg.trainer.loss.model_dump()}", flush=True)
     trainer = GRPOTrainer(model, tok, cfg.trainer)  # kept across steps: holds checkpoint `step` and its optimizer
-    rows, evals = [], [{"step": 0, "accuracy": acc0, "elapsed": 0.0}]
+    params = sum(p.numel() for p in model.parameters())
+    flops = 0.0
+    rows, evals = [], [{"step": 0, "accuracy": acc0, "elapsed": 0.0, "flops": 0.0}]
     budget = args.minutes * 60
     print(f"{'step':>4} {'sec':>6} {'reward':>7} {'acc':>4} {'train':>5} {'loss':>8} {'heldout':>8} {'elapsed':>7}",
           flush=True)
@@ -146,15 +160,19 @@ def main() -> None:
         secs = time.perf_counter() - t0
         acc_rows = ledger.accepted(step)
         reward = statistics.fmean(r["reward"] for r in acc_rows) if acc_rows else float("nan")
+        gen_tokens = sum(r["prompt_tokens"] + r["output_tokens"] for r in acc_rows)
+        train_tokens = sum(r["prompt_tokens"] + r["output_tokens"] for r in signal_rows(acc_rows))
+        flops += 2 * params * gen_tokens + 8 * params * train_tokens
         row = {"step": step, "seconds": secs, "mean_reward": reward, "accepted": rep.accepted,
                "rejected": rep.rejected, "trained_samples": rep.trained_samples, "loss": rep.loss,
-               "timings": rep.timings, "heldout_accuracy": None}
+               "timings": rep.timings, "heldout_accuracy": None, "flops": flops,
+               "filter": rep.filter.model_dump() if rep.filter else None}
         step += 1
         elapsed = time.perf_counter() - t_start
         if step % args.eval_every == 0 or elapsed >= budget or step >= args.max_steps:
             acc = accuracy(step)
             row["heldout_accuracy"] = acc
-            evals.append({"step": step, "accuracy": acc, "elapsed": time.perf_counter() - t_start})
+            evals.append({"step": step, "accuracy": acc, "elapsed": time.perf_counter() - t_start, "flops": flops})
         rows.append(row)
         loss = "" if rep.loss is None else f"{rep.loss:8.4f}"
         held = "" if row["heldout_accuracy"] is None else f"{row['heldout_accuracy']:.3f}"
@@ -163,7 +181,8 @@ def main() -> None:
     ledger.close()
 
     if evals[-1]["step"] != step:
-        evals.append({"step": step, "accuracy": accuracy(step), "elapsed": time.perf_counter() - t_start})
+        evals.append({"step": step, "accuracy": accuracy(step), "elapsed": time.perf_counter() - t_start,
+                      "flops": flops})
     best = max(evals, key=lambda e: e["accuracy"])
     total = time.perf_counter() - t_start
     print(f"\nheld-out greedy accuracy: before {acc0:.3f} -> after {evals[-1]['accuracy']:.3f} "
@@ -173,7 +192,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"args": vars(args), "origin": origin, "config": cfg.model_dump(), "threads": torch.get_num_threads(),
            "pool": len(tasks), "heldout_n": len(heldout), "before": acc0, "after": evals[-1]["accuracy"],
-           "best": best, "rl_steps": step, "seconds": total, "steps": rows, "evals": evals}
+           "best": best, "rl_steps": step, "seconds": total, "params": params, "flops": flops, "steps": rows,
+           "evals": evals}
     (RESULTS / f"{args.tag}.json").write_text(json.dumps(out, indent=1))
     if not args.no_plot:
         import matplotlib  # noqa: PLC0415 - heavy, plotting only (--no-plot skips it)

@@ -125,6 +125,7 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
     # what the workers this run started say; a remote worker's done record is its own claim
     policies = sorted({r.policy_step for r in results if r.policy_step is not None and r.worker in cfg.workers.names})
     upd = train_broadcast_commit(cfg, step, policies[0] if policies else step, timings)
+    rec = upd.counts or rec  # the online filter's rounds added samples after the ingest
     return StepSummary(
         step=step, policy_steps=policies, accepted=rec.accepted, rejected=rec.rejected, reasons=rec.reasons,
         mean_reward=rec.mean_reward, trained_samples=upd.trained_samples, loss=upd.loss,

@@ -154,12 +154,11 @@ class WorkersConfig(StrictModel):
         description="Workers' files the validator checks at once: however many keys submit, the trusted "
         "process holds at most this many files in memory.",
     )
-    min_signal_samples: int = Field(
-        default=0, ge=0, le=1 << 20,
-        description="Online filter: a worker adds submissions for a step until its samples in groups with "
-        "unequal rewards reach this many (0: one submission per step).",
+    max_submissions: int = Field(
+        default=4, ge=1, le=1024,
+        description="Most submissions per worker and step: its first one, and one per round of the online filter "
+        "(online_filter) it answers.",
     )
-    max_submissions: int = Field(default=4, ge=1, le=1024, description="Most submissions per worker and step.")
     poll_interval: float = Field(default=0.05, gt=0, le=60, description="Seconds between looks for a new checkpoint.")
     checkpoint_timeout: float = Field(
         default=600.0, gt=0, le=86400, description="A worker gives up after waiting this long for a fresh checkpoint."
@@ -177,6 +176,28 @@ class WorkersConfig(StrictModel):
         if bad:
             raise ValueError(f"not worker key ids (k + 20 hex digits): {bad[:4]}")
         return ids
+
+
+class OnlineFilterConfig(StrictModel):
+    """INTELLECT-2's online filter (``intellect/rl/trainer/online_filter.py``): a step trains once it holds
+    this many validated samples with signal (non-zero advantage), and until then the service asks the
+    workers for more of the step in rounds."""
+
+    min_signal_samples: int = Field(
+        default=0, ge=0, le=1 << 20,
+        description="Accepted samples in groups with unequal (validator-computed) rewards a step trains on at "
+        "least (0: off, a step trains on what its first submissions bring).",
+    )
+    max_rounds: int = Field(
+        default=4, ge=1, le=1024,
+        description="Rounds of assignment past the first a step may ask for: each lets every worker add one "
+        "submission (up to workers.max_submissions). A step still short after them trains on what it holds.",
+    )
+    round_timeout: float = Field(
+        default=300.0, gt=0, le=86400,
+        description="Seconds a round waits for every worker's added submission; a round that brings none ends "
+        "the filter (the step trains on what it holds).",
+    )
 
 
 class EvalConfig(StrictModel):
@@ -206,6 +227,10 @@ class RLRunConfig(StrictModel):
     )
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     submission: SubmissionConfig = Field(default_factory=SubmissionConfig)
+    online_filter: OnlineFilterConfig = Field(
+        default_factory=OnlineFilterConfig,
+        description="INTELLECT-2's online filter: the validated samples with signal a step waits for, in rounds.",
+    )
     trainer: RLTrainerConfig = Field(default_factory=RLTrainerConfig)
     compute: ComputeConfig = Field(
         default_factory=ComputeConfig,

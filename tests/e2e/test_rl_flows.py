@@ -154,11 +154,15 @@ def test_rl_orchestrate_runs_each_stage_as_a_flow_run(base, caplog):
 
 @pytest.mark.usefixtures("prefect_harness")
 def test_rl_step_flow_generates_in_process(base):
-    cfg = rl_cfg(base, async_level=0, workers={"min_signal_samples": 10_000, "max_submissions": 2})
+    cfg = rl_cfg(base, async_level=0, workers={"max_submissions": 2},
+                 online_filter={"min_signal_samples": 10_000, "max_rounds": 1})
     summary = rl_step(cfg, 0)
-    # the online filter: with no signal (an untrained model never solves a sum) each worker tries twice
+    # the online filter: with no signal (an untrained model never solves a sum) one round, each worker twice
     assert len(list_submissions(run_storage(cfg), 0)) == 4
     assert summary.accepted == 4 * PROMPTS * GROUP and summary.rejected == 0 and summary.policy_steps == [0]
+    with Ledger(ledger_path(cfg)) as ledger:  # the summary counts every round, as the ledger's step does
+        step = ledger.get_step(0)
+        assert (step["accepted"], step["timings"]["filter_rounds"]) == (4 * PROMPTS * GROUP, 1)
     with pytest.raises(ValueError, match="already committed"):
         rl_step(cfg, 0)
 

@@ -24,7 +24,6 @@ from intellect.rl.worker.submission import (
     generate_submission,
     math_task_reward,
     sample_seed,
-    spread_samples,
     unclaimed_reward,
 )
 from intellect.rl.service.validator import assigned_seeds, validate_submission
@@ -283,13 +282,3 @@ def test_outputs_past_max_tokens_or_with_a_false_finish_reason_are_rejected(env)
     early = [dataclasses.replace(r, output_tokens=(eos, 5), finish_reason="stop") for r in env.rows("lengthy", k=2)]
     rel = write_submission(env.storage, 0, "lengthy", 2, early)
     assert {reason for _, _, reason in env.validate(0, [rel])[rel]} == {"finish_reason"}
-
-
-def test_a_worker_without_answers_counts_groups_whose_final_answers_differ(env):
-    rows = env.rows("spread")
-    text = [tuple(env.tok(t, add_special_tokens=False)["input_ids"]) for t in ("12", "12", "13")]
-    # group 0: the same answer three times (no signal possible); group 1: two answers (maybe signal)
-    rows = [dataclasses.replace(r, output_tokens=text[0] if r.group_id == 0 else text[i % 3])
-            for i, r in enumerate(rows)]
-    assert spread_samples(env.tok, rows, "math") == CFG.group_size
-    assert spread_samples(env.tok, [r for r in rows if r.group_id == 0], "math") == 0

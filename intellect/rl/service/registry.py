@@ -248,15 +248,16 @@ class Registry:
         with self._lock:
             return [r for r in self._s.subs.get(step, []) if worker is None or r.worker == worker]
 
-    def claim(self, step: int, worker: str, k: int) -> SubmissionRecord | None:
+    def claim(self, step: int, worker: str, k: int, refill: bool = False) -> SubmissionRecord | None:
         """Reserve the name ``(step, worker, k)`` for a write, or return its record if it has one.
-        :class:`Refusal` ``finished`` after the worker's done record for ``step``, ``busy`` while
-        another request is writing the name. :meth:`release` after."""
+        :class:`Refusal` ``finished`` after the worker's done record for ``step`` (unless ``refill``: the
+        online filter asks for more of the step), ``busy`` while another request is writing the name.
+        :meth:`release` after."""
         with self._lock:
             name = (step, worker, k)
             if name in self._s.by_name:
                 return self._s.by_name[name]
-            if worker in self._s.done.get(step, {}):
+            if not refill and worker in self._s.done.get(step, {}):
                 raise Refusal(409, "finished", f"step {step} is finished: no new submissions")
             if name in self._pending:
                 raise Refusal(409, "busy", "another request is storing this submission")

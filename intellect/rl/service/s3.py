@@ -27,14 +27,14 @@ class Presigner:
         self.storage, self.registry, self.expiry = storage, registry, expiry
         self._client = _client(storage)
 
-    def presign(self, worker: str, step: int, k: int, want: UploadBody) -> tuple[int, dict]:
+    def presign(self, worker: str, step: int, k: int, want: UploadBody, refill: bool = False) -> tuple[int, dict]:
         """``(status, {"url", "fields", "record"})``: a POST for the name of submission ``k``; the first
         declaration of a name records it, a retry must declare the same sha256 and size."""
         rel = submission_path(step, worker, k)
-        old = self.registry.claim(step, worker, k)
+        old = self.registry.claim(step, worker, k, refill)
         if old is not None and (old.sha256, old.size) != (want.sha256, want.size):
             raise Refusal(409, "exists", f"{rel} was declared already, with another sha256 or size")
-        if old is not None and worker in self.registry.done(step):
+        if old is not None and not refill and worker in self.registry.done(step):
             raise Refusal(409, "finished", f"step {step} is finished: no new uploads")
         rec, now = None, time.time()
         left = self.expiry if old is None else int(old.time + self.expiry - now)

@@ -19,7 +19,9 @@ key (:mod:`intellect.trust.requests`, audience = the run name); the worker id is
     POST /v1/uploads/N/K                S3: {"sha256", "size"} -> a presigned POST for that one key and
                                         exactly that many bytes; the declared sha256 is recorded
     POST /v1/done/N                     {"files": [...], "policy_step": P}: the worker's done marker
-    GET  /v1/status?step=N              {"submissions": [K, ...], "done": bool} of the calling worker
+    GET  /v1/status?step=N              the calling worker's :class:`~intellect.rl.wire.refill.StepStatus`:
+                                        its submissions, its done record, whether the step is open and
+                                        the online filter's newest round of assignment at it
 
 Every refusal is a 4xx (5xx only for the service's own trouble) with
 ``{"reason": ..., "detail": ...}``, the reason one of :data:`~intellect.rl.service.admission.REASONS`.
@@ -44,6 +46,9 @@ must leave ``min_free_bytes`` on disk. Bodies are held to caps and deadlines by
 :mod:`intellect.rl.service.http`, connections and request heads by :mod:`intellect.http_server`. So
 a slow or flooding client holds nothing for long, and never all of it. Steps are open from the one after the newest committed step
 to ``ahead`` past it: a committed step is ``closed`` to uploads, done records and assignments.
+A worker's done record ends its submissions of a step (``finished``), except while the trainer's online
+filter asks for more of it (:meth:`SubmissionService.request_refill`): then any worker may add its next
+submission, up to ``max_submissions_per_step``.
 
 Assignments are drawn from the key's salt (:mod:`intellect.rl.wire.assignment`), which the registry
 draws at admission and the registration answer returns: a key's prompts are unknown until it is
@@ -91,6 +96,7 @@ from intellect.rl.service.admission import (
 )
 from intellect.rl.wire import work
 from intellect.rl.wire.assignment import assign_prompts
+from intellect.rl.wire.refill import StepStatus
 from intellect.rl.service.registry import DoneRecord, Registry, SubmissionRecord
 from intellect.rl.wire.rollouts import submission_path
 from intellect.rl.service.http import Body, UploadSlots, read_body, respond
@@ -140,6 +146,7 @@ class SubmissionService:
         self._work_bits = cfg.registration_work_bits if cfg.admission == "open" else 0
         self._salt_key = salt_key  # a new key's salt: its keyed hash under this (None: random)
         self._committed = committed
+        self._refill: dict[int, int] = {}  # step -> the online filter's newest round of assignment there
         self._refusals: collections.deque[dict] = collections.deque(maxlen=1000)
         # keys whose samples were accepted (credit), and the prefixes they called from lately: the
         # reserved upload slots and connections are theirs
@@ -182,6 +189,24 @@ class SubmissionService:
         """The newest committed step (-1: none): workers may work on steps ``step + 1`` to
         ``step + ahead``; ``step`` and those before it are closed."""
         self._committed = step
+        for old in [s for s in self._refill if s <= step]:
+            del self._refill[old]
+
+    def request_refill(self, step: int) -> int:
+        """Open a new round of assignment at open ``step`` (the online filter holds too few samples with
+        signal): workers see it in their status answer and may add a submission after their done record.
+        Returns the round's number (1, 2, ...)."""
+        self._step(step)
+        self._refill[step] = self._refill.get(step, 0) + 1
+        return self._refill[step]
+
+    def end_refill(self, step: int) -> None:
+        """No more rounds at ``step``: a done record ends a worker's submissions there again."""
+        self._refill.pop(step, None)
+
+    def refill_round(self, step: int) -> int:
+        """The newest round of assignment at ``step`` (0: none open)."""
+        return self._refill.get(step, 0)
 
     def submissions(self, step: int) -> list[SubmissionRecord]:
         """What the service stored (or handed an upload for) at ``step``, in arrival order."""
@@ -418,7 +443,9 @@ class SubmissionService:
         (step,) = query_ints(req, "step")
         self._step(step, closed_ok=True)  # a read: a restarted worker may ask what it left at a closed step
         held = sorted(r.k for r in self.registry.submissions(step, key.id))
-        return 200, {"step": step, "submissions": held, "done": key.id in self.registry.done(step)}
+        return 200, StepStatus(step=step, submissions=held, done=key.id in self.registry.done(step),
+                               open=step > self._committed,
+                               refill=self.refill_round(step)).model_dump(exclude_defaults=True)
 
     async def _submissions(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)
@@ -430,7 +457,7 @@ class SubmissionService:
 
     def _store(self, worker: str, step: int, k: int, body: Body) -> tuple[int, SubmissionRecord]:
         sha, rel = body.sha.hexdigest(), submission_path(step, worker, k)
-        old = self.registry.claim(step, worker, k)
+        old = self.registry.claim(step, worker, k, refill=self.refill_round(step) > 0)
         if old is not None:
             if (old.sha256, old.size) == (sha, body.size):
                 return 200, old  # a retry of what is stored: nothing is written
@@ -465,7 +492,7 @@ class SubmissionService:
         step, k = self._step(req.args[0]), self._k(req.args[1])
         want = parse_json(UploadBody, bytes(body.buf))
         self._quota(key.id, step, k, self._declared(want.size))
-        return await self._io(self._s3.presign, key.id, step, k, want)
+        return await self._io(self._s3.presign, key.id, step, k, want, self.refill_round(step) > 0)
 
     async def _done(self, req: Request, key: VerifyKey, body: Body) -> tuple[int, dict]:
         query_ints(req)

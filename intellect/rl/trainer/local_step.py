@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from intellect.rl.config import RLRunConfig
     from intellect.rl.trainer.step import EngineFactory
     from intellect.rl.trainer.grpo import GRPOTrainer
+    from intellect.rl.trainer.online_filter import FillReport
     from intellect.rl.service.validator import RowCheck
     from intellect.storage import RunStorage
 
@@ -42,6 +43,7 @@ class StepReport:
     committed: bool  # True when this call committed the step
     loss: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    filter: FillReport | None = None  # the online filter's account of the step (None: not trained here)
 
 
 def step_counts(ledger: Ledger, step: int) -> tuple[int, int]:
@@ -98,4 +100,4 @@ def run_rl_step(
         committed = run.commit(step, timings)
     accepted, rejected = step_counts(ledger, step)
     return StepReport(step, policy, list_submissions(storage, step), generated, accepted, rejected,
-                      upd.trained_samples, upd.trained, next_uri, committed, upd.loss, timings)
+                      upd.trained_samples, upd.trained, next_uri, committed, upd.loss, timings, upd.filter)

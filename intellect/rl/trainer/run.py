@@ -17,6 +17,7 @@ versions signed with the trainer's key.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from intellect.rl.trainer import step as step_phases
 from intellect.rl.wire.lag import policy_for
 from intellect.rl.service.registry import read_salts, uploads_settled_at
 from intellect.rl.trainer.evaluation import HeldOut
+from intellect.rl.trainer.online_filter import FillReport, Reason, metrics, read_report, signal_count, write_report
 from intellect.rl.trainer.report import CURVE, add_eval, load_evals, plot_curve
 from intellect.rl.wire.rollouts import RolloutLimits, list_submissions, parse_submission_path
 from intellect.rl.service.server import SubmissionService
@@ -55,6 +57,8 @@ from intellect.rl.trainer.workers import WorkerResult, await_done, start_workers
 from intellect.shardcast.local import LocalCDN, start_local
 from intellect.storage import RunStorage
 from intellect.trust import mac
+
+log = logging.getLogger("intellect.rl.trainer.run")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -101,6 +105,8 @@ class UpdateReport(BaseModel):
     tokens: int
     tokens_per_second: float | None
     checkpoint: str
+    filter: FillReport | None = None  # what the online filter did before training (None: not trained here)
+    counts: RecordReport | None = None  # the step's samples after the filter's rounds (None: it asked for none)
 
 
 def generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: Sequence[Task], step: int, worker: str,
@@ -125,13 +131,14 @@ def generate_here(cfg: RLRunConfig, storage: RunStorage, tasks: Sequence[Task], 
     return DoneMarker(files=files, policy_step=policy), written
 
 
-def update_report(step: int, saved: SavedStepReport, trained: bool, checkpoint: str) -> UpdateReport:
+def update_report(step: int, saved: SavedStepReport, trained: bool, checkpoint: str,
+                  filled: FillReport | None = None) -> UpdateReport:
     """The update of ``step`` as the report saved with checkpoint ``step + 1`` has it."""
     secs = saved.train_seconds
     return UpdateReport(step=step, policy_step=saved.policy_step, trained=trained,
                         trained_samples=saved.trained_samples, loss=saved.loss, clip_fraction=saved.clip_fraction,
                         tokens=saved.tokens, tokens_per_second=saved.tokens / secs if secs else None,
-                        checkpoint=checkpoint)
+                        checkpoint=checkpoint, filter=filled)
 
 
 class RLRun:
@@ -167,6 +174,8 @@ class RLRun:
         self._key: SigningKey | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._eos_ids: list[int] | None = None
+        self._validated: dict[int, set[str]] = {}  # step -> its files validated by this process
+        self._silent: dict[int, set[str]] = {}  # step -> workers that let one of its filter's rounds pass
         self.heldout = HeldOut(cfg.tasks, cfg.eval.size, self.storage)
 
     @property
@@ -389,13 +398,15 @@ class RLRun:
             by_worker.setdefault(parse_submission_path(rel)[1], []).append(rel)
         return by_worker
 
-    def validate(self, step: int, files: Mapping[str, Sequence[str]]) -> list[ValidationReport]:
+    def validate(self, step: int, files: Mapping[str, Sequence[str]], refill: int = 0) -> list[ValidationReport]:
         """Verdicts on every sample of ``step``'s submission ``files`` (worker -> files; rewards
         recomputed, every check of the validator, and with the service running, each file against
         what the service recorded of it, and each admitted worker's file against the salt of its key in
         the service's registry), one MAC'd verdict file per worker, workers in parallel. The reports
         keep the order of ``files`` (the service's arrival order, :meth:`step_files`): the ledger lets
-        the first accepted copy of a sample win, and ids can be ground to sort first, arrivals not."""
+        the first accepted copy of a sample win, and ids can be ground to sort first, arrivals not.
+        ``refill``: the online filter's round of assignment the files answer (its verdict files are
+        named apart, so a round never overwrites an earlier one's)."""
         recorded = {r.path: r for r in self.service.submissions(step)} if self.service is not None else None
         salts = (self.service.registry.salts() if self.service is not None
                  else read_salts(trainer_dir(self.cfg) / SERVICE_DIR))
@@ -414,32 +425,129 @@ class RLRun:
             accepted = sum(v.status == "accepted" for v in verdicts)
             if accepted and self.service is not None:
                 self.service.credit(worker)  # its uploads and connections may use the service's reserve
-            rel, tag = write_verdicts(self.storage, step, worker, verdicts, self.secret)
+            rel, tag = write_verdicts(self.storage, step, f"{worker}.refill-{refill}" if refill else worker, verdicts,
+                                      self.secret)
             return ValidationReport(worker=worker, verdicts=rel, mac=tag, accepted=accepted,
                                     rejected=len(verdicts) - accepted)
 
         if not files:
             return []
+        self._validated.setdefault(step, set()).update(f for fs in files.values() for f in fs)
         with ThreadPoolExecutor(min(len(files), self.cfg.workers.validate_parallel)) as pool:
             return list(pool.map(one, list(files)))
+
+    # ------------------------------------------------------------------ the online filter
+
+    def fill(self, step: int) -> FillReport:
+        """Hold ``step`` until its validated samples with signal reach ``online_filter.min_signal_samples``
+        (:mod:`~intellect.rl.trainer.online_filter`): rounds of assignment, each validated and recorded,
+        until the count, ``max_rounds`` or a round that brings nothing. The report is kept in run
+        storage; the step then trains on what it holds."""
+        f = self.cfg.online_filter
+        accepted, signal = signal_count(self.ledger, step)
+        rounds = files = 0
+        reason: Reason = "reached" if f.min_signal_samples else "off"
+        self._silent[step] = set()
+        try:
+            while signal < f.min_signal_samples:
+                if self.stopping.is_set():
+                    reason = "stopping"
+                    break
+                if rounds >= f.max_rounds:
+                    reason = "max_rounds"
+                    break
+                rounds += 1
+                got = self._refill_round(step, rounds)
+                if not got:
+                    reason = "no_submissions"
+                    break
+                files += got
+                accepted, signal = signal_count(self.ledger, step)
+        finally:
+            self._silent.pop(step, None)
+            if self.service is not None:
+                self.service.end_refill(step)
+        report = FillReport(step=step, target=f.min_signal_samples, accepted=accepted, signal=signal,
+                            rounds=rounds, files=files, reason=reason)
+        if f.min_signal_samples:
+            write_report(self.storage, report)
+            log.info("step %d online filter: %s", step, report.model_dump())
+        return report
+
+    def _refill_round(self, step: int, refill: int) -> int:
+        """One round of assignment at ``step``, validated and recorded; the files it brought."""
+        if self.service is not None:
+            self._await_round(step)
+        else:
+            self._generate_round(step)
+        seen = self._validated.get(step, set())
+        new = {w: [x for x in fs if x not in seen] for w, fs in self.step_files(step).items()}
+        new = {w: fs for w, fs in new.items() if fs}
+        reports = self.validate(step, new, refill=refill)
+        self.record(step, [(r.verdicts, r.mac) for r in reports])
+        return sum(len(fs) for fs in new.values())
+
+    def _await_round(self, step: int) -> None:
+        """Open a round at the service and wait until every worker of the step that may still submit
+        added a file (any other worker's file counts too), or ``round_timeout``. A worker that let a
+        round pass without a file is not waited for again at this step (it may still answer)."""
+        assert self.service is not None
+        cap, poll, silent = self.service.per_step, self.cfg.workers.poll_interval, self._silent.setdefault(step, set())
+        before = {w: len(fs) for w, fs in self.step_files(step).items()}
+        self.service.request_refill(step)
+        deadline = time.monotonic() + self.cfg.online_filter.round_timeout
+        while True:
+            now = self.step_files(step)
+            waiting = {w for w, n in before.items() if n < cap and w not in silent and len(now.get(w, ())) <= n}
+            if not waiting:
+                return
+            if time.monotonic() >= deadline or self.stopping.is_set():
+                silent |= waiting
+                return
+            time.sleep(poll)
+
+    def _generate_round(self, step: int) -> None:
+        """Each worker generating here adds one submission of ``step``, with the checkpoint its done
+        marker names (the lag rule's choice when it has none)."""
+        engines: dict[int, tuple] = {}
+        for w in self.cfg.workers.names:
+            done = read_done_marker(self.storage, step, w)
+            policy = done.policy_step if done is not None else policy_for(
+                step, self.cfg.async_level, recorded_steps(self.storage, self.ledger), self.cfg.policy_lag)
+            if policy is None:
+                continue
+            if policy not in engines:
+                with recorded_copy(self.storage, self.ledger, policy) as folder:
+                    engines[policy] = ((self.engine_factory or step_phases.worker_engines(self.cfg))(folder),
+                                       load_tokenizer(folder))
+            engine, tok = engines[policy]
+            step_phases.add_submission(self.cfg, self.storage, step, w, self.tasks, engine, tok, policy,
+                                       limits=self.limits, reward_fn=self.reward_fn)
 
     def record(self, step: int, verdict_files: Sequence[tuple[str, str]]) -> RecordReport:
         """The verdict files of ``step`` (``(path, MAC)`` pairs) into the ledger, one transaction,
         idempotent; the step's counts. A file whose MAC does not verify raises."""
         res = self.ledger.record_table(step, read_verdicts(self.storage, list(verdict_files), self.secret))
+        return self.counts(step, res.inserted)
+
+    def counts(self, step: int, inserted: int = 0) -> RecordReport:
+        """The step's sample counts in the ledger (every round the online filter asked for included)."""
         rows = self.ledger.step_verdicts(step)
         accepted = next((r for r in rows if r["status"] == "accepted"), None)
         reasons = {r["reason"]: r["n"] for r in rows if r["status"] == "rejected"}
         return RecordReport(accepted=accepted["n"] if accepted else 0, rejected=sum(reasons.values()),
                             reasons=reasons, mean_reward=accepted["mean_reward"] if accepted else None,
-                            inserted=res.inserted)
+                            inserted=inserted)
 
     def update(self, step: int, policy_step: int) -> UpdateReport:
         """Train on the step's accepted samples and publish checkpoint ``step + 1`` (skipped when it
-        exists); the trainer stays in memory for the next step."""
+        exists), once the online filter holds enough of them (:meth:`fill`); the trainer stays in
+        memory for the next step."""
         uri = self.storage.uri(self.storage.step_path(step + 1, CHECKPOINTS))
         trained = not adopt(self.storage, self.ledger, step + 1)
+        filled = None
         if trained:
+            filled = self.fill(step)
             if self.trainer is None or self.trainer_step != step:
                 self.close_trainer()
                 if self.cfg.trainer_threads:
@@ -451,7 +559,10 @@ class RLRun:
             self.trainer_step = step + 1
         else:
             saved = step_phases.saved_report(self.storage, self.ledger, step)
-        return update_report(step, saved, trained, uri)
+        report = update_report(step, saved, trained, uri, filled)
+        if filled is not None and filled.rounds:
+            report.counts = self.counts(step)
+        return report
 
     def broadcast(self, step: int) -> str:
         """Make recorded checkpoint ``step`` known to the inference workers: published, signed, to the
@@ -467,7 +578,8 @@ class RLRun:
         """Commit ``step`` (its checkpoint ``step + 1`` recorded) and tell the service; False when it
         was committed already."""
         saved = step_phases.saved_report(self.storage, self.ledger, step)
-        committed = step_phases.commit(self.ledger, step, saved, dict(timings))
+        committed = step_phases.commit(self.ledger, step, saved,
+                                       {**timings, **metrics(read_report(self.storage, step))})
         if self.service is not None:
             self.service.set_committed(step)
         return committed

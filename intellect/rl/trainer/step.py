@@ -22,9 +22,9 @@ recorded checkpoints count as available (:func:`~intellect.checkpoints.recorded_
 
 Training step ``n`` starts from checkpoint ``n``; generation uses the newest checkpoint the lag rule
 allows (:func:`~intellect.rl.wire.lag.policy_for`). Groups whose accepted rewards are all equal carry no
-gradient and are dropped, and a worker keeps adding submissions until it holds enough samples with
-signal (INTELLECT-2's online filter, :func:`worker_step`); a step left with no sample publishes the
-unchanged weights, so the run keeps moving. Advantages and rewards come from the ledger (the
+gradient and are dropped; with the online filter on, the step asks for more submissions until it holds
+enough validated samples with signal (:mod:`~intellect.rl.trainer.online_filter`, :func:`add_submission`
+for workers generating here); a step left with no sample publishes the unchanged weights, so the run keeps moving. Advantages and rewards come from the ledger (the
 validator's), never from the workers' files, and the samples are trained in a canonical order (by
 content hash), so the order in which submissions arrived cannot change the update.
 """
@@ -52,9 +52,9 @@ from intellect.rl.advantages import nonzero_signal
 from intellect.rl.wire.assignment import NO_SALT
 from intellect.ids import canonical_worker
 from intellect.rl.wire.rollouts import (
-    KIND, RolloutLimits, load_submission, parse_submission_path, submission_path, write_submission,
+    KIND, RolloutLimits, parse_submission_path, submission_path, write_submission,
 )
-from intellect.rl.worker.submission import RewardFn, generate_submission, math_task_reward, signal_samples
+from intellect.rl.worker.submission import RewardFn, generate_submission, math_task_reward
 from intellect.rl.trainer.grpo import GRPOTrainer, Sample, load_accepted
 from intellect.rl.trainer.ranks import ShardedTrainer, TrainerSpec
 from intellect.rl.trainer.state import drop_state, has_state, load_state
@@ -122,8 +122,9 @@ class CheckpointEngines:
             return self._engines[policy]
 
 
-def _signal_rows(rows: list[dict]) -> list[dict]:
-    """The accepted ledger rows of groups whose rewards are not all equal."""
+def signal_rows(rows: list[dict]) -> list[dict]:
+    """The accepted ledger rows of groups whose rewards are not all equal: what a step trains on, and
+    what the online filter counts (:mod:`~intellect.rl.trainer.online_filter`)."""
     if not rows:
         return []
     keys = {}
@@ -168,26 +169,32 @@ def worker_step(
     limits: RolloutLimits,
     reward_fn: RewardFn = math_task_reward,
 ) -> tuple[list[str], list[str]]:
-    """One worker's part of ``step``: submissions ``0, 1, ...`` until their samples with signal reach
-    ``cfg.workers.min_signal_samples`` (INTELLECT-2's online filter) or ``max_submissions`` files
-    exist, then the done marker. Files already there count and are not regenerated. Returns
-    (all its files of the step, the files this call wrote)."""
-    files, written, signal = [], [], 0
-    for k in range(cfg.workers.max_submissions):
-        rel = submission_path(step, worker, k)
-        if storage.exists(rel):
-            rows = load_submission(storage, rel, limits)
-        else:
-            rows = generate_submission(engine, tokenizer, tasks, worker, step, k, policy, cfg.submission,
-                                       run=cfg.run_name, reward_fn=reward_fn, proofs=cfg.toploc)
-            write_submission(storage, step, worker, k, rows, limits=limits)
-            written.append(rel)
-        files.append(rel)
-        signal += signal_samples(rows)
-        if signal >= cfg.workers.min_signal_samples:
-            break
-    storage.write_text(done_marker(step, worker), DoneMarker(files=files, policy_step=policy).model_dump_json())
-    return files, written
+    """One worker's part of ``step``: its submission 0 (kept when it exists, not regenerated), then
+    the done marker. Returns (all its files of the step, the files this call wrote)."""
+    rel = submission_path(step, worker, 0)
+    written = []
+    if not storage.exists(rel):
+        rows = generate_submission(engine, tokenizer, tasks, worker, step, 0, policy, cfg.submission,
+                                   run=cfg.run_name, reward_fn=reward_fn, proofs=cfg.toploc)
+        write_submission(storage, step, worker, 0, rows, limits=limits)
+        written.append(rel)
+    storage.write_text(done_marker(step, worker), DoneMarker(files=[rel], policy_step=policy).model_dump_json())
+    return [rel], written
+
+
+def add_submission(
+    cfg: RLRunConfig, storage: RunStorage, step: int, worker: str, tasks: Sequence[Task], engine: InferenceEngine,
+    tokenizer, policy: int, *, limits: RolloutLimits, reward_fn: RewardFn = math_task_reward,
+) -> str | None:
+    """A worker generating here answers a round of the online filter: its next submission of ``step``
+    (the first index not in storage), None when it holds ``workers.max_submissions`` already."""
+    k = next(k for k in range(cfg.workers.max_submissions + 1) if not storage.exists(submission_path(step, worker, k)))
+    if k >= cfg.workers.max_submissions:
+        return None
+    rows = generate_submission(engine, tokenizer, tasks, worker, step, k, policy, cfg.submission,
+                               run=cfg.run_name, reward_fn=reward_fn, proofs=cfg.toploc)
+    write_submission(storage, step, worker, k, rows, limits=limits)
+    return submission_path(step, worker, k)
 
 
 def validate_files(
@@ -250,7 +257,7 @@ def train_and_publish(
     """Train ``trainer`` (holding checkpoint ``step``) on the step's accepted samples with signal and
     publish checkpoint ``step + 1`` with its report and optimizer state; the report is returned.
     A step without such samples publishes the unchanged weights, so the run keeps moving."""
-    rows = sorted(_signal_rows(ledger.accepted(step)), key=lambda r: (r["content_hash"], r["file"], r["row_index"]))
+    rows = sorted(signal_rows(ledger.accepted(step)), key=lambda r: (r["content_hash"], r["file"], r["row_index"]))
     rollouts = load_accepted(storage, rows, limits)
     samples = [Sample(r.prompt_tokens, r.output_tokens, float(row["advantage"])) for r, row in zip(rollouts, rows)]
     stats = trainer.train_step(samples) if samples else None

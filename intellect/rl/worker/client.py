@@ -27,9 +27,11 @@ import time
 from typing import Callable, Iterator
 
 import httpx
+from pydantic import ValidationError
 
 from intellect.rl.wire import work
 from intellect.rl.wire.assignment import SALT_BYTES
+from intellect.rl.wire.refill import StepStatus
 from intellect.rl.service.registry import SubmissionRecord
 from intellect.trust.keys import SigningKey
 from intellect.trust.requests import sign_request
@@ -202,8 +204,11 @@ class ServiceClient:
         self._call("POST", f"/v1/done/{int(step)}", doc={"files": list(files), "policy_step": int(policy_step)})
 
     def status(self, step: int) -> dict:
-        """``{"submissions": [k, ...], "done": bool}``: what the service holds of this worker at ``step``."""
+        """What the service holds of this worker at ``step`` and the online filter's round there: a
+        :class:`~intellect.rl.wire.refill.StepStatus` as its JSON (fields at their defaults left out)."""
         answer = self._call("GET", f"/v1/status?step={int(step)}")
-        if not isinstance(answer.get("submissions"), list) or not isinstance(answer.get("done"), bool):
-            raise ServiceError(0, "bad_answer", f"not a status: {str(answer)[:200]}")
+        try:
+            StepStatus.model_validate(answer)
+        except ValidationError:
+            raise ServiceError(0, "bad_answer", f"not a status: {str(answer)[:200]}") from None
         return answer

@@ -17,8 +17,8 @@ share a seed, so their samples never share a content hash.
 
 Rewards here are only the worker's *claim*: the validator recomputes every one of them
 (:mod:`intellect.rl.service.validator`) with the same :data:`RewardFn`. A worker of the submission service
-is never told the reference answers, so it claims none (:func:`unclaimed_reward`: 0) and its online
-filter counts the samples of groups whose final answers differ (:func:`spread_samples`) instead.
+is never told the reference answers, so it claims none (:func:`unclaimed_reward`: 0). What has signal
+is the trainer's count, of the validator's rewards (:mod:`intellect.rl.trainer.online_filter`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from intellect.config import StrictModel
 from intellect.ids import canonical_worker
 from intellect.inference.protocol import Request
 from intellect.inference.sampling import MAX_SEED, SamplingParams
-from intellect.rl.advantages import group_advantages, nonzero_signal
+from intellect.rl.advantages import group_advantages
 from intellect.rl.wire.assignment import NO_SALT, assign_prompts, assignment_seed
 from intellect.prompts import PromptConfig, render_prompt
 from intellect.rl.rewards.code import CodeRewardConfig, code_reward, code_rewards
-from intellect.rl.rewards.math import extract_answer, math_reward, math_rewards
+from intellect.rl.rewards.math import math_reward, math_rewards
 from intellect.rl.wire.rollout_schema import Rollout
 from intellect.toploc.proofs import ToplocConfig, completion_proofs
 
@@ -138,29 +138,6 @@ def advantages_of(rewards: Sequence[float], group_ids: Sequence[int]) -> list[fl
     return adv.tolist()
 
 
-def signal_samples(rows: Sequence[Rollout]) -> int:
-    """Samples of ``rows`` (one submission) in groups whose claimed rewards differ: what the online
-    filter counts until a worker holds enough."""
-    if not rows:
-        return 0
-    keep = nonzero_signal(torch.tensor([r.reward for r in rows], dtype=torch.float64),
-                          torch.tensor([r.group_id for r in rows]))
-    return int(keep.sum())
-
-
-def spread_samples(tokenizer, rows: Sequence[Rollout], kind: TaskKind) -> int:
-    """Samples of ``rows`` (one submission) in groups whose final answers are not all the same (math:
-    :func:`~intellect.rl.rewards.math.extract_answer`; code: the completion): the online filter of a
-    worker that holds no reference answers. A reward depends on the completion only through that
-    answer, so a group without spread has no signal; one with spread may still have none, so this
-    counts at least the samples with signal."""
-    answers: dict[int, set] = {}
-    sizes: dict[int, int] = {}
-    for r in rows:
-        text = completion_text(tokenizer, r.output_tokens)
-        answers.setdefault(r.group_id, set()).add(extract_answer(text) if kind == "math" else text)
-        sizes[r.group_id] = sizes.get(r.group_id, 0) + 1
-    return sum(sizes[g] for g, seen in answers.items() if len(seen) > 1)
 
 
 def generate_submission(

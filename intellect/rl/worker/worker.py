@@ -19,9 +19,11 @@ downloads it (every version signed by the trainer's key, which the worker pins) 
 engine (built once, of the run's ``workers.engine.kind``; each new policy is loaded into the running
 engine in place, :func:`~intellect.inference.engines.make_engine`), asks the service
 for its assignment (prompts without reference answers), generates with the seeds its salt decides
-(the registration answer's) and TOPLOC proofs, submits each file, and says it is done. It claims no
-reward (the validator computes them) and keeps adding files while its groups' final answers carry
-too little spread (:func:`~intellect.rl.worker.submission.spread_samples`). A step
+(the registration answer's) and TOPLOC proofs, submits its file, and says it is done. It claims no
+reward (the validator computes them). With the run's online filter on, it then keeps looking at the
+steps it finished until they are committed (while it waits for a checkpoint, before each step, and
+after the last): a step whose status answer opens a round of assignment it has not answered gets its
+next submission (:mod:`intellect.rl.wire.refill`). A step
 the service already holds as done is skipped, and one it holds submissions of is finished with
 them, so a restarted worker resumes where it stopped (:meth:`ServiceClient.status`).
 Nothing it sends is believed before the validator has checked it.
@@ -56,11 +58,12 @@ from intellect.inference.config import EngineConfig
 from intellect.inference.engines import Engine, EngineUnavailable, check_available, load_tokenizer, make_engine
 from intellect.progress import Progress
 from intellect.rl.wire.lag import PolicyLag, policy_for
+from intellect.rl.wire.refill import StepStatus, owes_submission
 from intellect.rl.wire.rollouts import RolloutLimits, encode_submission, submission_path
 from intellect.rl.worker.client import ServiceClient, ServiceError
 from intellect.rl.rewards.code import CodeRewardConfig
 from intellect.rl.worker.submission import (
-    SubmissionConfig, generate_assigned, spread_samples, unclaimed_reward,
+    SubmissionConfig, generate_assigned, unclaimed_reward,
 )
 from intellect.rl.worker.weights import ShardcastWeights, WeightSource
 from intellect.shardcast.client import ShardcastClient, ShardcastError
@@ -79,6 +82,9 @@ EXIT_REFUSED = 5
 EXIT_NO_ENGINE = 6
 _HEALTH_BYTES = 4096
 _RETRY = frozenset({"too_far_ahead", "busy", "unreachable"})  # the service says: not now
+# seconds between looks at finished steps for a round of the online filter: each look is a signed
+# request per step, and the service's replay guard bounds a key's requests per window
+REFILL_POLL = 1.0
 
 
 class CheckpointTimeout(TimeoutError):
@@ -113,8 +119,11 @@ class WorkerRunInfo(StrictModel):
     code_reward: CodeRewardConfig = Field(
         default_factory=CodeRewardConfig, description="How the validator scores code tasks (tasks.code).",
     )
-    min_signal_samples: int = Field(ge=0, description="Online filter (see WorkersConfig).")
-    max_submissions: int = Field(ge=1, description="Most submissions per step.")
+    min_signal_samples: int = Field(
+        ge=0, description="The online filter's count (OnlineFilterConfig; 0: off): a worker answers its rounds "
+        "of assignment only when it is on.",
+    )
+    max_submissions: int = Field(ge=1, description="Most submissions per step (online filter rounds included).")
     relays: list[str] = Field(min_length=1, description="SHARDCAST relays to download checkpoints from.")
     client: ClientTuning = Field(default_factory=ClientTuning, description="SHARDCAST client settings.")
     poll_interval: float = Field(gt=0, description="Seconds between looks for a new checkpoint.")
@@ -127,7 +136,7 @@ class WorkerRunInfo(StrictModel):
             run=cfg.run_name, steps=cfg.steps, committed=committed, async_level=cfg.async_level, policy_lag=cfg.policy_lag,
             submission=cfg.submission, toploc=cfg.toploc, precision=validator_precision(cfg), limits=cfg.limits,
             task_kind=cfg.tasks.kind, code_reward=cfg.tasks.code, engine=cfg.workers.engine,
-            min_signal_samples=cfg.workers.min_signal_samples, max_submissions=cfg.workers.max_submissions,
+            min_signal_samples=cfg.online_filter.min_signal_samples, max_submissions=cfg.workers.max_submissions,
             relays=relays, client=cfg.weights_broadcast().client, poll_interval=cfg.workers.poll_interval,
             checkpoint_timeout=cfg.workers.checkpoint_timeout,
         )
@@ -165,14 +174,16 @@ def relay_weights(info: WorkerRunInfo, trainer_key: VerifyKey, cache: Path) -> S
     return ShardcastWeights(ShardcastClient(info.relays, pinned), cache, keep=info.async_level + 2)
 
 
-def _call(fn: Callable, *args, deadline: float, poll: float):
-    """``fn(*args)``, retried while the service says "not now" (ahead of the trainer, busy, unreachable)."""
+def _call(fn: Callable, *args, deadline: float, poll: float, idle: Callable[[], object] = lambda: None):
+    """``fn(*args)``, retried while the service says "not now" (ahead of the trainer, busy, unreachable);
+    ``idle()`` between tries."""
     while True:
         try:
             return fn(*args)
         except ServiceError as e:
             if e.reason not in _RETRY or time.monotonic() > deadline:
                 raise
+        idle()
         time.sleep(poll)
 
 
@@ -227,19 +238,75 @@ def run_worker(
         bar = Progress(f"worker {client.worker}", info.steps, start=info.committed + 1, heartbeat=True)
         bar.begin(f"run {run}, steps {info.committed + 1}..{info.steps - 1} on {compute.device}")
         stack.enter_context(bar)
+        # the online filter's open steps this worker finished -> the newest round it answered there
+        answered: dict[int, int] = {}
+        last_look = 0.0
+
+        def use_policy(policy: int) -> None:
+            nonlocal held
+            if engine is not None and policy != held:  # the running engine takes the new policy: no rebuild
+                engine.update_weights(weights.folder(policy))
+                held = policy
+
+        def serve_refills() -> None:
+            """One submission to each finished step whose online filter opened a round not answered yet."""
+            nonlocal last_look
+            if not answered or engine is None or tok is None or time.monotonic() - last_look < REFILL_POLL:
+                return
+            last_look = time.monotonic()
+            for s in sorted(answered):
+                deadline = time.monotonic() + info.checkpoint_timeout
+                try:
+                    st = StepStatus.model_validate(_call(client.status, s, deadline=deadline, poll=info.poll_interval))
+                    if not st.open:
+                        del answered[s]
+                        continue
+                    if not owes_submission(st, answered[s], info.max_submissions):
+                        continue
+                    policy = policy_for(s, info.async_level, weights.complete_steps(), info.policy_lag)
+                    if policy is None:  # its checkpoint left the relays: the step cannot get fresh samples here
+                        del answered[s]
+                        continue
+                    use_policy(policy)
+                    k = len(st.submissions)  # the service assigns k only once 0..k-1 are stored
+                    tasks = _tasks(_call(client.assignment, s, k, deadline=deadline, poll=info.poll_interval),
+                                   info.task_kind)
+                    rows = generate_assigned(engine, tok, tasks, client.worker, s, k, policy, info.submission,
+                                             run=info.run, reward_fn=unclaimed_reward, proofs=info.toploc,
+                                             salt=client.salt or b"")
+                    _call(client.submit, s, k, encode_submission(rows, limits), deadline=deadline,
+                          poll=info.poll_interval)
+                    answered[s] = st.refill
+                    log.info("worker %s: step %d round %d: submission %d", client.worker, s, st.refill, k)
+                except ServiceError as e:
+                    if e.reason == "closed":  # committed meanwhile
+                        answered.pop(s, None)
+                    elif e.reason == "finished":  # the round ended between the look and the upload
+                        answered[s] = st.refill
+                    else:
+                        raise
+
+        def stop_or_serve() -> bool:
+            serve_refills()
+            return stop()
+
         for step in range(info.committed + 1, info.steps):
             if stop():
                 break
             try:
                 wait = time.monotonic() + info.checkpoint_timeout
-                status = _call(client.status, step, deadline=wait, poll=info.poll_interval)
+                # a step past the service's window waits for the trainer, which may wait for our rounds
+                serve_refills()
+                status = _call(client.status, step, deadline=wait, poll=info.poll_interval, idle=serve_refills)
                 if status["done"]:
+                    if info.min_signal_samples:
+                        answered.setdefault(step, 0)
                     bar.update(step + 1)
                     continue
                 t0 = time.perf_counter()
                 bar.waiting(f"step {step}: waiting for a checkpoint")
                 policy = wait_for_policy(weights.complete_steps, step, info.async_level, info.checkpoint_timeout,
-                                         info.poll_interval, stop, info.policy_lag)
+                                         info.poll_interval, stop_or_serve, info.policy_lag)
                 if policy is None:
                     break
                 if engine is None or tok is None:
@@ -248,26 +315,24 @@ def run_worker(
                                          capture_hidden=info.toploc is not None)
                     tok = load_tokenizer(folder)
                     limits = info.limits or RolloutLimits(vocab_size=len(tok))
-                elif policy != held:  # the running engine takes the new policy: no rebuild
-                    engine.update_weights(weights.folder(policy))
-                held = policy
-                files, signal = [], 0
+                    held = policy
+                use_policy(policy)
+                files = []
                 if status["submissions"]:  # a restart mid-step: what the service holds is this step's work
                     files = [submission_path(step, client.worker, k) for k in status["submissions"]]
-                for k in range(info.max_submissions if not files else 0):
-                    bar.waiting(f"step {step}: submission {k} with checkpoint {policy}")
-                    tasks = _tasks(_call(client.assignment, step, k, deadline=wait, poll=info.poll_interval),
+                else:
+                    bar.waiting(f"step {step}: submission 0 with checkpoint {policy}")
+                    tasks = _tasks(_call(client.assignment, step, 0, deadline=wait, poll=info.poll_interval),
                                    info.task_kind)
-                    rows = generate_assigned(engine, tok, tasks, client.worker, step, k, policy, info.submission,
+                    rows = generate_assigned(engine, tok, tasks, client.worker, step, 0, policy, info.submission,
                                              run=info.run, reward_fn=unclaimed_reward, proofs=info.toploc,
                                              salt=client.salt or b"")
-                    rec = _call(client.submit, step, k, encode_submission(rows, limits), deadline=wait,
+                    rec = _call(client.submit, step, 0, encode_submission(rows, limits), deadline=wait,
                                 poll=info.poll_interval)
                     files.append(rec.path)
-                    signal += spread_samples(tok, rows, info.task_kind)
-                    if signal >= info.min_signal_samples:
-                        break
                 _call(client.finish, step, files, policy, deadline=wait, poll=info.poll_interval)
+                if info.min_signal_samples:
+                    answered.setdefault(step, 0)
                 rec = {"step": step, "policy_step": policy, "files": len(files),
                        "seconds": round(time.perf_counter() - t0, 3), "weight_updates": engine.stats.weight_updates,
                        "weight_update_seconds": round(engine.stats.weight_update_seconds, 3)}
@@ -280,6 +345,11 @@ def run_worker(
                 # the trainer committed this step without us (we were slow or restarted late): on to the next
                 log.info("step %d was committed without worker %s", step, client.worker)
                 bar.update(step + 1)
+        # the last steps may still ask for more: serve them until they are committed
+        tail = time.monotonic() + info.checkpoint_timeout
+        while answered and not stop() and time.monotonic() < tail:
+            serve_refills()
+            time.sleep(info.poll_interval)
     finally:
         stack.close()
         if weights is not None:
