@@ -5,18 +5,19 @@ the rate every shipped RL config uses) runs ``--steps`` steps from the demo's pr
 (``--from``), writing a checkpoint per step (``--checkpoints DIR`` measures an existing run's
 checkpoints instead). For each pair of consecutive checkpoints, as published (the trainer writes
 float32) and as a bf16 inference copy (each float tensor rounded to bf16), the bytes of the full
-checkpoint and of the weight patch (``intellect.shardcast.patch``) and the share of elements whose
-bits changed. Then the bf16 copies go through a real origin process, one relay process and a client
-on 127.0.0.1 (``intellect.shardcast.origin.Origin``, ``ShardcastClient``), once every version full
-(``anchor_every = 1``, today's broadcast) and once as patches (``anchor_every = 10``), in alternating
-order over ``--repeats`` rounds: per step, publish + relay mirror + client fetch + rebuild, timed.
+checkpoint and of the weight patch (``intellect.shardcast.patch``) in each of ``--encodings``, and
+the share of elements whose bits changed. Then the bf16 copies go through a real origin process, one
+relay process and a client on 127.0.0.1 (``intellect.shardcast.origin.Origin``, ``ShardcastClient``),
+once every version full (``anchor_every = 1``) and once as patches of each encoding (``anchor_every =
+10``), in rotating order over ``--repeats`` rounds: per step, publish + relay mirror + client fetch +
+rebuild, timed.
 
 Part 2, the Qwen2.5-0.5B shape (494M parameters, tied embeddings): float32 master weights under
 AdamW (betas 0.9/0.999, no weight decay, as the RL trainer's default) on synthetic gradients (Gaussian;
 the embedding's rows nonzero only for a random ``--token-share`` of the vocabulary per step, as a
 batch touches few tokens), at each ``--lrs``; per step the share of bf16 elements whose bits
-changed and the patch bytes (the codec's own packing, ``diff_elements``) against the 988 MB bf16
-checkpoint. One tensor at a time, so it fits a small machine.
+changed and the patch bytes of each encoding (the codec's own packing, ``diff_elements``, and the
+seconds it took) against the 988 MB bf16 checkpoint. One tensor at a time, so it fits a small machine.
 
     .venv/bin/python benchmarks/delta_broadcast.py --steps 12 --repeats 3
 
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-from intellect.shardcast.patch import checkpoint_files, diff_elements, make_patch  # noqa: E402
+from intellect.shardcast.header import PatchEncoding  # noqa: E402
+from intellect.shardcast.patch import FORMATS, checkpoint_files, diff_elements, make_patch  # noqa: E402
 
 
 # ------------------------------------------------------------------ part 1: a real RL run
@@ -99,20 +101,64 @@ def inference_copy(src: Path, dest: Path, bf16: bool) -> Path:
     return dest
 
 
-def bytes_table(copies: list[Path], work: Path) -> list[dict]:
-    """Per consecutive pair: full and patch bytes, and the share of elements whose bits changed."""
+def bytes_table(copies: list[Path], work: Path, encodings: list[PatchEncoding]) -> list[dict]:
+    """Per consecutive pair: full bytes, patch bytes per encoding, and the share of elements whose bits changed."""
     from intellect.shardcast.patch import checkpoint_digest  # noqa: PLC0415 - heavy (torch)
 
     rows = []
     for i, (a, b) in enumerate(zip(copies, copies[1:])):
-        stats = make_patch(a, b, work / f"patch-{i}", checkpoint_digest(a))
-        rows.append({"step": i + 1, "full_bytes": stats.full_bytes, "patch_bytes": stats.bytes,
-                     "changed_share": stats.changed / max(1, stats.elements)})
-        shutil.rmtree(work / f"patch-{i}")
+        row: dict = {"step": i + 1, "patch_bytes": {}}
+        for enc in encodings:
+            stats = make_patch(a, b, work / f"patch-{i}", checkpoint_digest(a), enc)
+            row.update(full_bytes=stats.full_bytes, changed_share=stats.changed / max(1, stats.elements))
+            row["patch_bytes"][enc] = stats.bytes
+            shutil.rmtree(work / f"patch-{i}")
+        row["value_bytes"] = value_codings(a, b)
+        rows.append(row)
     return rows
 
 
-def end_to_end(copies: list[Path], work: Path, anchor_every: int, tag: str) -> list[dict]:
+def value_codings(a: Path, b: Path) -> dict[str, int]:
+    """Bytes of the changed elements' values of ``b`` against ``a`` (``model.safetensors``) under other
+    codings beside bitpatch-v2's (``diff``: the zigzag difference in byte planes, run-length deflate):
+    raw (bitpatch-v1), the XOR with the base's bits deflated as is (``xor``) and in byte planes with
+    v2's strategy (``xor_planes``)."""
+    import zlib  # noqa: PLC0415 - only this comparison
+
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - heavy
+    from safetensors.torch import load_file  # noqa: PLC0415 - with torch
+
+    from intellect.shardcast.patch import code_values  # noqa: PLC0415
+
+    def deflate(data: bytes, strategy: int) -> int:
+        z = zlib.compressobj(1, zlib.DEFLATED, zlib.MAX_WBITS, 8, strategy)
+        return len(z.compress(data) + z.flush())
+
+    def planes(x: np.ndarray) -> bytes:
+        return np.ascontiguousarray(x.view(np.uint8).reshape(-1, x.itemsize)[:, ::-1].T).tobytes()
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # numpy has no bf16: the bits as integers
+    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    out = {"changed": 0, "raw": 0, "xor": 0, "xor_planes": 0, "diff": 0}
+    for name, x in ta.items():
+        size = x.element_size()
+        old = x.contiguous().view(ints[size]).reshape(-1).numpy().view(f"<u{size}")
+        new = tb[name].contiguous().view(ints[size]).reshape(-1).numpy().view(f"<u{size}")
+        idx = np.flatnonzero(old != new)
+        if not idx.size:
+            continue
+        o, n = old[idx], new[idx]
+        out["changed"] += idx.size
+        out["raw"] += n.nbytes
+        out["xor"] += deflate((o ^ n).tobytes(), zlib.Z_DEFAULT_STRATEGY)
+        out["xor_planes"] += deflate(planes(o ^ n), zlib.Z_RLE)
+        out["diff"] += deflate(code_values(o, n), zlib.Z_RLE)
+    return out
+
+
+def end_to_end(copies: list[Path], work: Path, anchor_every: int, tag: str,
+               encoding: PatchEncoding = "bitpatch-v2") -> list[dict]:
     """Publish every copy in turn through a real origin, relay and client; per step the bytes and seconds."""
     from intellect.shardcast.client import ShardcastClient  # noqa: PLC0415 - after the heavy imports
     from intellect.shardcast.config import ClientConfig, ShardcastConfig  # noqa: PLC0415
@@ -123,7 +169,8 @@ def end_to_end(copies: list[Path], work: Path, anchor_every: int, tag: str) -> l
     key = SigningKey.from_seed(b"\x51" * 32)
     cfg = ShardcastConfig(local_relays=1, keep=3, anchor_every=anchor_every, shard_size=1 << 20)
     cdn = start_local(cfg, work / tag, key.public)
-    origin = Origin(cdn.origin_dir, shard_size=cfg.shard_size, keep=cfg.keep, anchor_every=anchor_every)
+    origin = Origin(cdn.origin_dir, shard_size=cfg.shard_size, keep=cfg.keep, anchor_every=anchor_every,
+                    patch_encoding=encoding)
     rows = []
     try:
         with ShardcastClient(cdn.relay_urls, ClientConfig(trainer_key=key.public.hex, seed=0, deadline=120)) as c:
@@ -160,13 +207,16 @@ def qwen_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def qwen_steps(lr: float, steps: int, token_share: float, seed: int) -> list[dict]:
-    """Per AdamW step: elements whose bf16 bits changed, and the patch bytes, over the whole model."""
+def qwen_steps(lr: float, steps: int, token_share: float, seed: int, encodings: list[PatchEncoding]) -> list[dict]:
+    """Per AdamW step: elements whose bf16 bits changed, and each encoding's patch bytes and seconds to
+    make it, over the whole model."""
     import torch  # noqa: PLC0415 - heavy
 
     torch.manual_seed(seed)
     b1, b2, eps = 0.9, 0.999, 1e-8
-    changed, packed = [0] * steps, [0] * steps
+    changed = [0] * steps
+    packed = {enc: [0] * steps for enc in encodings}
+    seconds = {enc: [0.0] * steps for enc in encodings}
     total = 0
     for name, shape in qwen_shapes():
         w = torch.ones(shape) if "norm" in name else (
@@ -183,14 +233,19 @@ def qwen_steps(lr: float, steps: int, token_share: float, seed: int) -> list[dic
             denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
             w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
             cur = w.to(torch.bfloat16)
-            got = diff_elements(prev.view(torch.int16).numpy().reshape(-1), cur.view(torch.int16).numpy().reshape(-1))
-            if got is not None:
-                changed[t - 1] += len(got[2]) // 2
-                packed[t - 1] += len(got[1]) + len(got[2])
+            old, new = prev.view(torch.int16).numpy().view("<u2"), cur.view(torch.int16).numpy().view("<u2")
+            for enc in encodings:
+                t0 = time.perf_counter()
+                got = diff_elements(old, new, enc)
+                seconds[enc][t - 1] += time.perf_counter() - t0
+                if got is not None:
+                    changed[t - 1] += got[0] if enc == encodings[0] else 0
+                    packed[enc][t - 1] += len(got[2]) + len(got[3])
             prev = cur
     full = 2 * total
-    return [{"step": t + 1, "changed_share": changed[t] / total, "patch_bytes": packed[t], "full_bytes": full}
-            for t in range(steps)]
+    return [{"step": t + 1, "changed_share": changed[t] / total, "full_bytes": full,
+             "patch_bytes": {enc: packed[enc][t] for enc in encodings},
+             "encode_seconds": {enc: seconds[enc][t] for enc in encodings}} for t in range(steps)]
 
 
 # ------------------------------------------------------------------ report
@@ -206,27 +261,39 @@ def rl_part(args, work: Path, out: dict) -> None:
     ckpts = ckpts[: args.steps + 1]
     fp32 = [inference_copy(p, work / "fp32" / p.name, bf16=False) for p in ckpts]
     bf16 = [inference_copy(p, work / "bf16" / p.name, bf16=True) for p in ckpts]
-    out["rl_bytes"] = {"fp32": bytes_table(fp32, work), "bf16": bytes_table(bf16, work)}
+    encodings = args.encodings
+    out["rl_bytes"] = {"fp32": bytes_table(fp32, work, encodings), "bf16": bytes_table(bf16, work, encodings)}
     for kind, rows in out["rl_bytes"].items():
-        share = median([r["patch_bytes"] / r["full_bytes"] for r in rows])
-        print(f"RL run, {kind}: patch/full bytes per step, median of {len(rows)} steps {share:.2%}; "
+        shares = ", ".join(f"{enc} {median([r['patch_bytes'][enc] / r['full_bytes'] for r in rows]):.2%}"
+                           for enc in encodings)
+        print(f"RL run, {kind}: patch/full bytes per step, median of {len(rows)} steps: {shares}; "
               f"changed elements {median([r['changed_share'] for r in rows]):.2%} "
               f"(range {min(r['changed_share'] for r in rows):.2%}..{max(r['changed_share'] for r in rows):.2%})",
               flush=True)
-    runs: dict[str, list[list[dict]]] = {"full": [], "patch": []}
+        per = {k: median([r["value_bytes"][k] / max(1, r["value_bytes"]["changed"]) for r in rows])
+               for k in rows[0]["value_bytes"] if k != "changed"} if rows else {}
+        print(f"  values' bytes per changed element, median: {', '.join(f'{k} {v:.3f}' for k, v in per.items())}",
+              flush=True)
+    modes = ["full", *encodings]
+    runs: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
     for r in range(args.repeats):
-        for mode in (("full", "patch") if r % 2 == 0 else ("patch", "full")):
-            runs[mode].append(end_to_end(bf16, work, 1 if mode == "full" else 10, f"{mode}-{r}"))
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode first in turn
+            runs[mode].append(end_to_end(bf16, work, 1, f"{mode}-{r}") if mode == "full" else
+                              end_to_end(bf16, work, 10, f"{mode}-{r}", mode))
     out["end_to_end"] = runs
     per = {mode: {"seconds": median([row["seconds"] for rows in rs for row in rows if row["step"] > 0]),
-                  "bytes": median([row["bytes"] for rows in rs for row in rows if row["step"] > 0])}
+                  "bytes": median([row["bytes"] for rows in rs for row in rows if row["step"] > 0]),
+                  "rounds_seconds": [median([row["seconds"] for row in rows if row["step"] > 0]) for rows in rs]}
            for mode, rs in runs.items()}
     out["end_to_end_median"] = per
+    full = per["full"]
     print(f"end to end per step (bf16, steps 1..{len(bf16) - 1}, median over {args.repeats} rounds): full "
-          f"{per['full']['bytes'] / 1e6:.2f} MB {per['full']['seconds'] * 1e3:.0f} ms, patch "
-          f"{per['patch']['bytes'] / 1e6:.3f} MB {per['patch']['seconds'] * 1e3:.0f} ms -> bytes "
-          f"{per['patch']['bytes'] / per['full']['bytes']:.2%}, time {per['patch']['seconds'] / per['full']['seconds']:.2f}x",
-          flush=True)
+          f"{full['bytes'] / 1e6:.3f} MB {full['seconds'] * 1e3:.0f} ms", flush=True)
+    for enc in encodings:
+        p = per[enc]
+        print(f"  {enc}: {p['bytes'] / 1e6:.3f} MB {p['seconds'] * 1e3:.0f} ms (rounds "
+              f"{', '.join(f'{s * 1e3:.0f}' for s in p['rounds_seconds'])}) -> bytes {p['bytes'] / full['bytes']:.2%}, "
+              f"time {p['seconds'] / full['seconds']:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -243,7 +310,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "delta_broadcast.json"), help="Where the figures go (JSON).")
     ap.add_argument("--parts", default="rl,qwen", help="Which parts to run: rl (the RL run), qwen (the 0.5B shape).")
     ap.add_argument("--token-share", type=float, default=0.03, help="Vocabulary share a step's batch touches.")
+    ap.add_argument("--encodings", default=",".join(FORMATS), help="Patch encodings to measure side by side "
+                    "(comma-separated, of: " + ", ".join(FORMATS) + ").")
     args = ap.parse_args()
+    args.encodings = [e for e in args.encodings.split(",") if e]
+    if not args.encodings or not set(args.encodings) <= set(FORMATS):
+        ap.error(f"--encodings: one or more of {', '.join(FORMATS)}")
     work = Path(tempfile.mkdtemp(prefix="intellect-delta-bench-"))
     out: dict = {"args": vars(args)}
     try:
@@ -252,14 +324,18 @@ def main() -> None:
         out["qwen"] = {}
         for lr in ([float(x) for x in args.lrs.split(",")] if "qwen" in args.parts.split(",") else []):
             t0 = time.perf_counter()
-            rows = qwen_steps(lr, args.qwen_steps, args.token_share, seed=0)
+            rows = qwen_steps(lr, args.qwen_steps, args.token_share, 0, args.encodings)
             out["qwen"][str(lr)] = rows
-            later = rows[1:] or rows  # the first AdamW step moves every weight by lr: not a steady step
             shares = ", ".join(f"{r['changed_share']:.2%}" for r in rows)
-            print(f"Qwen2.5-0.5B shape, lr {lr:g}: changed bf16 elements per step {shares}; patch/full bytes, "
-                  "median of steps 2.. "
-                  f"{median([r['patch_bytes'] / r['full_bytes'] for r in later]):.2%} ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+            print(f"Qwen2.5-0.5B shape, lr {lr:g}: changed bf16 elements per step {shares} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            for enc in args.encodings:
+                share = [r["patch_bytes"][enc] / r["full_bytes"] for r in rows]
+                per_changed = [r["patch_bytes"][enc] / (r["changed_share"] * r["full_bytes"] / 2) for r in rows]
+                secs = [r["encode_seconds"][enc] for r in rows]
+                print(f"  {enc}: patch/full bytes per step {', '.join(f'{x:.2%}' for x in share)}; bytes per "
+                      f"changed element {', '.join(f'{x:.2f}' for x in per_changed)}; encode s per step "
+                      f"{', '.join(f'{x:.1f}' for x in secs)}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -185,7 +185,7 @@ class ShardcastClient:
         out, frame = work / f"r{version}", self._frames.get(lineage.base)
         if frame is not None and (frame[0] / STABLE).exists():
             try:
-                apply_patch(frame[0], got, out, frame[1], lineage.checkpoint_digest)
+                apply_patch(frame[0], got, out, frame[1], lineage.checkpoint_digest, lineage.encoding)
                 shutil.rmtree(got)
                 return out, stats, lineage.checkpoint_digest
             except PatchRefused as e:
@@ -201,7 +201,7 @@ class ShardcastClient:
                                                  "which no relay lists")
         base, more, base_digest = self._rebuild(lineage.base, work, deadline, None, depth + 1)
         try:
-            apply_patch(base, got, out, base_digest, lineage.checkpoint_digest)
+            apply_patch(base, got, out, base_digest, lineage.checkpoint_digest, lineage.encoding)
         except PatchRefused as e:
             raise VersionRefused(e.reason, f"version {version} against version {lineage.base}: {e.detail}") from e
         shutil.rmtree(base)

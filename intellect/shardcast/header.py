@@ -73,10 +73,17 @@ class ShardEntry(Strict):
         "(:func:`shard_message`), passed on unchanged by relays.")
 
 
-#: The encodings of a version's blob: a whole checkpoint, or a weight patch
-#: (:mod:`~intellect.shardcast.patch`) that rebuilds one from its base version.
-Encoding = Literal["full", "bitpatch-v1"]
-PATCH_ENCODING: Encoding = "bitpatch-v1"
+#: The encodings of a weight patch (:mod:`~intellect.shardcast.patch`), which rebuilds a checkpoint
+#: from its base version: ``bitpatch-v1`` carries the changed elements' new bits raw, ``bitpatch-v2``
+#: each as its difference from the base's bits, compressed (a sixth to a quarter of the values' bytes).
+PatchEncoding = Literal["bitpatch-v1", "bitpatch-v2"]
+#: The encodings of a version's blob: a whole checkpoint, or a weight patch.
+Encoding = Literal["full", "bitpatch-v1", "bitpatch-v2"]
+#: The patch encoding an origin publishes unless told otherwise (clients read every :data:`PatchEncoding`):
+#: v2, a third of v1's bytes; its coding costs CPU time on both ends that only a link faster than a few
+#: hundred Mb/s per client would not repay, and SHARDCAST's links are the public internet's (figures:
+#: benchmarks/results, "XOR-coded patch values").
+PATCH_ENCODING: PatchEncoding = "bitpatch-v2"
 
 
 class Lineage(Strict):
@@ -89,7 +96,7 @@ class Lineage(Strict):
     """
 
     encoding: Encoding = Field(default="full", description="'full': the blob is the checkpoint's files; "
-                               "'bitpatch-v1': a weight patch against version ``base``.")
+                               "'bitpatch-v1' or 'bitpatch-v2': a weight patch against version ``base``.")
     base: int | None = Field(default=None, ge=0, description="The version a patch applies to (None for a full one).")
     checkpoint_digest: str | None = Field(
         default=None, pattern=SHA256_HEX, description="Digest of the checkpoint this version yields, rebuilt "

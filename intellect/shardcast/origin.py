@@ -20,10 +20,10 @@ an anchor. A patch that would be no smaller than the checkpoint is published ful
 ...     p = origin.publish(ckpt, step, key)
 ...     print(step, p.encoding, p.base)
 1 full None
-2 bitpatch-v1 1
-3 bitpatch-v1 2
+2 bitpatch-v2 1
+3 bitpatch-v2 2
 4 full None
-5 bitpatch-v1 4
+5 bitpatch-v2 4
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from intellect.shardcast.header import FULL, PATCH_ENCODING, Lineage
+from intellect.shardcast.header import FULL, PATCH_ENCODING, Lineage, PatchEncoding
 from intellect.shardcast.manifest import Manifest
 from intellect.shardcast.patch import MAX_CHAIN, PatchStats, place, checkpoint_digest, checkpoint_files, make_patch
 from intellect.shardcast.signing import Untrusted, Verifier
@@ -77,14 +77,16 @@ def signed_by(m: Manifest, key: VerifyKey) -> bool:
 
 class Origin:
     """Publishes checkpoints into the store at ``root`` (served by an origin server), newest ``keep``
-    versions kept with the bases their patches need."""
+    versions kept with the bases their patches need, its patches of ``patch_encoding``."""
 
-    def __init__(self, root: str | os.PathLike, *, shard_size: int, keep: int, anchor_every: int = 1):
+    def __init__(self, root: str | os.PathLike, *, shard_size: int, keep: int, anchor_every: int = 1,
+                 patch_encoding: PatchEncoding = PATCH_ENCODING):
         if not 1 <= anchor_every <= MAX_CHAIN:
             raise ValueError(f"anchor_every must be 1..{MAX_CHAIN} (what a client rebuilds from), not {anchor_every}")
         self.root = Path(root)
         self.store = VersionStore(self.root)
         self.shard_size, self.keep, self.anchor_every = shard_size, keep, anchor_every
+        self.patch_encoding: PatchEncoding = patch_encoding
 
     def publish(self, folder: str | os.PathLike, version: int, key: SigningKey, *,
                 base: int | None = None) -> Published:
@@ -118,12 +120,13 @@ class Origin:
             base = ref[0]
         if base is not None and ref is not None and self.store.manifest(base) is not None:
             with tempfile.TemporaryDirectory(prefix=".tmp-patch-", dir=self.root) as tmp:
-                stats: PatchStats = make_patch(self.root / REFERENCE, snap, Path(tmp) / "patch", ref[1])
+                stats: PatchStats = make_patch(self.root / REFERENCE, snap, Path(tmp) / "patch", ref[1],
+                                               self.patch_encoding)
                 if stats.bytes < stats.full_bytes:
                     # linked into the store: the patch's files outlive this temporary folder
                     return publish_folder(self.store, version, Path(tmp) / "patch", self.shard_size, self.keep,
                                           key=key, skip=frozenset(), lineage=Lineage(
-                                              encoding=PATCH_ENCODING, base=base, checkpoint_digest=digest))
+                                              encoding=self.patch_encoding, base=base, checkpoint_digest=digest))
         return publish_folder(self.store, version, snap, self.shard_size, self.keep, key=key, skip=frozenset(),
                               lineage=FULL.model_copy(update={"checkpoint_digest": digest}))
 

@@ -23,7 +23,7 @@ import safetensors.numpy as stn
 
 from intellect.shardcast.client import ShardcastClient, VersionRefused
 from intellect.shardcast.config import ClientConfig, ShardcastConfig
-from intellect.shardcast.header import Lineage
+from intellect.shardcast.header import PATCH_ENCODING, Lineage
 from intellect.shardcast.local import start_local
 from intellect.shardcast.origin import Origin
 from intellect.shardcast.patch import INDEX, checkpoint_digest, make_patch
@@ -34,7 +34,7 @@ from http_stub import serve
 
 KEY = SigningKey.from_seed(b"\x31" * 32)
 SHARD = 4 << 10
-PATCH = "bitpatch-v1"
+PATCH = PATCH_ENCODING
 
 
 def weights() -> dict[str, np.ndarray]:

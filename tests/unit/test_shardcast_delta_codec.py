@@ -11,7 +11,7 @@ import pytest
 import safetensors.numpy as stn
 from pydantic import ValidationError
 
-from intellect.shardcast.header import FULL, Lineage, SignedHeader
+from intellect.shardcast.header import FULL, PATCH_ENCODING, Lineage, SignedHeader
 from intellect.shardcast.manifest import VersionList
 from intellect.shardcast.origin import Origin
 from intellect.shardcast.patch import INDEX, PatchRefused, apply_patch, checkpoint_digest, make_patch
@@ -20,7 +20,8 @@ from intellect.shardcast.store import VersionStore
 from intellect.trust.keys import SigningKey
 
 KEY = SigningKey.from_seed(b"\x21" * 32)
-PATCH = "bitpatch-v1"
+PATCH = PATCH_ENCODING
+RAW = "bitpatch-v1"  # the encoding these hostile patches are written in: values raw, so each is easy to forge
 
 
 def weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -160,7 +161,7 @@ def rewrite_bomb(patch: Path) -> None:
 def test_a_hostile_patch_is_refused_with_its_reason_and_leaves_nothing(pair, tmp_path, attack):
     base, new = pair
     reason, spoil = HOSTILE[attack]
-    make_patch(base, new, tmp_path / "p", checkpoint_digest(base))
+    make_patch(base, new, tmp_path / "p", checkpoint_digest(base), RAW)
     spoil(tmp_path / "p")
     with pytest.raises(PatchRefused) as e:
         apply_patch(base, tmp_path / "p", tmp_path / "c", checkpoint_digest(base), checkpoint_digest(new))
@@ -173,7 +174,7 @@ def test_a_patch_made_against_another_base_or_rebuilding_another_digest_is_refus
     make_patch(base, new, tmp_path / "p", "0" * 64)  # it lies about its base
     with pytest.raises(PatchRefused, match="base_mismatch"):
         apply_patch(base, tmp_path / "p", tmp_path / "c", checkpoint_digest(base), checkpoint_digest(new))
-    make_patch(base, new, tmp_path / "q", checkpoint_digest(base))
+    make_patch(base, new, tmp_path / "q", checkpoint_digest(base), RAW)
     with pytest.raises(PatchRefused, match="digest_mismatch"):  # the signed result is another checkpoint
         apply_patch(base, tmp_path / "q", tmp_path / "c", checkpoint_digest(base), checkpoint_digest(base))
     values = tmp_path / "q" / "diff.1"
