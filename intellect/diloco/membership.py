@@ -199,6 +199,18 @@ class Membership:
         """The first value ever proposed for ``key``: ours, or the one that beat it."""
         return self._call(self.store.compare_set, key, "", proposal).decode()
 
+    def try_decide(self, key: str, proposal: str) -> str | None:
+        """:meth:`decide`, or None when the rendezvous refuses the proposal under its policy (a close the
+        rendezvous counts too early, say: nobody's state depends on it); a store that is gone still raises."""
+        try:
+            return self.store.compare_set(key, "", proposal).decode()
+        except StoreError as e:
+            if e.reason == "scope":
+                return None
+            raise _lost(e) from e
+        except Exception as e:  # noqa: BLE001
+            raise _lost(e) from e
+
     def decided(self, key: str) -> str | None:
         return self.get(key) if self.has(key) else None
 

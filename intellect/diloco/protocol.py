@@ -240,6 +240,7 @@ class Board(Protocol):
     def get(self, key: str) -> str: ...
     def has(self, key: str) -> bool: ...
     def decide(self, key: str, proposal: str) -> str: ...
+    def try_decide(self, key: str, proposal: str) -> str | None: ...
     def wait_for_keys(self, prefix: str, workers: Iterable[str], deadline: float, step: int | None = None,
                       until: Callable[[], bool] | None = None,
                       cutoff: Callable[[list[str]], bool] | None = None) -> tuple[list[str], list[str]]: ...
@@ -276,8 +277,9 @@ class Quorum:
         return present, absent
 
     def close(self) -> None:
-        """Decide ``CLOSE(step)``: the members still training end their phase."""
-        self.board.decide(CLOSE(self.step), "1")
+        """Decide ``CLOSE(step)``: the members still training end their phase. The rendezvous may count the
+        quorum otherwise (the step's members, not this attempt's): then the phase goes on, as with quorum 1."""
+        self.board.try_decide(CLOSE(self.step), "1")
 
     def plan(self, attempt: int, proposal: dict) -> object:
         """The attempt's decided all-reduce plan, parsed JSON, unchecked: ``proposal`` or the one a peer

@@ -316,3 +316,27 @@ def test_a_launched_worker_gets_its_own_keys_and_never_the_run_secret(tmp_path, 
     got = json.loads((tmp_path / "logs" / "w0.log").read_text().splitlines()[0])
     assert set(got) == {PEER_KEY_ENV, ALLREDUCE_KEY_ENV} and secret.hex() not in json.dumps(got)
     assert bytes.fromhex(got[PEER_KEY_ENV]) == peer_key(secret, "run", "w0")
+
+
+def test_a_close_the_rendezvous_refuses_leaves_the_phase_open_and_the_member_running(server):
+    # the quorum of a close is the step's members as the rendezvous counts them: a member whose own count
+    # differs (an attempt's voters) is refused with a reason, and goes on as with quorum 1
+    coord = client(server, COORDINATOR, peer_key(SECRET, "run", COORDINATOR))
+    coord.set("start", "0")
+    for i, p in enumerate(["alice", "bob", "carol"]):
+        coord.set(f"launched/{i}", p)
+    peers = {p: client(server, p) for p in ["alice", "bob", "carol"]}
+    for p, s in peers.items():
+        s.set(f"arrive/0/{p}", "1")
+    peers["alice"].compare_set("members/0/0", "", json.dumps(list(peers)))
+    peers["alice"].set("ready/0/0/alice", '{"tokens": 10, "seconds": 1.0}')
+    m = Membership("127.0.0.1", server.port, "alice", None, "run", key=peer_key(SECRET, "run", "alice"))
+    try:
+        assert m.try_decide("close/0", "1") is None  # 1 of 3 done: below any quorum the default server counts
+        assert not peers["alice"].check(["close/0"])
+        assert m.try_decide("members/0/1", '["mallory"]') is None  # any policy refusal reads alike
+        server.stop()
+        with pytest.raises(StoreLost):
+            m.try_decide("close/0", "1")  # a store that is gone is lost, as for every other call
+    finally:
+        m.close()
