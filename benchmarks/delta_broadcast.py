@@ -3,8 +3,8 @@
 Part 1, a real RL run. The demo's RL phase (``configs/demo.toml`` ``[rl]``: GRPO, AdamW at lr 1e-4,
 the rate every shipped RL config uses) runs ``--steps`` steps from the demo's pretrained model
 (``--from``), writing a checkpoint per step (``--checkpoints DIR`` measures an existing run's
-checkpoints instead). For each pair of consecutive checkpoints, as published (the trainer writes
-float32) and as a bf16 inference copy (each float tensor rounded to bf16), the bytes of the full
+checkpoints instead). For each pair of consecutive checkpoints, as published (float32, or bf16 with
+``--inference-dtype bf16``) and as a bf16 inference copy (each float tensor rounded to bf16), the bytes of the full
 checkpoint and of the weight patch (``intellect.shardcast.patch``) in each of ``--encodings``, and
 the share of elements whose bits changed. Then the bf16 copies go through a real origin process, one
 relay process and a client on 127.0.0.1 (``intellect.shardcast.origin.Origin``, ``ShardcastClient``),
@@ -64,6 +64,8 @@ def rl_checkpoints(args, work: Path) -> list[Path]:
               init={"path": str(Path(args.from_dir).resolve()), "from_run": None}, eval={"every": 0, "size": 64})
     if args.rl_lr is not None:
         rl["trainer"]["lr"] = args.rl_lr
+    if args.inference_dtype is not None:
+        rl["trainer"]["inference_dtype"] = args.inference_dtype
     if tasks.is_file():
         rl["tasks"]["file"] = str(tasks)
     else:  # the demo's filter has not run here: the generated pool of the same arithmetic
@@ -259,10 +261,10 @@ def rl_part(args, work: Path, out: dict) -> None:
     """Part 1: the RL run's checkpoints, their bytes as patches, and the end-to-end comparison."""
     ckpts = step_folders(Path(args.checkpoints)) if args.checkpoints else rl_checkpoints(args, work / "run")
     ckpts = ckpts[: args.steps + 1]
-    fp32 = [inference_copy(p, work / "fp32" / p.name, bf16=False) for p in ckpts]
+    published = [inference_copy(p, work / "published" / p.name, bf16=False) for p in ckpts]
     bf16 = [inference_copy(p, work / "bf16" / p.name, bf16=True) for p in ckpts]
     encodings = args.encodings
-    out["rl_bytes"] = {"fp32": bytes_table(fp32, work, encodings), "bf16": bytes_table(bf16, work, encodings)}
+    out["rl_bytes"] = {"published": bytes_table(published, work, encodings), "bf16": bytes_table(bf16, work, encodings)}
     for kind, rows in out["rl_bytes"].items():
         shares = ", ".join(f"{enc} {median([r['patch_bytes'][enc] / r['full_bytes'] for r in rows]):.2%}"
                            for enc in encodings)
@@ -304,6 +306,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="RL steps (checkpoints 1..steps after 0).")
     ap.add_argument("--rl-lr", type=float, default=None, help="The RL run's peak learning rate (default: the "
                     "demo config's, 1e-4, as every shipped RL config).")
+    ap.add_argument("--inference-dtype", default=None, choices=["fp32", "bf16"], help="The RL run's "
+                    "trainer.inference_dtype (default: the demo config's): bf16 measures the checkpoints as the "
+                    "trainer publishes them, not copies rounded afterwards.")
     ap.add_argument("--repeats", type=int, default=3, help="Rounds of the end-to-end comparison.")
     ap.add_argument("--lrs", default="1e-4,3e-6", help="Learning rates of the 0.5B-shape part (comma-separated).")
     ap.add_argument("--qwen-steps", type=int, default=4, help="AdamW steps of the 0.5B-shape part (0: skip it).")

@@ -9,7 +9,8 @@ published checkpoints every few steps. The pretraining is not part of the budget
 
     .venv/bin/python benchmarks/rl_learning.py --from runs/smoke-slips/checkpoints/step_3000 --minutes 12
 
-``--min-signal-samples N`` turns on the online filter (``online_filter``: a step trains once it holds N
+``--inference-dtype bf16`` publishes bf16 checkpoints (the trainer's masters stay fp32), so the same seed
+runs with the inference weights in either precision. ``--min-signal-samples N`` turns on the online filter (``online_filter``: a step trains once it holds N
 validated samples with signal, asking the workers for more in up to ``--max-rounds`` rounds), so the same
 seed runs with and without it. Each step and evaluation records the FLOPs spent so far, estimated from
 the ledger's token counts with N parameters: 2N per generated token (prompt and completion, every sample
@@ -102,6 +103,9 @@ def main() -> None:
     ap.add_argument("--min-signal-samples", type=int, default=0,
                     help="Online filter: validated samples with signal a step waits for (0: off).")
     ap.add_argument("--max-rounds", type=int, default=4, help="Online filter: most rounds of assignment per step.")
+    ap.add_argument("--inference-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="trainer.inference_dtype: the weights the trainer publishes, which generation and "
+                    "evaluation load (bf16: its fp32 masters rounded).")
     ap.add_argument("--tag", default="rl_learning")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
@@ -114,7 +118,7 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     storage = RunStorage(f"file://{run_dir / 'storage'}")
-    publish(model.eval(), tok, storage, 0)
+    publish(model.eval(), tok, storage, 0, dtype=RLTrainerConfig(inference_dtype=args.inference_dtype).published_dtype)
     ledger = Ledger(run_dir / "ledger.duckdb")
     # readers adopt only checkpoints whose digest the ledger holds
     record(storage, ledger, 0)
@@ -128,7 +132,7 @@ def main() -> None:
                                     temperature=args.temperature, max_tokens=args.max_tokens),
         trainer=RLTrainerConfig(lr=args.lr, warmup_steps=args.warmup, steps_per_rollout=args.steps_per_rollout,
                                 micro_batch_tokens=args.micro_batch_tokens, temperature=max(args.temperature, 1e-3),
-                                loss=GRPOLossConfig(**loss_kw)),
+                                loss=GRPOLossConfig(**loss_kw), inference_dtype=args.inference_dtype),
         online_filter=OnlineFilterConfig(min_signal_samples=args.min_signal_samples, max_rounds=args.max_rounds),
         workers=WorkersConfig(names=list(WORKERS), max_submissions=args.max_rounds + 1),
     )

@@ -137,13 +137,18 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
 
 def train_broadcast_commit(cfg: RLRunConfig, step: int, policy_step: int, timings: dict[str, float]
                            ) -> rl_tasks.UpdateReport:
-    """``grpo-update -> broadcast -> commit-step`` (called inside a flow); adds train/broadcast timings."""
+    """``grpo-update -> broadcast -> commit-step`` (called inside a flow); adds train/broadcast timings
+    and the broadcast's bytes."""
     t = time.perf_counter()
     upd = rl_tasks.grpo_update(_q(cfg), step, policy_step)
     timings["train"] = time.perf_counter() - t
     t = time.perf_counter()
-    rl_tasks.broadcast(_q(cfg), step + 1)
+    pub = rl_tasks.broadcast(_q(cfg), step + 1)
     timings["broadcast"] = time.perf_counter() - t
+    if pub is not None and pub.published and pub.bytes is not None and pub.full_bytes:
+        # in the ledger's step metrics: what a worker downloads of each checkpoint (a patch or all of it)
+        timings["broadcast_bytes"] = float(pub.bytes)
+        timings["broadcast_share"] = pub.bytes / pub.full_bytes
     rl_tasks.commit_step(_q(cfg), step, timings)
     return upd
 
@@ -160,6 +165,7 @@ def _step_row(s: StepSummary) -> dict:
         "rejected_by_reason": ", ".join(f"{k}: {v}" for k, v in sorted(s.reasons.items())) or "-",
         "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction,
         "train_tokens_per_s": s.tokens_per_second, "broadcast_s": s.timings.get("broadcast"),
+        "broadcast_share": s.timings.get("broadcast_share"),
         "seconds": round(s.seconds, 3),
     }
 

@@ -26,13 +26,16 @@ import tempfile
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from intellect.model.checkpoint import load_checkpoint_copy, save_checkpoint
 from intellect.progress import Progress, quantity
 from intellect.storage import STABLE, TMP_PREFIX, RunStorage
+
+if TYPE_CHECKING:
+    import torch
 
 CHECKPOINTS = "checkpoints"  # the run-storage kind: checkpoints/step_<n>/
 
@@ -151,17 +154,19 @@ def _encode(content: bytes | BaseModel | Any) -> bytes:
 
 
 def publish(model, tokenizer, storage: RunStorage, step: int,
-            sidecars: Mapping[Sidecar, bytes | BaseModel | Any] | None = None) -> str:
+            sidecars: Mapping[Sidecar, bytes | BaseModel | Any] | None = None, *,
+            dtype: torch.dtype | None = None) -> str:
     """Write ``checkpoints/step_<step>`` (the HF folder plus ``sidecars``) and mark it stable; its URI.
 
     A sidecar's content is written as it is (bytes) or as JSON (a pydantic model or a JSON-able
-    object). ``FileExistsError`` when the step is already stable (readers may be using it).
+    object). ``dtype``: the weights as the folder holds them (the model keeps its own; None: as they
+    are). ``FileExistsError`` when the step is already stable (readers may be using it).
     """
     files: dict[str, bytes | Path] = {}
     for key, content in (sidecars or {}).items():
         files[Sidecar(key).value] = _encode(content)  # ValueError for a name nobody declared
     with tempfile.TemporaryDirectory(prefix="intellect-ckpt-") as tmp:
-        folder = save_checkpoint(model, tokenizer, Path(tmp) / "model")
+        folder = save_checkpoint(model, tokenizer, Path(tmp) / "model", dtype)
         hf = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
         if clash := hf.keys() & files.keys():
             raise ValueError(f"the HF folder already holds {sorted(clash)}: a sidecar may not replace it")

@@ -32,6 +32,7 @@ from intellect.rl.trainer.evaluation import HeldOut
 from intellect.rl.trainer.setup import local_run_dir, run_storage, task_pool
 from intellect.rl.worker.submission import SubmissionConfig
 from intellect.rl.trainer.workers import WORKER_MODULE, WorkerResult, worker_key_file
+from intellect.shardcast.origin import Published
 from intellect.storage import RunStorage
 
 __all__ = ["RecordReport", "RunInfo", "UpdateReport", "ValidationReport", "WorkerResult", "worker_key_file"]
@@ -199,9 +200,10 @@ def grpo_update(cfg: RLRunConfig, step: int, policy_step: int) -> UpdateReport:
 
 
 @task(name="broadcast", cache_policy=NO_CACHE, retries=2, timeout_seconds=600)
-def broadcast(cfg: RLRunConfig, step: int) -> str:
+def broadcast(cfg: RLRunConfig, step: int) -> Published | None:
     """Make recorded checkpoint ``step`` known to the inference workers (signed, to the SHARDCAST
-    origin, when the run broadcasts weights; otherwise ``STABLE`` in run storage is the signal)."""
+    origin, when the run broadcasts weights: what it published; otherwise ``STABLE`` in run storage is
+    the signal: None)."""
     return _run(cfg).broadcast(step)
 
 

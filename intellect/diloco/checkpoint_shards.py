@@ -417,9 +417,10 @@ def export_hf(model: torch.nn.Module, tokenizer, folder: str | os.PathLike, grou
 
 def publish_consolidated(model: torch.nn.Module, tokenizer, storage: RunStorage, step: int,
                          group: dist.ProcessGroup | None = None, *, outer: OuterState | None = None,
-                         sidecars: Mapping[Sidecar, Any] | None = None) -> str:
+                         sidecars: Mapping[Sidecar, Any] | None = None, dtype: torch.dtype | None = None) -> str:
     """:func:`~intellect.checkpoints.publish` the consolidated model as ``checkpoints/step_<step>``
-    from rank 0 (what SHARDCAST ships); its URI on every rank, once it is stable."""
+    from rank 0 (what SHARDCAST ships), its weights in ``dtype`` (None: fp32); its URI on every rank,
+    once it is stable."""
     shell = consolidate(model, group, outer=outer)
-    return _agree(group, lambda: publish(shell, tokenizer, storage, step, sidecars) if shell is not None
+    return _agree(group, lambda: publish(shell, tokenizer, storage, step, sidecars, dtype=dtype) if shell is not None
                   else storage.uri(storage.step_path(step, CHECKPOINTS)))

@@ -30,8 +30,9 @@ like a garbled one. The key is shared by the members: it authenticates *a member
 from __future__ import annotations
 
 import datetime
+import os
 import struct
-from typing import Sequence, cast
+from typing import Mapping, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,20 @@ def _td(timeout: float | datetime.timedelta) -> datetime.timedelta:
     return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
 
 
+def gloo_devices(hostname: str | None = None, environ: Mapping[str, str] | None = None) -> list:
+    """The gloo devices a group binds to: ``hostname``'s address; else one per interface that
+    ``GLOO_SOCKET_IFNAME`` lists (comma-separated), as ``init_process_group`` reads it; else the
+    address the host name resolves to. An interface that does not exist raises ``RuntimeError``
+    here, before any rendezvous, rather than binding to some other address."""
+    dev = dist.ProcessGroupGloo
+    if hostname:
+        return [dev.create_device(hostname=hostname)]
+    ifnames = (os.environ if environ is None else environ).get("GLOO_SOCKET_IFNAME", "")
+    if len(ifnames) > 1:  # torch's own rule: a one-character value is ignored
+        return [dev.create_device(interface=name) for name in ifnames.split(",") if name]
+    return [dev.create_default_device()]
+
+
 def new_group(
     store: dist.Store,  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
     prefix: str,
@@ -65,8 +80,8 @@ def new_group(
 ) -> dist.ProcessGroup:
     """A process group of ``size`` ranks rendezvousing under ``prefix`` on ``store``.
 
-    ``hostname``: the address peers reach this rank at (gloo binds to it); None
-    lets gloo pick from the host name / ``GLOO_SOCKET_IFNAME``. Blocks until all
+    ``hostname``: the address peers reach this rank at (gloo binds to it); None: the
+    interfaces ``GLOO_SOCKET_IFNAME`` names, else the host name's (:func:`gloo_devices`). Blocks until all
     ``size`` ranks have joined or the store's timeout passes.
     """
     if not 0 <= rank < size:
@@ -76,8 +91,7 @@ def new_group(
         # the stubs name it `Options` (without `_devices`); the runtime class that takes devices is `_Options`
         opts = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
         opts._timeout = _td(timeout)
-        dev = dist.ProcessGroupGloo
-        opts._devices = [dev.create_device(hostname=hostname) if hostname else dev.create_default_device()]
+        opts._devices = gloo_devices(hostname)
         try:  # a c10d Backend used directly as the group: it has the ProcessGroup surface used here (rank/size/send/recv)
             return cast(dist.ProcessGroup, dist.ProcessGroupGloo(pstore, rank, size, opts))
         except (ValueError, MemoryError, OverflowError) as e:  # gloo parsing a peer's malformed address list

@@ -10,10 +10,12 @@ digest) are :mod:`intellect.checkpoints`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -78,14 +80,49 @@ def make_tokenizer_portable(folder: str | os.PathLike) -> None:
         cfg_file.write_text(json.dumps(tok_cfg, indent=2))
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> Path:
-    """Write an HF folder atomically: assemble in a sibling temp folder, then rename."""
+@contextlib.contextmanager
+def weights_as(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[torch.nn.Module]:
+    """``model`` with its floating-point parameters cast to ``dtype`` for the duration (None: as they
+    are), then holding its own tensors again, untouched: a bf16 copy of fp32 master weights to save,
+    never a round trip through bf16. Buffers keep their dtype (RoPE's frequencies stay fp32).
+
+    >>> m = torch.nn.Linear(2, 1)
+    >>> with weights_as(m, torch.bfloat16):
+    ...     m.weight.dtype
+    torch.bfloat16
+    >>> m.weight.dtype
+    torch.float32
+    """
+    if dtype is None:
+        yield model
+        return
+    kept = {}
+    for p in model.parameters():  # a tied parameter appears once
+        if p.is_floating_point() and p.dtype != dtype:
+            kept[p] = p.data
+            p.data = p.data.to(dtype)
+    config = getattr(model, "config", None)
+    said = getattr(config, "dtype", None)  # save_pretrained writes the saved dtype into the live config
+    try:
+        yield model
+    finally:
+        for p, data in kept.items():
+            p.data = data
+        if config is not None:
+            config.dtype = said
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer, path: str | os.PathLike,
+                    dtype: torch.dtype | None = None) -> Path:
+    """Write an HF folder atomically: assemble in a sibling temp folder, then rename. ``dtype``: the
+    weights as written (the model keeps its own, :func:`weights_as`); None: as they are."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with weights_as(model, dtype):
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         make_tokenizer_portable(tmp)
         if path.exists():

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from prefect.settings import PREFECT_API_URL
+from safetensors.torch import load_file
 
 from flows.filter import filter_pass_at_k
 from flows.rl import rl_step, rl_train
@@ -98,9 +100,13 @@ def test_rl_train_with_worker_processes(base):
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_rl_train_with_shardcast_carrying_the_weights(base):
-    """Checkpoints go trainer -> origin -> 2 relays -> worker caches; no server outlives the run."""
-    cfg = rl_cfg(base, shardcast={"shard_size": 8192, "local_relays": 2, "keep": 3})
+@pytest.mark.parametrize("inference_dtype", ["fp32", "bf16"])
+def test_rl_train_with_shardcast_carrying_the_weights(base, inference_dtype):
+    """Checkpoints go trainer -> origin -> 2 relays -> worker caches; no server outlives the run. In
+    bf16 the workers generate, and the validator's TOPLOC check prefills, with the same bf16 weights:
+    every sample is accepted."""
+    cfg = rl_cfg(base, shardcast={"shard_size": 8192, "local_relays": 2, "keep": 3},
+                 trainer={"inference_dtype": inference_dtype})
     report = rl_train(cfg)
     assert report.steps == 4 and report.worker_exit_codes == {"alice": 0, "bob": 0}
     check_ledger(cfg, 4)
@@ -109,7 +115,7 @@ def test_rl_train_with_shardcast_carrying_the_weights(base):
     # the newest 3 and the base chain they are weight patches of: anchor 0 (whole), then a patch per step
     assert origin.versions() == [0, 1, 2, 3, 4]
     anchor, m = origin.manifest(0), origin.manifest(4)
-    assert anchor is not None and anchor.complete and anchor.lineage.encoding == "full" and len(anchor.shards) > 4
+    assert anchor is not None and anchor.complete and anchor.lineage.encoding == "full" and len(anchor.shards) > 2
     assert "optimizer.pt" not in {f.name for f in anchor.files}
     assert m is not None and m.complete and m.lineage.base == 3 and m.total_size < anchor.total_size
     for relay in ("relay0", "relay1"):
@@ -121,6 +127,11 @@ def test_rl_train_with_shardcast_carrying_the_weights(base):
         newest = cached[-1]
         assert (run / "weights" / worker / newest / "model.safetensors").read_bytes() == \
             (run / "checkpoints" / newest / "model.safetensors").read_bytes()
+    weights = load_file(str(run / run_storage(cfg).step_path(4, CHECKPOINTS) / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16 if inference_dtype == "bf16" else torch.float32}
+    with Ledger(ledger_path(cfg)) as ledger:  # each step's broadcast: a patch, smaller than the checkpoint
+        shares = [ledger.get_step(n)["timings"]["broadcast_share"] for n in range(4)]  # pyright: ignore[reportOptionalSubscript]
+    assert all(0 < s < 1 for s in shares), shares
     leftover = subprocess.run(["pgrep", "-f", f"intellect.shardcast .*{run}"], capture_output=True, text=True)
     assert leftover.stdout == "", leftover.stdout
 

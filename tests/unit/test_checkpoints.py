@@ -25,6 +25,7 @@ from intellect.checkpoints import (
     recorded_copy,
     recorded_digest,
     recorded_steps,
+    verified_copy,
 )
 from intellect.config import ModelConfig
 from intellect.ledger import Ledger
@@ -70,6 +71,28 @@ def test_publish_writes_only_declared_sidecars(tiny: Pair, tmp_path):
     uri = publish(*tiny, storage, 0, {"optimizer.pt": b"moments"})  # pyright: ignore[reportArgumentType]
     assert uri == storage.uri(storage.step_path(0, CHECKPOINTS))
     assert storage.read_bytes(f"{storage.step_path(0, CHECKPOINTS)}/{Sidecar.OPTIMIZER}") == b"moments"
+
+
+def test_a_bf16_publish_writes_the_weights_rounded_and_leaves_the_model_as_it_was(tiny: Pair, tmp_path):
+    import torch  # noqa: PLC0415 - only here
+
+    from intellect.model.checkpoint import load_checkpoint, weights_as  # noqa: PLC0415
+
+    model, tok = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = RunStorage(f"file://{tmp_path}/run")
+    publish(model, tok, storage, 0, dtype=torch.bfloat16)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype for k in before)
+    assert getattr(model.config, "dtype", None) != torch.bfloat16  # the live config says what the model holds
+    with verified_copy(storage, 0) as folder:
+        loaded, _ = load_checkpoint(folder)
+    assert loaded.config.dtype == torch.bfloat16
+    for name, p in loaded.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[name].to(torch.bfloat16)), name
+    with pytest.raises(RuntimeError), weights_as(model, torch.bfloat16):  # restored even when the block fails
+        raise RuntimeError("save failed")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_shardcast_receives_the_inference_files_and_no_sidecar(tiny: Pair, tmp_path):

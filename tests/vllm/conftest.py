@@ -7,6 +7,8 @@ project's environment, which cannot hold vLLM (docs/vllm.md), does not collect t
 
 from __future__ import annotations
 
+import copy
+
 import os
 import sys
 from pathlib import Path
@@ -49,6 +51,11 @@ def checkpoints(tmp_path_factory):
         opt.zero_grad()
     models = {"model": model, "other": other, "updated": updated.eval()}
     folders = {k: save_checkpoint(m, tok, root / k) for k, m in models.items()}
+    # as a trainer with trainer.inference_dtype = "bf16" publishes it: the weights rounded to bf16
+    folders["updated-bf16"] = save_checkpoint(updated, tok, root / "updated-bf16", torch.bfloat16)
+    models["updated-bf16"] = copy.deepcopy(updated)
+    for p in models["updated-bf16"].parameters():
+        p.data = p.data.to(torch.bfloat16).float()
     return {"folders": folders, "models": models, "tok": tok}
 
 

@@ -102,11 +102,11 @@ def test_without_capture_no_hidden_states(vllm_engines, checkpoints):
 def test_weights_update_in_place(vllm_engines, checkpoints):
     """After ``update_weights`` the running engine (the same vLLM object, no restart) samples and scores
     as a fresh torch engine on the new weights; with tied embeddings, vLLM's CPU backend alone would
-    keep the old output head."""
+    keep the old output head. A bf16 checkpoint loads into the fp32 engine as its values upcast."""
     eng = vllm_engines("updates")
     llm, reqs, sp = eng.llm, requests(12), SETTINGS[0]
     before = eng.generate(reqs, sp)  # fills the prefix cache with the old weights' prompts
-    for which in ("updated", "other", "model"):
+    for which in ("updated", "updated-bf16", "other", "model"):
         eng.update_weights(checkpoints["folders"][which])
         got, want = eng.generate(reqs, sp), torch_engine(checkpoints, which).generate(reqs, sp)
         assert [c.tokens for c in got] == [c.tokens for c in want], which
@@ -115,7 +115,7 @@ def test_weights_update_in_place(vllm_engines, checkpoints):
             torch.testing.assert_close(g.hidden_states.float(), w.hidden_states.float(), atol=HIDDEN_ATOL,
                                        rtol=HIDDEN_RTOL)
     assert [c.tokens for c in got] == [c.tokens for c in before]  # back on the first weights
-    assert eng.llm is llm and eng.stats.weight_updates == 3 and eng.stats.weight_update_seconds > 0
+    assert eng.llm is llm and eng.stats.weight_updates == 4 and eng.stats.weight_update_seconds > 0
 
 
 def test_a_request_longer_than_the_model_is_refused(engine):

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import torch
+
 from intellect.inference.engines import make_engine
 from intellect.inference.protocol import Request
 from intellect.inference.sampling import SamplingParams
@@ -87,7 +89,7 @@ class HeldOut:
         ``engine`` (None: the torch engine's defaults); ``reward_fn`` replaces the pool's."""
         tasks = self.tasks(tokenizer, sub)
         if self.pool.heldout_source == "arithmetic" and not uses_chat(tokenizer, sub.prompt):
-            model, _ = load_checkpoint(folder)
+            model, _ = load_checkpoint(folder, torch.float32)  # a bf16 checkpoint upcast, as fp32 workers run it
             return evaluate(model, tokenizer, tasks).accuracy
         if self.pool.heldout_source == "arithmetic":
             tasks = [p.to_task() for p in tasks]

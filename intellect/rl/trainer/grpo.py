@@ -40,7 +40,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from pydantic import Field
@@ -103,6 +103,23 @@ class RLTrainerConfig(StrictModel):
         description="Processes the trainer runs as, one per device (gloo on the CPU): the model, its gradients "
         "and AdamW state sharded over them with FSDP2, micro-batches split among them; 1: one process.",
     )
+    inference_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="Weights of the checkpoints the trainer publishes: what workers (through SHARDCAST), the "
+        "validator and evaluation load. bf16 (what INTELLECT-2 broadcasts): half the bytes, and most elements "
+        "keep their bits from one step to the next, so a weight patch (shardcast.anchor_every > 1) carries few; "
+        "the trainer's fp32 master weights and AdamW state then live in its trainer-only state "
+        "(trainer_state/step_<n>), which it resumes from. fp32: the trainer's weights as they are.",
+    )
+
+    @property
+    def published_dtype(self) -> torch.dtype:
+        """The torch dtype of :attr:`inference_dtype`.
+
+        >>> RLTrainerConfig(inference_dtype="bf16").published_dtype
+        torch.bfloat16
+        """
+        return torch.bfloat16 if self.inference_dtype == "bf16" else torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,13 +465,14 @@ class GRPOTrainer:
 
     def publish(self, storage: RunStorage, step: int,
                 sidecars: Mapping[checkpoints.Sidecar, Any] | None = None) -> str:
-        """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``; float32 weights
-        on the CPU whatever the training precision); returns its URI. Sharded: the consolidated model,
+        """Write the weights as ``checkpoints/step_<step>`` (HF folder, then ``STABLE``; the weights in
+        ``inference_dtype`` whatever the training precision); returns its URI. Sharded: the consolidated model,
         written by rank 0 (:func:`~intellect.diloco.checkpoint_shards.publish_consolidated`), collective."""
         self.model.eval()
         if self.mesh is not None:
             from intellect.diloco.checkpoint_shards import publish_consolidated  # noqa: PLC0415 - DCP's imports
 
-            return publish_consolidated(self.model, self.tokenizer, storage, step, self.mesh.intra, sidecars=sidecars)
+            return publish_consolidated(self.model, self.tokenizer, storage, step, self.mesh.intra, sidecars=sidecars,
+                                        dtype=self.cfg.published_dtype)
         with cpu_weights(self.model) as model:
-            return checkpoints.publish(model, self.tokenizer, storage, step, sidecars)
+            return checkpoints.publish(model, self.tokenizer, storage, step, sidecars, dtype=self.cfg.published_dtype)

@@ -66,7 +66,7 @@ def build(spec: TrainerSpec, rank: int, size: int, store: dist.Store  # pyright:
     storage = RunStorage.from_config(spec.storage, spec.run_name)
     mesh = WorkerMesh.create(resolve_device(spec.compute.device), rank, size, store=store)
     with verified_copy(storage, spec.checkpoint, sha256=spec.sha256) as folder:
-        model, tok = load_checkpoint_copy(folder)
+        model, tok = load_checkpoint_copy(folder, torch.float32)  # FSDP2 shards fp32 masters, whatever was published
         # a one-process trainer's state, when that is what wrote the checkpoint
         whole = torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu") \
             if (folder / OPTIMIZER).exists() else None

@@ -55,6 +55,7 @@ from intellect.rl.trainer.ranks import ShardedTrainer
 from intellect.rl.worker.worker import WorkerRunInfo
 from intellect.rl.trainer.workers import WorkerResult, await_done, start_workers, stop_workers
 from intellect.shardcast.local import LocalCDN, start_local
+from intellect.shardcast.origin import Published
 from intellect.storage import RunStorage
 from intellect.trust import mac
 
@@ -564,15 +565,19 @@ class RLRun:
             report.counts = self.counts(step)
         return report
 
-    def broadcast(self, step: int) -> str:
+    def broadcast(self, step: int) -> Published | None:
         """Make recorded checkpoint ``step`` known to the inference workers: published, signed, to the
-        SHARDCAST origin when the run broadcasts weights (its servers run here, or ``cfg.shardcast``);
-        without, workers read run storage, where ``STABLE`` is the signal."""
-        uri = self.storage.uri(self.storage.step_path(step, CHECKPOINTS))
+        SHARDCAST origin when the run broadcasts weights (its servers run here, or ``cfg.shardcast``),
+        and what that published (its bytes against the whole checkpoint's); without, workers read run
+        storage, where ``STABLE`` is the signal (None)."""
         recorded_digest(self.ledger, step)
-        if self.cdn is not None or self.cfg.shardcast is not None:
-            self.publish(step)
-        return uri
+        if self.cdn is None and self.cfg.shardcast is None:
+            return None
+        pub = Published.model_validate(self.publish(step))
+        if pub.published and pub.bytes is not None and pub.full_bytes:
+            log.info("checkpoint %d broadcast as %s: %d bytes, %.1f%% of the checkpoint's %d", step, pub.encoding,
+                     pub.bytes, 100 * pub.bytes / pub.full_bytes, pub.full_bytes)
+        return pub
 
     def commit(self, step: int, timings: Mapping[str, float]) -> bool:
         """Commit ``step`` (its checkpoint ``step + 1`` recorded) and tell the service; False when it

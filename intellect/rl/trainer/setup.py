@@ -135,7 +135,7 @@ def seed_checkpoint(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger) -> st
     if storage.exists(rel):
         storage.delete(rel, recursive=True)
     model, tok, origin = initial_weights(cfg.init, cfg)
-    publish(model.eval(), tok, storage, 0, {ORIGIN: {"origin": origin}})
+    publish(model.eval(), tok, storage, 0, {ORIGIN: {"origin": origin}}, dtype=cfg.trainer.published_dtype)
     record(storage, ledger, 0)
     return origin
 

@@ -57,7 +57,7 @@ from intellect.rl.wire.rollouts import (
 from intellect.rl.worker.submission import RewardFn, generate_submission, math_task_reward
 from intellect.rl.trainer.grpo import GRPOTrainer, Sample, load_accepted
 from intellect.rl.trainer.ranks import ShardedTrainer, TrainerSpec
-from intellect.rl.trainer.state import drop_state, has_state, load_state
+from intellect.rl.trainer.state import drop_state, has_state, load_state, save_state
 from intellect.rl.service.validator import RowCheck, validate_submission
 from intellect.storage import step_name
 from intellect.toploc.check import toploc_check
@@ -232,7 +232,8 @@ def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: in
     """A trainer holding checkpoint ``step`` and, when saved with it, the optimizer state, both read
     from one copy verified against the ledger's digest, on ``cfg.compute``'s device and precision.
     The optimizer state is the checkpoint's sidecar (a trainer of one process) or the trainer's
-    sharded state of the step (:mod:`~intellect.rl.trainer.state`, saved by any number of ranks).
+    sharded state of the step (:mod:`~intellect.rl.trainer.state`, saved by any number of ranks, and by
+    one with ``trainer.inference_dtype = "bf16"``: its fp32 master weights replace the checkpoint's).
     ``trainer.ranks > 1``: the trainer's processes, this one its rank 0 (:class:`ShardedTrainer`),
     which reads either too."""
     if cfg.trainer.ranks > 1:
@@ -264,10 +265,15 @@ def train_and_publish(
     saved = SavedStepReport(policy_step=policy, trained_samples=len(samples)) if stats is None else SavedStepReport(
         policy_step=policy, trained_samples=len(samples), loss=stats.loss, clip_fraction=stats.clip_fraction,
         ratio_max=stats.ratio_max, grad_norm=stats.grad_norm, tokens=stats.tokens, train_seconds=stats.seconds)
-    if isinstance(trainer, ShardedTrainer):
-        # every rank its shards, before the checkpoint is recorded; one of an unrecorded attempt is replaced
+    sharded = isinstance(trainer, ShardedTrainer)
+    if sharded or trainer.cfg.inference_dtype != "fp32":
+        # the master weights and AdamW state as shards (every rank its own), before the checkpoint is
+        # recorded; one of an unrecorded attempt is replaced. A bf16 checkpoint cannot hold fp32 masters.
         drop_state(storage, step + 1)
-        trainer.save_state(step + 1)
+        if sharded:
+            trainer.save_state(step + 1)
+        else:
+            save_state(storage, step + 1, trainer)
         extra: dict = {STEP_REPORT: saved}
     else:
         buf = io.BytesIO()
