@@ -118,11 +118,6 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     storage = RunStorage(f"file://{run_dir / 'storage'}")
-    publish(model.eval(), tok, storage, 0, dtype=RLTrainerConfig(inference_dtype=args.inference_dtype).published_dtype)
-    ledger = Ledger(run_dir / "ledger.duckdb")
-    # readers adopt only checkpoints whose digest the ledger holds
-    record(storage, ledger, 0)
-
     loss_kw = {"normalization": args.normalization} if args.normalization else {}
     cfg = RLRunConfig(
         run_name=args.tag.replace("/", "-")[:64],
@@ -136,6 +131,10 @@ def main() -> None:
         online_filter=OnlineFilterConfig(min_signal_samples=args.min_signal_samples, max_rounds=args.max_rounds),
         workers=WorkersConfig(names=list(WORKERS), max_submissions=args.max_rounds + 1),
     )
+    publish(model.eval(), tok, storage, 0, dtype=cfg.trainer.published_dtype)
+    ledger = Ledger(run_dir / "ledger.duckdb")
+    # readers adopt only checkpoints whose digest the ledger holds
+    record(storage, ledger, 0)
     tasks = task_pool(args.pool, seed=1234)
     heldout = heldout_problems(DataConfig(max_digits=2), args.eval_n)
     held_ids = {p.id for p in heldout}
@@ -143,7 +142,7 @@ def main() -> None:
 
     def accuracy(step: int) -> float:
         m, t = fetch(storage, step)
-        return evaluate(m, t, heldout).accuracy
+        return evaluate(m.float(), t, heldout).accuracy  # a bf16 checkpoint upcast, as the fp32 workers run it
 
     t_start = time.perf_counter()
     acc0 = accuracy(0)

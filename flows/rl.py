@@ -145,10 +145,10 @@ def train_broadcast_commit(cfg: RLRunConfig, step: int, policy_step: int, timing
     t = time.perf_counter()
     pub = rl_tasks.broadcast(_q(cfg), step + 1)
     timings["broadcast"] = time.perf_counter() - t
-    if pub is not None and pub.published and pub.bytes is not None and pub.full_bytes:
+    if pub is not None and pub.bytes is not None and pub.share is not None:
         # in the ledger's step metrics: what a worker downloads of each checkpoint (a patch or all of it)
         timings["broadcast_bytes"] = float(pub.bytes)
-        timings["broadcast_share"] = pub.bytes / pub.full_bytes
+        timings["broadcast_share"] = pub.share
     rl_tasks.commit_step(_q(cfg), step, timings)
     return upd
 

@@ -69,7 +69,7 @@ def make_engine(kind: EngineKind, folder: str | Path, compute: ComputeConfig | N
 def make_engine(kind: EngineKind, folder: str | Path, compute: ComputeConfig | None,
                 cfg: EngineConfig | None = None, *, capture_hidden: bool = False) -> Engine:
     """An engine of ``kind`` holding the HF checkpoint ``folder``, on ``compute``'s device and in its
-    precision (None: the torch engine keeps the weights as stored, on the CPU), batching as ``cfg``
+    precision (None: the torch engine holds them in float32 on the CPU), batching as ``cfg``
     says (None: the defaults), capturing the final hidden states TOPLOC commits to when
     ``capture_hidden``. The folder is read before this returns. ``cfg.kind`` is not consulted: a caller
     that must run torch (the validator) says so whatever the run's workers use.

@@ -151,8 +151,10 @@ class TorchEngine:
     def from_folder(cls, folder: str | Path, compute: ComputeConfig | None = None, cfg: EngineConfig | None = None,
                     *, capture_hidden: bool = False) -> "TorchEngine":
         """An engine of the HF checkpoint ``folder`` (:meth:`for_tokenizer`), batching as ``cfg`` says.
-        The weights are copied into memory, so the folder may go once this returns."""
-        model, tok = load_checkpoint_copy(folder)
+        The weights are copied into memory, so the folder may go once this returns. Without ``compute``
+        they are float32 on the CPU whatever the folder stores (a bf16 checkpoint is upcast, as an fp32
+        worker runs it, never computed in bf16 by default)."""
+        model, tok = load_checkpoint_copy(folder, torch.float32 if compute is None else None)
         return cls.for_tokenizer(model, tok, compute=compute, capture_hidden=capture_hidden, config=cfg)
 
     def update_weights(self, folder: str | Path) -> None:

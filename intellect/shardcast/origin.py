@@ -61,6 +61,18 @@ class Published(BaseModel):
     encoding: str
     base: int | None
 
+    @property
+    def share(self) -> float | None:
+        """The version's bytes over the checkpoint's, when this call published it (None otherwise).
+
+        >>> Published(version=2, bytes=25, full_bytes=100, shards=1, published=True, encoding="bitpatch-v2",
+        ...           base=1).share
+        0.25
+        """
+        if not self.published or self.bytes is None or not self.full_bytes:
+            return None
+        return self.bytes / self.full_bytes
+
 
 def signed_by(m: Manifest, key: VerifyKey) -> bool:
     """Whether every header and shard of ``m`` carries ``key``'s signature: a version the origin holds from

@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import intellect.checkpoints as checkpoints_mod
+import intellect.model.checkpoint as model_checkpoint_mod
 import intellect.pretrain as pretrain_mod
+import intellect.rl.trainer.grpo as grpo_mod
 from intellect.checkpoints import (
     CHECKPOINTS,
     STEP_REPORT,
@@ -48,7 +50,7 @@ def folder(storage, step=0):
     return storage.local_path(storage.step_path(step, CHECKPOINTS))
 
 
-@pytest.mark.parametrize("module", [checkpoints_mod, pretrain_mod], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [checkpoints_mod, model_checkpoint_mod, grpo_mod, pretrain_mod], ids=lambda m: m.__name__)
 def test_docstring_examples_hold(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -165,3 +165,18 @@ def test_vllm_workers_run_under_the_vllm_environment_or_are_refused(monkeypatch,
     monkeypatch.setattr(engines, "vllm_installed", lambda: False)
     with pytest.raises(EngineUnavailable, match="make venv-vllm"):
         engines.worker_python("vllm", {})
+
+
+def test_a_bf16_checkpoint_runs_in_float32_unless_the_compute_says_otherwise(tmp_path):
+    """A trainer with ``inference_dtype = "bf16"`` publishes bf16 weights; an engine built without a compute
+    config upcasts them (bf16 arithmetic is many times slower on CPUs without native bf16), and decodes
+    as the fp32 model holding the rounded weights does."""
+    model, tok = build_model(ModelConfig(**TINY))
+    folder = save_checkpoint(model, tok, tmp_path / "bf16", torch.bfloat16)
+    engine = make_engine("torch", folder, None)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    want = TorchEngine.for_tokenizer(model, tok)
+    reqs, sp = [Request([1, 5, 9], seed=3)], SamplingParams(temperature=1.0, max_tokens=12)
+    assert [c.tokens for c in engine.generate(reqs, sp)] == [c.tokens for c in want.generate(reqs, sp)]

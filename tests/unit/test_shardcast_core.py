@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from intellect.shardcast import assembly, chain, choice, client, manifest, relay, signing, store, wire, writer
+from intellect.shardcast import assembly, chain, choice, client, manifest, origin, relay, signing, store, wire, writer
 from intellect.shardcast.choice import RelayScore, Scheduler, observe_failure, observe_success, pick, weights
 from intellect.shardcast.manifest import FileEntry, Manifest, ManifestDelta, ManifestView, ShardEntry
 from intellect.shardcast.signing import Verifier, VersionSigner
@@ -20,7 +20,7 @@ from intellect.trust.keys import SigningKey
 KEY = SigningKey.from_seed(b"\1" * 32)  # the trainer's
 
 
-@pytest.mark.parametrize("mod", [assembly, chain, choice, manifest, signing, store, wire, writer])
+@pytest.mark.parametrize("mod", [assembly, chain, choice, manifest, origin, signing, store, wire, writer])
 def test_doctests(mod):
     assert doctest.testmod(mod).failed == 0
 

@@ -574,9 +574,9 @@ class RLRun:
         if self.cdn is None and self.cfg.shardcast is None:
             return None
         pub = Published.model_validate(self.publish(step))
-        if pub.published and pub.bytes is not None and pub.full_bytes:
+        if pub.share is not None:
             log.info("checkpoint %d broadcast as %s: %d bytes, %.1f%% of the checkpoint's %d", step, pub.encoding,
-                     pub.bytes, 100 * pub.bytes / pub.full_bytes, pub.full_bytes)
+                     pub.bytes, 100 * pub.share, pub.full_bytes)
         return pub
 
     def commit(self, step: int, timings: Mapping[str, float]) -> bool:
