@@ -52,7 +52,7 @@ class Siblings:
         """The worker's ranks' group ``name`` on the worker's local ``store`` (:data:`ALONE` for one rank)."""
         if size == 1:
             return ALONE
-        return cls(new_group(store, f"siblings/{name}", rank, size, timeout=timeout), rank, size, timeout)
+        return cls(new_group(store, f"siblings/{name}", rank, size, timeout=timeout, backend="gloo"), rank, size, timeout)
 
     @property
     def leader(self) -> bool:

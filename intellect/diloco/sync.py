@@ -193,14 +193,15 @@ class Synchronizer:
         return time.monotonic() + seconds
 
     def group(self, step: int, attempt: int | str, members: list[str]):
-        """This rank's gloo group of ``members`` under ``PG(step, attempt)``: local rank *i* > 0 in the
+        """This rank's group of ``members`` (TCP between workers: :mod:`~intellect.diloco.tcp_group`) under ``PG(step, attempt)``: local rank *i* > 0 in the
         ring of its shard (``.../shard<i>``, :func:`~intellect.diloco.transport.shard_prefix`). A fresh
         store prefix per membership: a dead member's half-written keys cannot leak in. Every tensor
         reduced or broadcast on it (pseudo-gradients, the onboarding state, probes) is fp32 on the host,
         whatever the inner device."""
         prefix = PG(step, attempt) if self.siblings.rank == 0 else shard_prefix(PG(step, attempt), self.siblings.rank)
         return new_group(self.store, prefix, members.index(self.worker), len(members),
-                         timeout=self.cfg.collective_timeout, backend=dist_backend(self.outer.params[0].device))
+                         timeout=self.cfg.collective_timeout,
+                         backend="nccl" if dist_backend(self.outer.params[0].device) == "nccl" else "tcp")
 
     def mac_key(self, step: int, attempt: int) -> bytes:
         """The MAC key of this rank's ring in an attempt: one per shard, so no message crosses rings."""

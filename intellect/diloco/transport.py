@@ -30,20 +30,24 @@ like a garbled one. The key is shared by the members: it authenticates *a member
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
+import socket
 import struct
 from typing import Mapping, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
+from intellect.diloco.tcp_group import TcpGroup
 from intellect.trust.mac import TAG_BYTES, check, tag
 
-__all__ = ["CommError", "Channel", "SEAL_BYTES", "new_group", "shard_group", "shard_prefix", "group_timeout"]
+__all__ = ["CommError", "Channel", "SEAL_BYTES", "bind_host", "new_group", "shard_group", "shard_prefix", "group_timeout"]
 
 _SEAL_DOMAIN = "intellect/allreduce/message/v1"
 _LEN = struct.Struct("<Q")
 SEAL_BYTES = TAG_BYTES + _LEN.size  # what a sealed message adds
+_SIOCGIFADDR = 0x8915  # Linux: an interface's address (<linux/sockios.h>)
 
 
 class CommError(RuntimeError):
@@ -68,6 +72,31 @@ def gloo_devices(hostname: str | None = None, environ: Mapping[str, str] | None 
     return [dev.create_default_device()]
 
 
+def bind_host(hostname: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The address a :class:`~intellect.diloco.tcp_group.TcpGroup` binds to, by gloo's rule
+    (:func:`gloo_devices`): ``hostname``; else the IPv4 address of the first interface
+    ``GLOO_SOCKET_IFNAME`` names (``RuntimeError`` if it has none); else what the host name resolves to.
+
+    >>> bind_host("127.0.0.1", {"GLOO_SOCKET_IFNAME": "nosuch0"}), bind_host(None, {"GLOO_SOCKET_IFNAME": "lo"})
+    ('127.0.0.1', '127.0.0.1')
+    """
+    if hostname:
+        return hostname
+    ifnames = (os.environ if environ is None else environ).get("GLOO_SOCKET_IFNAME", "")
+    if len(ifnames) > 1:
+        name = next(n for n in ifnames.split(",") if n)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                req = struct.pack("256s", name.encode()[:15])
+                return socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+        except OSError as e:
+            raise RuntimeError(f"GLOO_SOCKET_IFNAME: interface {name!r} has no IPv4 address: {e}") from e
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def new_group(
     store: dist.Store,  # pyright: ignore[reportPrivateImportUsage]  # public, re-exported from torch._C
     prefix: str,
@@ -75,18 +104,26 @@ def new_group(
     size: int,
     *,
     timeout: float | datetime.timedelta = 60.0,
-    backend: str = "gloo",
+    backend: str = "tcp",
     hostname: str | None = None,
 ) -> dist.ProcessGroup:
     """A process group of ``size`` ranks rendezvousing under ``prefix`` on ``store``.
 
-    ``hostname``: the address peers reach this rank at (gloo binds to it); None: the
-    interfaces ``GLOO_SOCKET_IFNAME`` names, else the host name's (:func:`gloo_devices`). Blocks until all
-    ``size`` ranks have joined or the store's timeout passes.
+    ``backend``: ``"tcp"`` (between workers: :class:`~intellect.diloco.tcp_group.TcpGroup`, which a
+    hostile peer's message cannot end the process of), ``"gloo"`` or ``"nccl"`` (a worker's own ranks).
+    ``hostname``: the address peers reach this rank at (the group binds to it); None: the
+    interfaces ``GLOO_SOCKET_IFNAME`` names, else the host name's (:func:`gloo_devices`, :func:`bind_host`).
+    Blocks until all ``size`` ranks have joined or the timeout passes.
     """
     if not 0 <= rank < size:
         raise ValueError(f"new_group: rank {rank} outside [0, {size})")
     pstore = dist.PrefixStore(prefix.rstrip("/") + "/", store)  # pyright: ignore[reportPrivateImportUsage]  # public, from torch._C
+    if backend == "tcp":
+        host = bind_host(hostname)
+        try:
+            return cast(dist.ProcessGroup, TcpGroup(pstore, rank, size, host, _td(timeout).total_seconds()))
+        except (OSError, RuntimeError) as e:  # a peer unreachable or silent, its address malformed or never set
+            raise CommError(f"new_group: the rendezvous under {prefix!r} failed: {type(e).__name__}: {e}") from e
     if backend == "gloo":
         # the stubs name it `Options` (without `_devices`); the runtime class that takes devices is `_Options`
         opts = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig
 
 from intellect.config import ComputeConfig
+from intellect.diloco.allreduce import all_reduce_mean
 from intellect.diloco.mesh import WorkerMesh
 from intellect.diloco.outer import OuterState
 from intellect.diloco.outer_shard import ShardedOuterState
@@ -101,9 +102,7 @@ def _rank_main(worker, local, workers, ranks, port, worker_port, out_dir):
             trained = _full(model)
             grads = outer.pseudo_gradient(model)
             if cross is not None:  # this shard with the same shard of the other workers
-                for g in grads:
-                    cross.allreduce([g]).wait()
-                    g.div_(workers)
+                all_reduce_mean(grads, cross, compression="fp32")
             avg_full = outer.gather(grads)
             outer.step(grads)
             outer.load_into(model)

@@ -7,7 +7,7 @@ import torch
 
 from intellect import config as C
 from intellect.diloco import config as DC
-from intellect.diloco import allreduce, claims, plan, schedules, transport, worker
+from intellect.diloco import allreduce, claims, plan, schedules, tcp_group, transport, worker
 from intellect.diloco.allreduce import _finite, all_reduce_mean
 from intellect.diloco.plan import (
     choose_algorithm,
@@ -25,7 +25,7 @@ from benchmarks import prime_allreduce  # PRIME's baseline lives with the benchm
 
 
 def test_doctests():
-    for mod in (allreduce, claims, plan, schedules, transport):
+    for mod in (allreduce, claims, plan, schedules, tcp_group, transport):
         assert doctest.testmod(mod).failed == 0
 
 
