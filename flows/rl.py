@@ -60,6 +60,7 @@ class StepSummary(BaseModel):
     clip_fraction: float | None
     tokens_per_second: float | None
     missing_workers: list[str]
+    kl: float | None = None
     seconds: float
     timings: dict[str, float]
 
@@ -129,7 +130,7 @@ def update(cfg: RLRunConfig, ing: Ingested) -> StepSummary:
     return StepSummary(
         step=step, policy_steps=policies, accepted=rec.accepted, rejected=rec.rejected, reasons=rec.reasons,
         mean_reward=rec.mean_reward, trained_samples=upd.trained_samples, loss=upd.loss,
-        clip_fraction=upd.clip_fraction, tokens_per_second=upd.tokens_per_second,
+        clip_fraction=upd.clip_fraction, tokens_per_second=upd.tokens_per_second, kl=upd.kl,
         missing_workers=[r.worker for r in results if r.missing], seconds=ing.seconds + time.perf_counter() - t0,
         timings={k: round(v, 4) for k, v in timings.items()},
     )
@@ -163,7 +164,7 @@ def _step_row(s: StepSummary) -> dict:
         "step": s.step, "policy_steps": str(s.policy_steps), "mean_reward": s.mean_reward,
         "accepted": s.accepted, "rejected": s.rejected,
         "rejected_by_reason": ", ".join(f"{k}: {v}" for k, v in sorted(s.reasons.items())) or "-",
-        "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction,
+        "trained_samples": s.trained_samples, "clip_fraction": s.clip_fraction, "kl": s.kl,
         "train_tokens_per_s": s.tokens_per_second, "broadcast_s": s.timings.get("broadcast"),
         "broadcast_share": s.timings.get("broadcast_share"),
         "seconds": round(s.seconds, 3),

@@ -133,6 +133,8 @@ class SavedStepReport(BaseModel):
     clip_fraction: float | None = Field(default=None, description="Share of tokens whose ratio was clipped.")
     ratio_max: float | None = Field(default=None, description="Largest importance ratio seen.")
     grad_norm: float | None = Field(default=None, description="Gradient norm before clipping.")
+    kl: float | None = Field(default=None, description="Mean per-token KL (k3) to the reference model; None "
+                             "without one (``loss.kl_coef = 0``) or when nothing was trained.")
     tokens: int = Field(default=0, ge=0, description="Tokens trained on.")
     train_seconds: float = Field(default=0.0, ge=0, description="Wall time of the update.")
 

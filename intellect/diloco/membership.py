@@ -251,7 +251,8 @@ class Membership:
             self.wait_until(settled, deadline, f"{prefix} from {workers}")
         except MembershipTimeout:
             pass  # the stragglers count as absent: the step goes ahead without them
-        present = [w for w in workers if self.has(f"{prefix}/{w}")]
+        there = self._call(self.store.check_many, [f"{prefix}/{w}" for w in workers]) if workers else []
+        present = [w for w, t in zip(workers, there) if t]  # one round trip, not one per worker
         return present, [w for w in workers if w not in present]
 
     def banned(self, worker: str, voters: Iterable[str] = ()) -> bool:

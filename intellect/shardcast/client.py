@@ -34,7 +34,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -52,6 +52,7 @@ from intellect.storage import STABLE
 log = logging.getLogger("intellect.shardcast.client")
 
 _LONG_POLL = 1.0  # seconds a relay may hold a manifest request until it has news
+_LAST_WORD = 0.5  # seconds a fetch past its deadline waits for its requests (bounded by it too) to end
 _FRAMES = 64  # checkpoints remembered as bases for patches
 # refusals that a base changed on disk since it was fetched would also cause: rebuilt from a fresh base
 _BASE_FAULTS = frozenset({"base_mismatch", "layout_mismatch", "digest_mismatch"})
@@ -299,6 +300,8 @@ class _Fetch:
     def _step(self) -> bool:
         """Start what can start, take what finished; True once every shard of the complete version is in."""
         if time.monotonic() > self.deadline:
+            # the requests in flight share this deadline and end with it: their errors say why
+            self._take(wait([*self.inflight, *self.watch], timeout=_LAST_WORD, return_when=ALL_COMPLETED)[0])
             raise ShardcastError(self._why(f"version {self.version} not fetched within {self.cfg.deadline:.0f} s"))
         if self.ref is not None:
             self._start_downloads()
@@ -309,14 +312,16 @@ class _Fetch:
         if not self.inflight and not self.watch:
             time.sleep(min(self.cfg.poll_interval, max(0.0, self.deadline - time.monotonic())))
             return False
-        finished, _ = wait([*self.inflight, *self.watch], timeout=self.cfg.poll_interval, return_when=FIRST_COMPLETED)
+        self._take(wait([*self.inflight, *self.watch], timeout=self.cfg.poll_interval, return_when=FIRST_COMPLETED)[0])
+        self._refresh()
+        return False
+
+    def _take(self, finished: set[Future]) -> None:
         for fut in finished:
             if fut in self.watch:
                 self._listed(fut)
-            else:
+            elif fut in self.inflight:
                 self._downloaded(fut)
-        self._refresh()
-        return False
 
     def _start_downloads(self) -> None:
         """Start listed shards, lowest index first, while fewer than ``parallel`` are in flight."""

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from intellect import checkpoints
 from intellect.config import ComputeConfig, StrictModel, TrainConfig
@@ -111,6 +111,13 @@ class RLTrainerConfig(StrictModel):
         "the trainer's fp32 master weights and AdamW state then live in its trainer-only state "
         "(trainer_state/step_<n>), which it resumes from. fp32: the trainer's weights as they are.",
     )
+
+    @model_validator(mode="after")
+    def _reference_on_one_process(self) -> "RLTrainerConfig":
+        if self.loss.kl_coef > 0 and self.ranks > 1:
+            raise ValueError("loss.kl_coef > 0 needs the reference model, which only a trainer of one process "
+                             "holds: set trainer.ranks = 1 or loss.kl_coef = 0")
+        return self
 
     @property
     def published_dtype(self) -> torch.dtype:

@@ -106,6 +106,7 @@ class UpdateReport(BaseModel):
     tokens: int
     tokens_per_second: float | None
     checkpoint: str
+    kl: float | None = None  # to the reference model (loss.kl_coef > 0)
     filter: FillReport | None = None  # what the online filter did before training (None: not trained here)
     counts: RecordReport | None = None  # the step's samples after the filter's rounds (None: it asked for none)
 
@@ -138,7 +139,7 @@ def update_report(step: int, saved: SavedStepReport, trained: bool, checkpoint: 
     secs = saved.train_seconds
     return UpdateReport(step=step, policy_step=saved.policy_step, trained=trained,
                         trained_samples=saved.trained_samples, loss=saved.loss, clip_fraction=saved.clip_fraction,
-                        tokens=saved.tokens, tokens_per_second=saved.tokens / secs if secs else None,
+                        kl=saved.kl, tokens=saved.tokens, tokens_per_second=saved.tokens / secs if secs else None,
                         checkpoint=checkpoint, filter=filled)
 
 

@@ -228,6 +228,15 @@ def validate_files(
     return out
 
 
+def reference_model(storage: RunStorage, ledger: Ledger) -> torch.nn.Module:
+    """The reference policy of the loss's KL term (``trainer.loss.kl_coef > 0``): the run's first
+    checkpoint as recorded (in the published dtype; the trainer computes with it in its own precision),
+    whatever step a trainer starts or resumes at, so a trainer rebuilt from storage regularizes toward
+    the same weights as one kept in memory."""
+    with recorded_copy(storage, ledger, 0) as folder:
+        return load_checkpoint_copy(folder)[0]
+
+
 def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int) -> GRPOTrainer | ShardedTrainer:
     """A trainer holding checkpoint ``step`` and, when saved with it, the optimizer state, both read
     from one copy verified against the ledger's digest, on ``cfg.compute``'s device and precision.
@@ -235,14 +244,15 @@ def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: in
     sharded state of the step (:mod:`~intellect.rl.trainer.state`, saved by any number of ranks, and by
     one with ``trainer.inference_dtype = "bf16"``: its fp32 master weights replace the checkpoint's).
     ``trainer.ranks > 1``: the trainer's processes, this one its rank 0 (:class:`ShardedTrainer`),
-    which reads either too."""
+    which reads either too. With ``loss.kl_coef > 0`` the trainer holds :func:`reference_model` too."""
     if cfg.trainer.ranks > 1:
         return ShardedTrainer.start(TrainerSpec(
             run_name=cfg.run_name, storage=cfg.storage, trainer=cfg.trainer, compute=cfg.compute, checkpoint=step,
             sha256=recorded_digest(ledger, step), threads=cfg.trainer_threads))
+    ref = reference_model(storage, ledger) if cfg.trainer.loss.kl_coef > 0 else None
     with recorded_copy(storage, ledger, step) as folder:
         model, tok = load_checkpoint_copy(folder)
-        trainer = GRPOTrainer(model, tok, cfg.trainer, compute=cfg.compute)
+        trainer = GRPOTrainer(model, tok, cfg.trainer, ref_model=ref, compute=cfg.compute)
         if (folder / OPTIMIZER).exists():
             # saved on the CPU; AdamW moves each state tensor to its parameter's device and dtype
             trainer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu"))
@@ -264,7 +274,8 @@ def train_and_publish(
     stats = trainer.train_step(samples) if samples else None
     saved = SavedStepReport(policy_step=policy, trained_samples=len(samples)) if stats is None else SavedStepReport(
         policy_step=policy, trained_samples=len(samples), loss=stats.loss, clip_fraction=stats.clip_fraction,
-        ratio_max=stats.ratio_max, grad_norm=stats.grad_norm, tokens=stats.tokens, train_seconds=stats.seconds)
+        ratio_max=stats.ratio_max, grad_norm=stats.grad_norm, kl=stats.kl, tokens=stats.tokens,
+        train_seconds=stats.seconds)
     sharded = isinstance(trainer, ShardedTrainer)
     if sharded or trainer.cfg.inference_dtype != "fp32":
         # the master weights and AdamW state as shards (every rank its own), before the checkpoint is
