@@ -9,7 +9,6 @@ import zlib
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from intellect.checkpoints import load_step_report, publish, record, recorded_digest, verified_copy
 from intellect.config import ModelConfig, StorageConfig
@@ -79,8 +78,3 @@ def test_the_reference_is_the_first_checkpoint_for_a_kept_and_a_rebuilt_trainer(
     plain, plain_kl = _run(tmp_path, "plain", 0.0, keep=False)
     assert plain_kl == [None, None, None] and plain[0] == kept[0] and plain[-1] != kept[-1]  # the term acts
 
-
-def test_a_sharded_trainer_with_a_kl_term_is_refused_when_configured():
-    with pytest.raises(ValidationError, match="reference model"):
-        RLTrainerConfig(ranks=2, loss={"kl_coef": 0.1})
-    assert RLTrainerConfig(ranks=2).loss.kl_coef == 0 and RLTrainerConfig(loss={"kl_coef": 0.1}).ranks == 1

@@ -100,7 +100,7 @@ def reference(storage: RunStorage, steps: int, trainer: RLTrainerConfig = TRAINE
               ) -> tuple[list[tuple[float, float]], list[list[torch.Tensor]]]:
     """The single-process trainer from checkpoint 0: each step's (loss, gradient norm) and weights after it."""
     model, tok = fetch(storage, 0)
-    t = GRPOTrainer(model, tok, trainer)
+    t = GRPOTrainer(model, tok, trainer, ref_model=fetch(storage, 0)[0] if trainer.loss.kl_coef > 0 else None)
     stats, weights = [], []
     for step in range(steps):
         st = t.train_step(samples_of(step))
@@ -115,8 +115,9 @@ def _assert_weights(storage: RunStorage, step: int, expected: list[torch.Tensor]
         torch.testing.assert_close(p, q, **TOL, msg=name)
 
 
-@pytest.mark.parametrize("trainer", [TRAINER, TRAINER.model_copy(update={"loss": OTHER_LOSS})],
-                         ids=["constant", "token-behaviour-entropy"])
+@pytest.mark.parametrize("trainer", [TRAINER, TRAINER.model_copy(update={"loss": OTHER_LOSS}),
+                                     TRAINER.model_copy(update={"loss": GRPOLossConfig(kl_coef=0.5)})],
+                         ids=["constant", "token-behaviour-entropy", "kl"])
 def test_two_ranks_train_as_one_process(storage, tmp_path, trainer):
     proc = _start(_spec(tmp_path, 2, trainer=trainer), steps=1)
     out, _ = proc.communicate(timeout=300)

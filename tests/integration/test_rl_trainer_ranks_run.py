@@ -27,16 +27,17 @@ def parity_reward(completion, task):  # noqa: ARG001 - the reward signature
     return float(sum(map(ord, completion)) % 2)  # about half the samples: every group has signal
 
 
-def _config(tmp_path, name: str, ranks: int) -> RLRunConfig:
+def _config(tmp_path, name: str, ranks: int, kl: float = 0.0) -> RLRunConfig:
     return RLRunConfig(
         run_name=name, storage=StorageConfig(url=f"file://{tmp_path}"),
         submission=SubmissionConfig(prompts_per_submission=2, group_size=4, max_tokens=4),
-        trainer=RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2, micro_batch_tokens=16, ranks=ranks),
+        trainer=RLTrainerConfig(lr=1e-2, warmup_steps=0, steps_per_rollout=2, micro_batch_tokens=16, ranks=ranks,
+                                loss={"kl_coef": kl}),
         toploc=None, trusted_workers=True, trainer_threads=1,
     )
 
 
-def _run(tmp_path, model, tok, name: str, ranks_by_step: tuple[int, ...]) -> tuple[list, RunStorage]:
+def _run(tmp_path, model, tok, name: str, ranks_by_step: tuple[int, ...], kl: float = 0.0) -> tuple[list, RunStorage]:
     """Steps 0.. of a run, step n trained on ``ranks_by_step[n]`` ranks; each step's loss and the weights
     of the checkpoint it published."""
     storage = RunStorage.from_config(_config(tmp_path, name, 1).storage, name)
@@ -45,7 +46,7 @@ def _run(tmp_path, model, tok, name: str, ranks_by_step: tuple[int, ...]) -> tup
     with Ledger(tmp_path / f"{name}.duckdb") as ledger:
         record(storage, ledger, 0)
         for n, ranks in enumerate(ranks_by_step):
-            report = run_rl_step(_config(tmp_path, name, ranks), storage, ledger, n, ["alice"], TASKS,
+            report = run_rl_step(_config(tmp_path, name, ranks, kl), storage, ledger, n, ["alice"], TASKS,
                                  reward_fn=parity_reward)
             assert report.committed and report.trained and report.trained_samples > 0
             trained, _ = fetch_recorded(storage, ledger, n + 1)
@@ -70,3 +71,14 @@ def test_a_run_with_a_two_rank_trainer(tmp_path):
     _assert_same(two[0], one[0])
     switch, _ = _run(tmp_path, model, tok, "switch", (1, 2))  # step 1 reads step 0's one-process sidecar
     _assert_same(switch[1], one[1])
+
+
+def test_a_two_rank_trainer_with_a_kl_term_resumes_toward_checkpoint_0(tmp_path):
+    """Each step's trainer is built anew on 2 ranks and loads checkpoint 0, by its recorded digest, as the
+    reference: the same losses and weights as the one-process trainer's run (whose reference is that
+    checkpoint too, ``test_rl_reference.py``)."""
+    model, tok = build_model(TINY)
+    one, _ = _run(tmp_path, model, tok, "one-kl", (1, 1), kl=0.5)
+    two, _ = _run(tmp_path, model, tok, "two-kl", (2, 2), kl=0.5)
+    for a, b in zip(two, one, strict=True):
+        _assert_same(a, b)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from intellect import checkpoints
 from intellect.config import ComputeConfig, StrictModel, TrainConfig
@@ -111,13 +111,6 @@ class RLTrainerConfig(StrictModel):
         "the trainer's fp32 master weights and AdamW state then live in its trainer-only state "
         "(trainer_state/step_<n>), which it resumes from. fp32: the trainer's weights as they are.",
     )
-
-    @model_validator(mode="after")
-    def _reference_on_one_process(self) -> "RLTrainerConfig":
-        if self.loss.kl_coef > 0 and self.ranks > 1:
-            raise ValueError("loss.kl_coef > 0 needs the reference model, which only a trainer of one process "
-                             "holds: set trainer.ranks = 1 or loss.kl_coef = 0")
-        return self
 
     @property
     def published_dtype(self) -> torch.dtype:
@@ -291,8 +284,6 @@ class GRPOTrainer:
     ):
         if cfg.loss.kl_coef > 0 and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a ref_model")
-        if mesh is not None and ref_model is not None:
-            raise ValueError("a sharded trainer takes no reference model (loss.kl_coef = 0)")
         self.model, self.tokenizer, self.cfg, self.ref_model = model, tokenizer, cfg, ref_model
         self.mesh = mesh
         self.precision: Precision = "fp32"
@@ -304,6 +295,9 @@ class GRPOTrainer:
             # before sharding: the check calls the head and the base model outside any FSDP hook
             self.packs = packing_isolates(model, context=self._autocast)
             shard_model(model, mesh.fsdp_mesh, compute)
+            if ref_model is not None:  # sharded like the policy: 1/M of its memory per rank
+                ref_model.requires_grad_(False)
+                shard_model(ref_model.to(self.device).eval(), mesh.fsdp_mesh, compute)
         elif compute is None:
             self.device = next(model.parameters()).device
         else:
@@ -411,9 +405,12 @@ class GRPOTrainer:
             logp, entropy = self._logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
             dt = logp.dtype
             old = logp.detach() if mb.old is None else mb.old.to(dt)
+            ref = mb.ref
+            if ref is None and self.ref_model is not None and not counts:
+                ref = logp.detach()  # a dummy pass, built anew for this loop: uncounted (its reference ran in _prepare)
             loss, st = grpo_loss(
                 unpack(logp, mb.row), unpack(old, mb.row), mb.advantages.to(dt), output_mask(mb.row), cfg,
-                ref_logp=None if mb.ref is None else unpack(mb.ref.to(dt), mb.row),
+                ref_logp=None if ref is None else unpack(ref.to(dt), mb.row),
                 entropy=unpack(entropy, mb.row), max_len=max_len, token_count=tokens,
             )
             scale = 1.0 if cfg.normalization == "token" else mb.samples / samples

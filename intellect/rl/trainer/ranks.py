@@ -55,6 +55,10 @@ class TrainerSpec(StrictModel):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$",
                                description="Its recorded digest (None: not checked).")
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads per rank (0: torch's default).")
+    reference_sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="The recorded digest of checkpoint 0, the reference of the loss's KL term, which the "
+        "trainer loads when trainer.loss.kl_coef > 0 (None: not checked).")
 
 
 def build(spec: TrainerSpec, rank: int, size: int, store: dist.Store  # pyright: ignore[reportPrivateImportUsage]
@@ -70,7 +74,11 @@ def build(spec: TrainerSpec, rank: int, size: int, store: dist.Store  # pyright:
         # a one-process trainer's state, when that is what wrote the checkpoint
         whole = torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu") \
             if (folder / OPTIMIZER).exists() else None
-    trainer = GRPOTrainer(model, tok, spec.trainer, compute=spec.compute, mesh=mesh)
+    ref = None
+    if spec.trainer.loss.kl_coef > 0:  # the run's checkpoint 0, as for a trainer of one process (step.reference_model)
+        with verified_copy(storage, 0, sha256=spec.reference_sha256) as folder:
+            ref = load_checkpoint_copy(folder, torch.float32)[0]
+    trainer = GRPOTrainer(model, tok, spec.trainer, ref_model=ref, compute=spec.compute, mesh=mesh)
     if has_state(storage, spec.checkpoint):
         saved = load_state(storage, spec.checkpoint, trainer, mesh.intra)
         log.info("rank %d: the trainer's state of checkpoint %d (saved by %d ranks) loaded", rank, spec.checkpoint,

@@ -248,7 +248,8 @@ def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: in
     if cfg.trainer.ranks > 1:
         return ShardedTrainer.start(TrainerSpec(
             run_name=cfg.run_name, storage=cfg.storage, trainer=cfg.trainer, compute=cfg.compute, checkpoint=step,
-            sha256=recorded_digest(ledger, step), threads=cfg.trainer_threads))
+            sha256=recorded_digest(ledger, step), threads=cfg.trainer_threads,
+            reference_sha256=recorded_digest(ledger, 0) if cfg.trainer.loss.kl_coef > 0 else None))
     ref = reference_model(storage, ledger) if cfg.trainer.loss.kl_coef > 0 else None
     with recorded_copy(storage, ledger, step) as folder:
         model, tok = load_checkpoint_copy(folder)
