@@ -50,6 +50,7 @@ HEADER = struct.Struct("<4sqQ")  # magic, tag, payload bytes
 HELLO = struct.Struct("<4sI16s")  # magic, the connecting rank, the token of the rank it connects to
 _FRAME, _GREET = b"ITF1", b"ITH1"
 _BROADCAST_TAG = -1  # below every tag the rings use (they are >= 0)
+_GREETING_S = 2.0  # seconds a new connection has to present its greeting
 _TICK_MS = 500  # how often a reader idle on its socket looks at its deadlines
 _KEY = "0/{}"  # gloo's per-rank rendezvous key under the group's prefix (membership._gloo's rule)
 
@@ -317,7 +318,8 @@ class TcpGroup:
     def _greeted(self, conn: socket.socket, token: bytes, socks: dict, deadline: float) -> int | None:
         """The rank a new connection speaks for, or None (no or a wrong token, a rank that does not
         connect to this one, or one already connected)."""
-        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        # a peer greets as soon as it connects: a connection that says nothing costs the others little
+        conn.settimeout(max(0.1, min(_GREETING_S, deadline - time.monotonic())))
         hello = bytearray(HELLO.size)
         try:
             view = memoryview(hello)

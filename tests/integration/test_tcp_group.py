@@ -193,3 +193,26 @@ def test_a_rank_that_never_comes_fails_the_rendezvous_within_the_timeout():
     with pytest.raises((RuntimeError, transport.CommError)):
         transport.new_group(store, "alone2", 0, 2, timeout=2.0, hostname="127.0.0.1")  # rank 1 never connects
     assert time.monotonic() - start < 10
+
+
+def test_a_silent_connection_delays_the_rendezvous_by_at_most_the_greeting_time():
+    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    pstore = dist.PrefixStore("q/", store)  # pyright: ignore[reportPrivateImportUsage]
+    built: dict[str, object] = {}
+    t = threading.Thread(target=lambda: built.update(g=TcpGroup(pstore, 0, 2, "127.0.0.1", 30.0)))
+    t.start()
+    while True:
+        try:
+            addr = json.loads(pstore.get("0/0"))
+            break
+        except RuntimeError:
+            time.sleep(0.05)
+    silent = socket.create_connection((addr["host"], addr["port"]))  # connects first, never greets
+    time.sleep(0.2)
+    start = time.monotonic()
+    member = socket.create_connection((addr["host"], addr["port"]))
+    member.sendall(HELLO.pack(b"ITH1", 1, bytes.fromhex(addr["token"])))
+    t.join(30)
+    assert isinstance(built.get("g"), TcpGroup) and time.monotonic() - start < 4  # not the group's 30 s
+    silent.close()
+    member.close()
