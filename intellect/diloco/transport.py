@@ -8,9 +8,12 @@ ElasticDeviceMesh layout of W workers x M local ranks is M independent groups
 on ONE store, ``shard_group(..., local_rank=m)`` = prefix ``".../shard{m}"``:
 shard m only ever talks to shard m of the other workers.
 
-Every wait is bounded. Gloo (CPU) enforces the group timeout on each send/recv
-wait, and a peer whose process exits closes its sockets, so its neighbours fail
-at once ("Connection closed by peer") rather than after the timeout; a peer
+Between workers a group is a :class:`~intellect.diloco.tcp_group.TcpGroup`
+(``backend="tcp"``, the default: gloo's receiver aborts its process on a
+message longer than its receive, which an admitted member could send); a
+worker's own ranks use gloo or NCCL. Every wait is bounded: both enforce the
+group timeout on each send/recv wait, and a peer whose process exits closes its
+sockets, so its neighbours fail at once rather than after the timeout; a peer
 that is alive but silent fails them after ``timeout``. Either way the caller
 gets ``CommError`` and must drop the group: after a failure, half-finished
 messages may still be queued in it.
