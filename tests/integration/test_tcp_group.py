@@ -106,20 +106,24 @@ def test_a_member_that_sends_more_than_the_plan_fails_the_ring_not_the_process()
     assert isinstance(out[0], RuntimeError) and "announced" in str(out[0]), out[0]
 
 
-def with_raw_member(timeout: float) -> tuple[TcpGroup, socket.socket]:
-    """Rank 0 of a group of two whose rank 1 is a bare socket; a stranger (no token) and then random
-    bytes try to connect first, and both are closed unread: the group still forms."""
-    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
-    pstore = dist.PrefixStore("p/", store)  # pyright: ignore[reportPrivateImportUsage]
+def forming(timeout: float) -> tuple[threading.Thread, dict[str, object], dict]:
+    """Rank 0 of a group of two, forming in a thread (``built["g"]`` once formed), and the address
+    and token it published for rank 1."""
+    pstore = dist.PrefixStore("p/", dist.HashStore())  # pyright: ignore[reportPrivateImportUsage]
     built: dict[str, object] = {}
     t = threading.Thread(target=lambda: built.update(g=TcpGroup(pstore, 0, 2, "127.0.0.1", timeout)))
     t.start()
     while True:
         try:
-            addr = json.loads(pstore.get("0/0"))
-            break
+            return t, built, json.loads(pstore.get("0/0"))
         except RuntimeError:
             time.sleep(0.05)
+
+
+def with_raw_member(timeout: float) -> tuple[TcpGroup, socket.socket]:
+    """Rank 0 of a group of two whose rank 1 is a bare socket; a stranger (no token) and then random
+    bytes try to connect first, and both are closed unread: the group still forms."""
+    t, built, addr = forming(timeout)
     for hello in (HELLO.pack(b"ITH1", 1, os.urandom(16)), os.urandom(HELLO.size)):
         with socket.create_connection((addr["host"], addr["port"])) as s:
             s.sendall(hello)
@@ -196,17 +200,7 @@ def test_a_rank_that_never_comes_fails_the_rendezvous_within_the_timeout():
 
 
 def test_a_silent_connection_delays_the_rendezvous_by_at_most_the_greeting_time():
-    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
-    pstore = dist.PrefixStore("q/", store)  # pyright: ignore[reportPrivateImportUsage]
-    built: dict[str, object] = {}
-    t = threading.Thread(target=lambda: built.update(g=TcpGroup(pstore, 0, 2, "127.0.0.1", 30.0)))
-    t.start()
-    while True:
-        try:
-            addr = json.loads(pstore.get("0/0"))
-            break
-        except RuntimeError:
-            time.sleep(0.05)
+    t, built, addr = forming(30.0)
     silent = socket.create_connection((addr["host"], addr["port"]))  # connects first, never greets
     time.sleep(0.2)
     start = time.monotonic()
