@@ -69,10 +69,15 @@ def gloo_devices(hostname: str | None = None, environ: Mapping[str, str] | None 
     dev = dist.ProcessGroupGloo
     if hostname:
         return [dev.create_device(hostname=hostname)]
-    ifnames = (os.environ if environ is None else environ).get("GLOO_SOCKET_IFNAME", "")
-    if len(ifnames) > 1:  # torch's own rule: a one-character value is ignored
-        return [dev.create_device(interface=name) for name in ifnames.split(",") if name]
+    if names := _interfaces(environ):
+        return [dev.create_device(interface=name) for name in names]
     return [dev.create_default_device()]
+
+
+def _interfaces(environ: Mapping[str, str] | None) -> list[str]:
+    """The interfaces ``GLOO_SOCKET_IFNAME`` names (comma-separated), as ``init_process_group`` reads it."""
+    ifnames = (os.environ if environ is None else environ).get("GLOO_SOCKET_IFNAME", "")
+    return [n for n in ifnames.split(",") if n] if len(ifnames) > 1 else []  # torch's rule: one character is ignored
 
 
 def bind_host(hostname: str | None = None, environ: Mapping[str, str] | None = None) -> str:
@@ -85,9 +90,8 @@ def bind_host(hostname: str | None = None, environ: Mapping[str, str] | None = N
     """
     if hostname:
         return hostname
-    ifnames = (os.environ if environ is None else environ).get("GLOO_SOCKET_IFNAME", "")
-    if len(ifnames) > 1:
-        name = next(n for n in ifnames.split(",") if n)
+    if names := _interfaces(environ):
+        name = names[0]
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 req = struct.pack("256s", name.encode()[:15])

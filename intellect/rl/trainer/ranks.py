@@ -61,6 +61,15 @@ class TrainerSpec(StrictModel):
         "trainer loads when trainer.loss.kl_coef > 0 (None: not checked).")
 
 
+def reference_model(storage: RunStorage, sha256: str | None) -> torch.nn.Module:
+    """The reference policy of the loss's KL term (``trainer.loss.kl_coef > 0``), fp32: the run's first
+    checkpoint, verified against ``sha256`` (its recorded digest), whatever step a trainer of any number
+    of ranks starts or resumes at, so a trainer rebuilt from storage regularizes toward the same
+    weights as one kept in memory."""
+    with verified_copy(storage, 0, sha256=sha256) as folder:
+        return load_checkpoint_copy(folder, torch.float32)[0]
+
+
 def build(spec: TrainerSpec, rank: int, size: int, store: dist.Store  # pyright: ignore[reportPrivateImportUsage]
           ) -> tuple[GRPOTrainer, RunStorage]:
     """This rank's trainer of ``spec`` (collective over the ``size`` ranks that rendezvous at ``store``)
@@ -74,10 +83,7 @@ def build(spec: TrainerSpec, rank: int, size: int, store: dist.Store  # pyright:
         # a one-process trainer's state, when that is what wrote the checkpoint
         whole = torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu") \
             if (folder / OPTIMIZER).exists() else None
-    ref = None
-    if spec.trainer.loss.kl_coef > 0:  # the run's checkpoint 0, as for a trainer of one process (step.reference_model)
-        with verified_copy(storage, 0, sha256=spec.reference_sha256) as folder:
-            ref = load_checkpoint_copy(folder, torch.float32)[0]
+    ref = reference_model(storage, spec.reference_sha256) if spec.trainer.loss.kl_coef > 0 else None
     trainer = GRPOTrainer(model, tok, spec.trainer, ref_model=ref, compute=spec.compute, mesh=mesh)
     if has_state(storage, spec.checkpoint):
         saved = load_state(storage, spec.checkpoint, trainer, mesh.intra)

@@ -56,7 +56,7 @@ from intellect.rl.wire.rollouts import (
 )
 from intellect.rl.worker.submission import RewardFn, generate_submission, math_task_reward
 from intellect.rl.trainer.grpo import GRPOTrainer, Sample, load_accepted
-from intellect.rl.trainer.ranks import ShardedTrainer, TrainerSpec
+from intellect.rl.trainer.ranks import ShardedTrainer, TrainerSpec, reference_model
 from intellect.rl.trainer.state import drop_state, has_state, load_state, save_state
 from intellect.rl.service.validator import RowCheck, validate_submission
 from intellect.storage import step_name
@@ -228,15 +228,6 @@ def validate_files(
     return out
 
 
-def reference_model(storage: RunStorage, ledger: Ledger) -> torch.nn.Module:
-    """The reference policy of the loss's KL term (``trainer.loss.kl_coef > 0``): the run's first
-    checkpoint as recorded (in the published dtype; the trainer computes with it in its own precision),
-    whatever step a trainer starts or resumes at, so a trainer rebuilt from storage regularizes toward
-    the same weights as one kept in memory."""
-    with recorded_copy(storage, ledger, 0) as folder:
-        return load_checkpoint_copy(folder)[0]
-
-
 def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: int) -> GRPOTrainer | ShardedTrainer:
     """A trainer holding checkpoint ``step`` and, when saved with it, the optimizer state, both read
     from one copy verified against the ledger's digest, on ``cfg.compute``'s device and precision.
@@ -250,7 +241,7 @@ def load_trainer(cfg: RLRunConfig, storage: RunStorage, ledger: Ledger, step: in
             run_name=cfg.run_name, storage=cfg.storage, trainer=cfg.trainer, compute=cfg.compute, checkpoint=step,
             sha256=recorded_digest(ledger, step), threads=cfg.trainer_threads,
             reference_sha256=recorded_digest(ledger, 0) if cfg.trainer.loss.kl_coef > 0 else None))
-    ref = reference_model(storage, ledger) if cfg.trainer.loss.kl_coef > 0 else None
+    ref = reference_model(storage, recorded_digest(ledger, 0)) if cfg.trainer.loss.kl_coef > 0 else None
     with recorded_copy(storage, ledger, step) as folder:
         model, tok = load_checkpoint_copy(folder)
         trainer = GRPOTrainer(model, tok, cfg.trainer, ref_model=ref, compute=cfg.compute)
