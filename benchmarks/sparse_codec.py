@@ -7,7 +7,8 @@ single-process with AdamW; every ``--inner`` steps the difference of its weights
 one pseudo-gradient (its flat concatenation: one all-reduce bucket). ``--source gaussian``: a fixed
 N(0,1) direction plus fresh N(0,1) noise per phase, model-sized. Columns:
 
-* bits/param: wire bytes * 8 / parameters (int8: ``to_bytes``; topk: ``sparse.encode``);
+* bits/param: wire bytes * 8 / parameters (int8: ``to_bytes``; topk: ``sparse.encode``, its fixed-width
+  indices and its Rice-coded ones);
 * one-shot error: ||decode(x) - x|| / ||x|| of the first pseudo-gradient (topk: residual still 0,
   so this is the error of the codec without feedback);
 * sum error: ||sum of decoded - sum of pseudo-gradients|| / ||sum of pseudo-gradients|| after all
@@ -105,20 +106,21 @@ def main() -> None:
             sent += y.double()
         rows.append((f"int8 ({'raw' if codec == 'none' else 'zstd'} indices)", 8 * nbytes / (n * len(deltas)),
                      errs[0], rel(sent, total)))
-    for k in a.k:
+    for k, packed in ((k, packed) for k in a.k for packed in (False, True)):
         cfg = sparse.TopK(chunk=4096, k=k)
         residual = torch.zeros(n)
         nbytes, errs, sent = 0, [], torch.zeros(n, dtype=torch.float64)
         for d in deltas:
             s, residual = sparse.compress(residual, d, cfg)
-            data = sparse.encode(s, cfg)
+            data = sparse.encode(s, cfg, packed=packed)
             nbytes += len(data)
             got = sparse.decode(data, n, cfg)
             assert isinstance(got, sparse.Sparse), got
             y = sparse.densify(got)
             errs.append(rel(y, d))
             sent += y.double()
-        rows.append((f"topk {k}/4096 ({100 * k / 4096:.2f}%), 2-bit + EF", 8 * nbytes / (n * len(deltas)),
+        rows.append((f"topk {k}/4096 ({100 * k / 4096:.2f}%), 2-bit + EF, {'Rice-coded' if packed else '12-bit'} "
+                     "indices", 8 * nbytes / (n * len(deltas)),
                      errs[0], rel(sent, total)))
     print(f"| codec | bits/param | x below fp32 | one-shot error | sum error after {len(deltas)} phases |")
     print("|---|---|---|---|---|")

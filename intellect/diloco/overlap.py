@@ -7,9 +7,11 @@ starts is the difference between the two modes: ``theta_sync`` with the averages
 PCCL's async DiLoCo), or that after one outer step on the worker's own fresh pseudo-gradient at weight
 1/n (eager, DeepMind's eager updates: :meth:`~intellect.diloco.outer.OuterState.preview`). With plain SGD
 the eager start is what DeepMind's update gives, ``theta_sync(t-1) - lr * own(t) / n``; with momentum the
-preview runs on a copy of it. ``theta_sync`` itself, its ``DIGEST`` and the checkpoints are those of the
-committed averages, as in a blocking run, so replicas stay bit-identical and one worker's eager run is
-the blocking run bit for bit.
+preview runs on a copy of it. ``diloco.eager_weight`` replaces 1/n (1: the worker's own pseudo-gradient
+as its guess of the members' average, which starts the next phase nearer where the committed step will
+land). ``theta_sync`` itself, its ``DIGEST`` and the checkpoints are those of the committed averages, as
+in a blocking run, so replicas stay bit-identical and one worker's eager run is the blocking run bit for
+bit.
 
 A worker's ``COMMITTED`` record counts the step in flight (``claimed``), so members with a step in flight
 are level at a boundary; a joiner there gets its source's state once the source committed that step
@@ -127,7 +129,8 @@ class Overlap:
         self.in_flight_report, self.prev_members = report, list(self.members)  # the next boundary's veterans
         n = len(self.members) - len(self.step_joiners)
         if self.cfg.overlap == "eager" and pseudo is not None and n > 0:
-            self.outer.load_into(self.model, self.outer.preview(pseudo, 1.0 / n))
+            weight = self.cfg.eager_weight if self.cfg.eager_weight is not None else 1.0 / n
+            self.outer.load_into(self.model, self.outer.preview(pseudo, weight))
         else:
             self.outer.base = None
             self.outer.load_into(self.model)

@@ -25,10 +25,20 @@ Wire format (:func:`encode`), little-endian, ``C`` chunks, ``E`` entries (sum of
     b"ITK" | version u8 | chunk u32 | k u32 | numel u64          20 bytes
     C x (hi f32, lo f32)                                          8 C bytes
     E x 2-bit codes (bit 0: negative, bit 1: high), LSB first     ceil(2 E / 8) bytes
-    E x b-bit indices within the chunk, LSB first                 ceil(b E / 8) bytes
+    version 1: E x b-bit indices within the chunk, LSB first      ceil(b E / 8) bytes
+    version 2: r u8 | E x r-bit low parts | unary high parts      the rest
 
-Entries are chunk-major: chunk c's come after chunk c-1's. At chunk 4096 and k 64 that is 960
-bits per chunk, 0.234 bits per parameter (int8 with raw indices: 8.0 and a codebook).
+Entries are chunk-major: chunk c's come after chunk c-1's, ascending within a chunk. Version 2
+Rice-codes the gaps between them: an entry's gap ``g`` (its index minus the previous one's minus 1;
+the first of a chunk, its index) is sent as its low ``r`` bits and ``g >> r`` one-bits closed by a
+zero-bit, in a stream of its own (LSB first, zero-padded to a byte). The encoder picks the ``r`` of
+fewest bits: top-k positions are spread like a Bernoulli sample, whose gaps are near geometric, and
+the Rice code of geometric gaps is within a few per cent of their entropy; about 7.5 bits an index
+at 64 of 4096 where version 1 spends 12. A gap cannot be negative, so a duplicate index cannot be
+written in version 2. :func:`encode` falls back to version 1 whenever version 2 would not be
+shorter (or cannot carry the entries), so no message is longer than :func:`wire_nbytes`, the
+receive bound: 960 bits per chunk in version 1 at chunk 4096 and k 64, 0.234 bits per parameter
+(int8 with raw indices: 8.0 and a codebook); about 0.164 in version 2.
 
 Decoding a peer's message (:func:`decode`) checks the length against :func:`wire_nbytes` of the
 geometry the receiver expects before reading anything else, so memory is bounded by the caller's
@@ -41,9 +51,11 @@ geometry the receiver expects before reading anything else, so memory is bounded
 ([1, 3, 8, 10], [-4.0, 3.0, 1.0, -0.5])
 >>> residual.tolist()[:5]
 [0.10000000149011612, 0.0, 0.0, 0.0, 0.20000000298023224]
->>> data = encode(s, cfg)
+>>> data = encode(s, cfg, packed=False)       # version 1: 3-bit indices
 >>> len(data) == wire_nbytes(11, cfg) == 20 + 8 * 2 + 1 + 2
 True
+>>> len(encode(s, cfg))         # version 2 saves nothing on 11 values: version 1 again
+39
 >>> decode(data, 11, cfg).values.tolist()
 [-4.0, 3.0, 1.0, -0.5]
 >>> decode(data[:-1], 11, cfg)
@@ -57,6 +69,7 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from intellect.diloco.robust import Screen, centred_clip
@@ -65,7 +78,7 @@ __all__ = ["TopK", "Sparse", "Refused", "compress", "densify", "encode", "decode
            "entries", "aggregate", "bits_per_value", "SPARSE_SCREEN"]
 
 _MAGIC = b"ITK"
-_VERSION = 1
+_FIXED, _RICE = 1, 2  # versions: fixed-width indices, Rice-coded gaps
 _HEADER = struct.Struct("<3sBIIQ")  # magic, version, chunk, k, numel
 _MAX_SCALE = 1e4  # no honest pseudo-gradient value is near this; a peer's scale above it is refused
 # The leave-one-out median of sparse members is mostly zero where their supports differ, so the
@@ -127,7 +140,8 @@ def entries(numel: int, cfg: TopK) -> int:
 
 
 def wire_nbytes(numel: int, cfg: TopK) -> int:
-    """Exact length of :func:`encode`'s output for ``numel`` values.
+    """Length of version 1 of :func:`encode`'s output for ``numel`` values: the longest message, the
+    bound a receiver holds a peer's to.
 
     >>> wire_nbytes(1 << 24, TopK())     # 4096 chunks: 0.234 bits per value
     491540
@@ -184,28 +198,25 @@ def densify(s: Sparse) -> torch.Tensor:
 
 def _pack(codes: torch.Tensor, bits: int) -> bytes:
     """``codes`` (int64, each < 2^bits) as a little-endian bit stream, LSB first."""
-    if codes.numel() == 0:
+    if codes.numel() == 0 or bits == 0:
         return b""
-    shifts = torch.arange(bits, dtype=torch.int64)
-    stream = ((codes[:, None] >> shifts) & 1).reshape(-1).to(torch.uint8)
-    pad = -stream.numel() % 8
-    stream = torch.cat([stream, torch.zeros(pad, dtype=torch.uint8)]).view(-1, 8)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-    return (stream * weights).sum(dim=1, dtype=torch.int64).to(torch.uint8).numpy().tobytes()
+    stream = ((codes[:, None] >> torch.arange(bits, dtype=torch.int64)) & 1).to(torch.uint8).numpy()
+    return np.packbits(stream.reshape(-1), bitorder="little").tobytes()
 
 
 def _unpack(data: memoryview, count: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`_pack`: ``count`` codes of ``bits`` bits (data holds exactly enough)."""
-    if count == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-    stream = ((raw[:, None] >> torch.arange(8)) & 1).reshape(-1)[: count * bits].view(count, bits)
-    return (stream << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
+    if count == 0 or bits == 0:
+        return torch.zeros(count, dtype=torch.int64)
+    stream = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * bits, bitorder="little")
+    codes = torch.from_numpy(stream.astype(np.int64)).view(count, bits)
+    return (codes << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
 
 
-def encode(s: Sparse, cfg: TopK) -> bytes:
-    """The wire bytes of ``s`` (as made by :func:`compress` with ``cfg``): exactly
-    ``wire_nbytes(s.numel, cfg)`` long. Each chunk's scales are read back from its values."""
+def encode(s: Sparse, cfg: TopK, packed: bool = True) -> bytes:
+    """The wire bytes of ``s`` (as made by :func:`compress` with ``cfg``): version 2 (Rice-coded
+    gaps) where ``packed`` and it is shorter, else version 1, exactly ``wire_nbytes(s.numel, cfg)``
+    long. Each chunk's scales are read back from its values."""
     counts = _counts(s.numel, cfg)
     if s.indices.numel() != int(counts.sum()):
         raise ValueError(f"encode: {s.indices.numel()} entries, geometry needs {int(counts.sum())}")
@@ -218,8 +229,57 @@ def encode(s: Sparse, cfg: TopK) -> bytes:
     codes = (s.values < 0).to(torch.int64) | (high.to(torch.int64) << 1)
     local = s.indices - chunk_of * cfg.chunk
     scales = torch.stack([hi, lo], dim=1).to(torch.float32).numpy().astype("<f4").tobytes()
-    return b"".join((_HEADER.pack(_MAGIC, _VERSION, cfg.chunk, cfg.k, s.numel), scales,
-                     _pack(codes, 2), _pack(local, cfg.index_bits)))
+    fixed = _pack(local, cfg.index_bits)
+    rice = _rice(local, counts, cfg.index_bits) if packed else None
+    version, tail = (_RICE, rice) if rice is not None and len(rice) < len(fixed) else (_FIXED, fixed)
+    return b"".join((_HEADER.pack(_MAGIC, version, cfg.chunk, cfg.k, s.numel), scales, _pack(codes, 2), tail))
+
+
+def _gaps(local: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each entry's index minus the previous entry's minus 1 within its chunk (the first: its index)."""
+    g = local.clone()
+    g[1:] -= local[:-1] + 1
+    first = torch.cumsum(counts, 0) - counts
+    g[first[counts > 0]] = local[first[counts > 0]]
+    return g
+
+
+def _rice(local: torch.Tensor, counts: torch.Tensor, bits: int) -> bytes | None:
+    """Version 2's index part: ``r`` u8, the gaps' low ``r`` bits, their unary high parts; None when
+    the indices are not ascending within their chunks (a gap below 0 has no code)."""
+    g = _gaps(local, counts)
+    e = g.numel()
+    if e and int(g.min()) < 0:
+        return None
+    r = min(range(bits + 1), key=lambda r: e * (r + 1) + int((g >> r).sum()))
+    q = g >> r
+    stream = np.ones(e + int(q.sum()), dtype=np.uint8)
+    stream[(torch.cumsum(q + 1, 0) - 1).numpy()] = 0  # entry i's closing zero-bit
+    return bytes([r]) + _pack(g & ((1 << r) - 1), r) + np.packbits(stream, bitorder="little").tobytes()
+
+
+def _unrice(mv: memoryview, counts: torch.Tensor, bits: int) -> torch.Tensor | Refused:
+    """Inverse of :func:`_rice`: each entry's index within its chunk, or why the part is malformed."""
+    e = int(counts.sum())
+    if len(mv) < 1 or mv[0] > bits:
+        return Refused(f"index: Rice parameter {mv[0] if len(mv) else None} outside 0..{bits}")
+    r = mv[0]
+    nlow = -(-r * e // 8)
+    if len(mv) < 1 + nlow:
+        return Refused("index: Rice part shorter than its low bits")
+    low = _unpack(mv[1 : 1 + nlow], e, r)
+    ustream = mv[1 + nlow :]
+    ends = torch.from_numpy(np.flatnonzero(np.unpackbits(np.frombuffer(ustream, dtype=np.uint8), bitorder="little") == 0)[:e])
+    if ends.numel() < e:
+        return Refused(f"index: {ends.numel()} unary codes for {e} entries")
+    if e and len(ustream) != -(-(int(ends[-1]) + 1) // 8):
+        return Refused(f"index: {len(ustream)} bytes of unary codes, {-(-(int(ends[-1]) + 1) // 8)} used")
+    q = torch.diff(ends, prepend=torch.tensor([-1])) - 1
+    step = ((q << r) | low) + 1
+    csum = torch.cumsum(step, 0)
+    first = torch.cumsum(counts, 0) - counts
+    before = torch.where(first > 0, csum[(first - 1).clamp(min=0)], torch.zeros_like(first)) if e else first
+    return csum - torch.repeat_interleave(before, counts) - 1
 
 
 def decode(data: bytes | bytearray | memoryview, numel: int, cfg: TopK) -> Sparse | Refused:
@@ -227,22 +287,27 @@ def decode(data: bytes | bytearray | memoryview, numel: int, cfg: TopK) -> Spars
     made before the payload is unpacked, and a failed one is returned as :class:`Refused`."""
     try:
         return _decode(memoryview(data).cast("B"), numel, cfg)
-    except (ValueError, TypeError, struct.error, RuntimeError) as e:  # defence in depth: all checks are above
+    except (ValueError, TypeError, struct.error, RuntimeError, IndexError) as e:  # defence in depth
         return Refused(f"malformed: {e}")
 
 
 def _decode(mv: memoryview, numel: int, cfg: TopK) -> Sparse | Refused:
     expected = wire_nbytes(numel, cfg)
-    if len(mv) != expected:
-        return Refused(f"length: {len(mv)} bytes, expected {expected}")
+    if len(mv) > expected or len(mv) < _HEADER.size:
+        return Refused(f"length: {len(mv)} bytes, expected at most {expected}")
     magic, version, chunk, k, n = _HEADER.unpack_from(mv)
-    if magic != _MAGIC or version != _VERSION:
+    if magic != _MAGIC or version not in (_FIXED, _RICE):
         return Refused(f"header: magic {bytes(magic)!r} version {version}")
+    if version == _FIXED and len(mv) != expected:
+        return Refused(f"length: {len(mv)} bytes, expected {expected}")
     if (chunk, k, n) != (cfg.chunk, cfg.k, numel):
         return Refused(f"geometry: chunk {chunk} k {k} numel {n}, expected {cfg.chunk} {cfg.k} {numel}")
     counts = _counts(numel, cfg)
     c, e = counts.numel(), int(counts.sum())
     off = _HEADER.size
+    ncode = -(-2 * e // 8)
+    if len(mv) < off + 8 * c + ncode:
+        return Refused(f"length: {len(mv)} bytes, shorter than the scales and codes")
     scales = torch.frombuffer(bytearray(mv[off : off + 8 * c]), dtype=torch.float32).view(c, 2) if c \
         else torch.zeros(0, 2)
     if not bool(torch.isfinite(scales).all()):
@@ -252,9 +317,14 @@ def _decode(mv: memoryview, numel: int, cfg: TopK) -> Sparse | Refused:
     if bool((scales[:, 1] < 0).any()) or bool((scales[:, 0] < scales[:, 1]).any()):
         return Refused("scale: need hi >= lo >= 0")
     off += 8 * c
-    ncode = -(-2 * e // 8)
     codes = _unpack(mv[off : off + ncode], e, 2)
-    local = _unpack(mv[off + ncode :], e, cfg.index_bits)
+    if version == _FIXED:
+        local = _unpack(mv[off + ncode :], e, cfg.index_bits)
+    else:
+        got = _unrice(mv[off + ncode :], counts, cfg.index_bits)
+        if isinstance(got, Refused):
+            return got
+        local = got
     chunk_of = torch.repeat_interleave(torch.arange(c), counts)
     lengths = torch.full((c,), cfg.chunk, dtype=torch.int64)
     if c:
@@ -317,7 +387,7 @@ def aggregate(contribs: Sequence[Sparse], numel: int, clip: float = 0.0, block: 
 
 
 def bits_per_value(numel: int, cfg: TopK) -> float:
-    """Wire bits per parameter, header included.
+    """Wire bits per parameter of the longest message (version 1), header included.
 
     >>> round(bits_per_value(1 << 24, TopK()), 4)
     0.2344

@@ -7,8 +7,9 @@ flag, MAC key, robust clip and timeout, same :class:`~intellect.diloco.allreduce
 Why a gather and not a ring: a ring of partial sums requantizes at every hop, and below 8 bits
 that error grows with the ring (``shared/reference/overlap-compression.md`` section 3); top-k
 contributions with their own indices cannot be summed in the wire format at all. Each member sends
-and receives W-1 messages of about 0.24 bits per parameter, against about 2 (W-1)/W bytes for
-int8's direct all-reduce: fewer bytes up to about 60 members (``benchmarks/topk_allreduce.py``).
+and receives W-1 messages of about 0.16 bits per parameter (Rice-coded indices; at most 0.24),
+against about 2 (W-1)/W bytes for int8's direct all-reduce: fewer bytes up to about 100 members
+(``benchmarks/topk_allreduce.py``).
 
 One call, three exchanges of W-1 direct messages per rank, each sealed under ``mac_key``
 (``transport.Channel``) and each wait bounded by ``timeout`` (default: the group's):
@@ -228,7 +229,7 @@ def parse(body: bytes, numel: int, cfg: TopK) -> Sparse | Refused | None:
     >>> parse(_HEAD.pack(0, 0, 0), 8, cfg) is None
     True
     >>> parse(_HEAD.pack(0, 1, 3) + b"abc", 8, cfg)
-    Refused(reason='length: 3 bytes, expected 38')
+    Refused(reason='length: 3 bytes, expected at most 38')
     """
     _, flag, n = _HEAD.unpack_from(body)
     if flag not in (0, 1):

@@ -67,13 +67,21 @@ def test_eager_with_one_worker_equals_the_blocking_run(tmp_path, coordinator):
         assert torch.equal(v, weights["eager"][k]), k
 
 
-@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+@pytest.mark.parametrize("overlap", ["delayed", "eager", "eager-own"])
 def test_two_overlapped_workers_commit_identical_replicas_every_step(tmp_path, coordinator, overlap):
-    cfg = overlapped(tmp_path, overlap, **{"diloco.outer_steps": 4})
+    # eager-own: each worker's next phase starts from an outer step on its own pseudo-gradient at
+    # weight 1 (diloco.eager_weight), so the two phases start apart; the commits still agree
+    over = {"diloco.eager_weight": 1.0} if overlap == "eager-own" else {}
+    cfg = overlapped(tmp_path, overlap.removesuffix("-own"), **{"diloco.outer_steps": 4, **over})
     c = run(coordinator(cfg), tmp_path)
     for t in range(4):
         d = digests(c, t)
         assert sorted(d) == ["w0", "w1"] and len(set(d.values())) == 1, (t, d)
+    if overlap == "eager-own":  # against the default weight (1/2): the same step 0, other steps after it
+        ref = run(coordinator(overlapped(tmp_path / "ref", "eager", **{"diloco.outer_steps": 4}),
+                              logs_in=tmp_path / "ref"), tmp_path / "ref")
+        assert digests(ref, 0) == digests(c, 0)
+        assert all(set(digests(ref, t).values()).isdisjoint(digests(c, t).values()) for t in (1, 2, 3))
     storage = RunStorage.from_config(cfg.storage, cfg.run_name)
     assert storage.complete_steps("checkpoints") == [0, 1, 2, 3, 4]
     m = json.loads(c.store.get("metrics/3/w1"))

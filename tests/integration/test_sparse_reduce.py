@@ -19,7 +19,7 @@ import torch
 from intellect.diloco import topk_reduce, transport
 from intellect.diloco.allreduce import AllReduceError
 from intellect.diloco.coordinator import free_port
-from intellect.diloco.sparse import Sparse, TopK, aggregate, compress, densify, wire_nbytes
+from intellect.diloco.sparse import Sparse, TopK, aggregate, compress, densify, encode, wire_nbytes
 from intellect.diloco.topk_reduce import ErrorFeedback, topk_all_reduce_mean
 
 from spawned import run_spawned
@@ -145,11 +145,16 @@ def reference(ranks, seed) -> torch.Tensor:
     return aggregate([contribution(r, seed) for r in ranks], NUMEL)[0]
 
 
-def expected_bytes(world: int, sealed: bool, contributes: bool) -> tuple[int, int]:
-    """(payload, control) bytes one rank hands the transport: to each peer a header, its payload
-    (a contributor) and the echo of W message digests."""
+def expected_bytes(world: int, sealed: bool, rank: int, seed: int | None) -> tuple[int, int]:
+    """(payload, control) bytes ``rank`` hands the transport: to each peer a header, its payload
+    (a contributor, ``seed`` not None: its Rice-coded message, shorter than the bound) and the echo
+    of W message digests."""
     seal = transport.SEAL_BYTES if sealed else 0
-    payload = (world - 1) * (seal + wire_nbytes(NUMEL, CFG)) if contributes else 0
+    payload = 0
+    if seed is not None:
+        message = encode(contribution(rank, seed), CFG)
+        assert message[3] == 2 and len(message) < wire_nbytes(NUMEL, CFG)
+        payload = (world - 1) * (seal + len(message))
     return payload, (world - 1) * (2 * seal + topk_reduce.HEADER_BYTES + 16 * world)
 
 
@@ -182,12 +187,13 @@ def test_three_ranks_average_bit_identical_hostile_senders_refused(tmp_path):
             st = got["stats"][0]
             assert torch.equal(got["out"][0], want), (case["name"], r)
             assert st.contributors == tuple(ranks) and st.refused == {} and st.outliers == {}
-            assert (st.payload_bytes, st.control_bytes) == expected_bytes(3, "mac_key" in case, r in ranks)
+            assert (st.payload_bytes, st.control_bytes) == expected_bytes(
+                3, "mac_key" in case, r, case["seed"] if r in ranks else None)
         dense = torch.stack([densify(contribution(r, case["seed"])).double() for r in ranks]).mean(0)
         assert torch.allclose(want.double(), dense, rtol=1e-6, atol=1e-12)  # and it is the per-index mean
     assert not res[0]["nan-pg"]["residual"].any()  # nothing staged, nothing committed
     reasons = {"range": "index: out of range", "duplicate": "index: duplicate", "nan": "scale: NaN",
-               "short": "length:"}
+               "short": "index:"}  # a Rice-coded message cut short: its last unary code is missing
     for how, reason in reasons.items():
         want = reference([0, 1], next(c["seed"] for c in cases if c["name"] == how))
         for r in range(3):
@@ -281,7 +287,7 @@ def test_four_ranks_bit_identical_and_a_liar_clipped(tmp_path):
     for r in range(4):
         st = res[r]["clip-honest"]["stats"][0]
         assert torch.equal(res[r]["clip-honest"]["out"][0], want) and st.outliers == {}
-        assert (st.payload_bytes, st.control_bytes) == expected_bytes(4, True, True)
+        assert (st.payload_bytes, st.control_bytes) == expected_bytes(4, True, r, 40)
     outs = [res[r]["huge"] for r in range(4)]
     assert len({digest(o["out"]) for o in outs}) == 1
     assert all(o["stats"][0].outliers.get(3, 0) > 0.5 and len(o["stats"][0].outliers) == 1 for o in outs)

@@ -33,19 +33,44 @@ def _stream(step: int, numel: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("numel", [1, 63, 64, 4096, 4097, 3 * 4096 + 100, 20_000])
-def test_round_trip_and_exact_length(numel):
+@pytest.mark.parametrize("packed", [False, True])
+def test_round_trip_and_length(numel, packed):
     x = _stream(0, numel)
     s, residual = compress(torch.zeros(numel), x, CFG)
-    data = encode(s, CFG)
+    data = encode(s, CFG, packed=packed)
     e = entries(numel, CFG)
     chunks = -(-numel // 4096)
     assert e == (chunks - 1) * 64 + min(64, numel - (chunks - 1) * 4096)
-    assert len(data) == wire_nbytes(numel, CFG) == 20 + 8 * chunks + -(-2 * e // 8) + -(-12 * e // 8)
+    v1 = 20 + 8 * chunks + -(-2 * e // 8) + -(-12 * e // 8)
+    assert wire_nbytes(numel, CFG) == v1
+    if packed and numel > 1:  # Rice-coded gaps: shorter than 12-bit indices from the first chunk on
+        assert data[3] == 2 and len(data) < v1
+    else:
+        assert data[3] == 1 and len(data) == v1
     d = decode(data, numel, CFG)
     assert isinstance(d, Sparse)
     assert d.indices.equal(s.indices) and d.values.equal(s.values)
     # what was sent plus what was kept is the accumulator (up to fp32 rounding)
     assert torch.allclose(densify(d) + residual, x, atol=1e-6, rtol=0)
+
+
+def test_rice_coded_indices_cost_near_their_entropy():
+    """64 of 4096 spread at random: gaps near geometric with mean 64, whose entropy is about 7.4
+    bits; the Rice code spends under 7.6 where version 1 spends 12. The encoder's choice of ``r``
+    follows the gaps: one contiguous run at the start of each chunk costs a bit an index."""
+    numel = 64 * 4096
+    s, _ = compress(torch.zeros(numel), _stream(5, numel), CFG)
+    fixed = len(encode(s, CFG, packed=False)) - _indices_offset(numel)
+    rice = len(encode(s, CFG)) - _indices_offset(numel)
+    e = entries(numel, CFG)
+    assert fixed == 12 * e // 8 and 7.0 < 8 * rice / e < 7.6, 8 * rice / e
+    run = torch.zeros(numel)
+    run.view(64, 4096)[:, :64] = 1.0 + torch.rand(64, 64)
+    s, _ = compress(torch.zeros(numel), run, CFG)
+    rice = len(encode(s, CFG)) - _indices_offset(numel)
+    assert 8 * (rice - 1) / e == 1.0 and encode(s, CFG)[_indices_offset(numel)] == 0  # r = 0, one byte
+    d = decode(encode(s, CFG), numel, CFG)
+    assert isinstance(d, Sparse) and d.indices.equal(s.indices)
 
 
 def test_topk_picks_largest_and_two_levels_per_chunk():
@@ -87,9 +112,9 @@ def test_error_feedback_sum_converges():
     assert gap < 0.6 * gap_half and gap < 0.15, (gap, gap_half)
 
 
-def _message(numel=5000):
+def _message(numel=5000, packed=False):
     s, _ = compress(torch.zeros(numel), _stream(3, numel), CFG)
-    return bytearray(encode(s, CFG)), numel
+    return bytearray(encode(s, CFG, packed=packed)), numel
 
 
 def _set_scale(data: bytearray, chunk: int, which: int, value: float) -> None:
@@ -142,6 +167,42 @@ def test_hostile_messages_refused_with_reason():
     assert isinstance(decode(b"", n, CFG), Refused)
     assert isinstance(decode(bytes(data), n, TopK(chunk=4096, k=32)), Refused)  # receiver expects other k
     assert isinstance(decode(bytes(data), n, CFG), Sparse)  # the untouched message still decodes
+
+
+def test_hostile_rice_coded_messages_refused_with_reason():
+    """Version 2's index part from a liar: a Rice parameter above the index width, fewer unary
+    codes than entries, bytes past the last code, a gap that runs past its chunk, a message
+    longer than version 1 (the receive bound); each refused with its reason, never raised."""
+    data, n = _message(packed=True)
+    assert data[3] == 2
+    off = _indices_offset(n)
+    cases = {}
+    bad = bytearray(data)
+    bad[off] = 13
+    cases["parameter"] = bytes(bad)
+    cases["codes"] = bytes(data[:-2])
+    cases["trailing"] = bytes(data) + b"\xff"
+    cases["longer"] = bytes(data) + b"\xff" * (wire_nbytes(n, CFG) - len(data))
+    # every bit of the unary stream set but the last few: the codes run out (or one gap is huge)
+    bad = bytearray(data)
+    low = -(-bad[off] * entries(n, CFG) // 8)
+    for i in range(off + 1 + low, len(bad) - 1):
+        bad[i] = 0xFF
+    cases["ones"] = bytes(bad)
+    s, _ = compress(torch.zeros(n), _stream(3, n), CFG)
+    idx = s.indices.clone()
+    idx[-1] = 4096 + 1000  # the last chunk holds 904 values; still ascending, so version 2 carries it
+    far = encode(Sparse(n, idx, s.values), CFG)
+    assert far[3] == 2
+    cases["range"] = far
+    want = {"parameter": "index: Rice parameter 13", "codes": "index:", "trailing": "index: ",
+            "longer": "index: ", "ones": "index:", "range": "index: out of range"}
+    for name, msg in cases.items():
+        r = decode(msg, n, CFG)
+        assert isinstance(r, Refused), name
+        assert r.reason.startswith(want[name]), (name, r.reason)
+    assert isinstance(decode(bytes(data) + b"\0" * wire_nbytes(n, CFG), n, CFG), Refused)  # over the bound
+    assert isinstance(decode(bytes(data), n, CFG), Sparse)
 
 
 def test_unsorted_indices_are_canonicalised():
