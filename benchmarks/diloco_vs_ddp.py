@@ -220,12 +220,15 @@ def main() -> None:
             folder = a.warm_dir or Path(tmp) / "warm"
             record = folder / "warm_start.json"  # what the folder holds a warm start of, and its figures
             saved = json.loads(record.read_text()) if record.is_file() else {}
-            if saved.get("ddp_config") == ddp_cfg:
+            # H and T do not change the warm start (its own steps and schedule), so runs at another H reuse it
+            key = {**ddp_cfg, "diloco": {k: v for k, v in ddp_cfg["diloco"].items()
+                                         if k not in ("inner_steps", "outer_steps")}}
+            if saved.get("warm_key") == key:
                 warm = saved["warm"]
                 print(f"warm start reused from {folder}", flush=True)
             else:
                 warm = warm_start(ddp_run, a.warm_start, W * B, folder)
-                record.write_text(json.dumps({"ddp_config": ddp_cfg, "warm": warm}))
+                record.write_text(json.dumps({"warm_key": key, "warm": warm}))
             print(f"warm start: {warm['steps']} steps x {warm['batch_size']} sequences ({warm['tokens']} tokens, "
                   f"not counted below) in {warm['seconds']:.0f} s; held-out loss {warm['heldout_loss']:.4f}",
                   flush=True)
