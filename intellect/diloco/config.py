@@ -39,7 +39,8 @@ class DilocoConfig(StrictModel):
         "while phase t+1 trains from the outer parameters with the averages up to t-1, and applied one phase late "
         "(PCCL's async DiLoCo). eager: as delayed, but phase t+1 starts from those outer parameters after one "
         "outer step on the worker's own fresh pseudo-gradient at weight 1/n (n: the step's members; DeepMind's "
-        "eager updates; eager_weight sets another), so nothing waits on the network and the own step is not one phase stale. Either way "
+        "eager updates; eager_weight sets another), so nothing waits on the network and the own step is not one "
+        "phase stale. Either way "
         "the committed outer parameters stay bit-identical on every member (their DIGEST), a step that fails "
         "to reduce is rolled back everywhere, and the run's last step is drained before it ends. Needs "
         "non_blocking onboarding: a joiner takes the state of the step in flight once its source committed it.",
@@ -91,7 +92,8 @@ class DilocoConfig(StrictModel):
         "bit-identical on every member) for 4x the bytes; for equivalence checks (sharded vs unsharded "
         "workers) and as the full-precision baseline. topk: of pseudo-gradient + error-feedback residual, the "
         "topk_k largest of each topk_chunk values, 2 bits each with Rice-coded indices (about 0.16 bits per "
-        "parameter at the defaults, at most 0.234), sent to every member and averaged per index (intellect/diloco/topk_reduce.py); "
+        "parameter at the defaults, at most 0.234), sent to every member and averaged per index "
+        "(intellect/diloco/topk_reduce.py); "
         "algorithm, clip_sigmas and wire_codec do not apply, outlier_clip does (3+ contributors). Every member "
         "must use the same (the plan digest checks).",
     )

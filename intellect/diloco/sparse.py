@@ -215,8 +215,8 @@ def _unpack(data: memoryview, count: int, bits: int) -> torch.Tensor:
 
 def encode(s: Sparse, cfg: TopK, packed: bool = True) -> bytes:
     """The wire bytes of ``s`` (as made by :func:`compress` with ``cfg``): version 2 (Rice-coded
-    gaps) where ``packed`` and it is shorter, else version 1, exactly ``wire_nbytes(s.numel, cfg)``
-    long. Each chunk's scales are read back from its values."""
+    gaps) where ``packed`` and it is shorter, else version 1 (exactly ``wire_nbytes(s.numel, cfg)``
+    long). Each chunk's scales are read back from its values."""
     counts = _counts(s.numel, cfg)
     if s.indices.numel() != int(counts.sum()):
         raise ValueError(f"encode: {s.indices.numel()} entries, geometry needs {int(counts.sum())}")
@@ -269,7 +269,8 @@ def _unrice(mv: memoryview, counts: torch.Tensor, bits: int) -> torch.Tensor | R
         return Refused("index: Rice part shorter than its low bits")
     low = _unpack(mv[1 : 1 + nlow], e, r)
     ustream = mv[1 + nlow :]
-    ends = torch.from_numpy(np.flatnonzero(np.unpackbits(np.frombuffer(ustream, dtype=np.uint8), bitorder="little") == 0)[:e])
+    bits_in = np.unpackbits(np.frombuffer(ustream, dtype=np.uint8), bitorder="little")
+    ends = torch.from_numpy(np.flatnonzero(bits_in == 0)[:e])  # where each entry's unary code closes
     if ends.numel() < e:
         return Refused(f"index: {ends.numel()} unary codes for {e} entries")
     if e and len(ustream) != -(-(int(ends[-1]) + 1) // 8):
