@@ -229,9 +229,11 @@ def encode(s: Sparse, cfg: TopK, packed: bool = True) -> bytes:
     codes = (s.values < 0).to(torch.int64) | (high.to(torch.int64) << 1)
     local = s.indices - chunk_of * cfg.chunk
     scales = torch.stack([hi, lo], dim=1).to(torch.float32).numpy().astype("<f4").tobytes()
-    fixed = _pack(local, cfg.index_bits)
     rice = _rice(local, counts, cfg.index_bits) if packed else None
-    version, tail = (_RICE, rice) if rice is not None and len(rice) < len(fixed) else (_FIXED, fixed)
+    if rice is not None and len(rice) < -(-cfg.index_bits * local.numel() // 8):  # version 1's index bytes
+        version, tail = _RICE, rice
+    else:
+        version, tail = _FIXED, _pack(local, cfg.index_bits)
     return b"".join((_HEADER.pack(_MAGIC, version, cfg.chunk, cfg.k, s.numel), scales, _pack(codes, 2), tail))
 
 
